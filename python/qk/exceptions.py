@@ -1,0 +1,25 @@
+"""The exception tree of qk (defined in the Rust core, re-exported here)."""
+
+from qk._qk import (
+    DeviceError,
+    DeviceLostError,
+    EngineError,
+    GgufError,
+    OutOfMemoryError,
+    QkError,
+    ShaderError,
+    TransportError,
+    UnsupportedTypeError,
+)
+
+__all__ = [
+    "DeviceError",
+    "DeviceLostError",
+    "EngineError",
+    "GgufError",
+    "OutOfMemoryError",
+    "QkError",
+    "ShaderError",
+    "TransportError",
+    "UnsupportedTypeError",
+]

@@ -1,0 +1,1 @@
+//! The wgpu runtime: device and adapter choice, buffers, pipeline cache, command recording.

@@ -1,0 +1,1 @@
+//! qkp, the stage transport: a pure frame codec, the hello, and the connection code.

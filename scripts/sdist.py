@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""The llama-cpp-python 0.3.36 source distribution: fetched once into the machine cache, checked by
+hash, unpacked. It carries llama.cpp (the test oracle), its gguf-py, tokenizer test vocabularies and
+chat templates — none of which are ours, so none is committed.
+
+usage: python scripts/sdist.py [root|gguf-py|wheel]   prints the path asked for (fetching/building it)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+VERSION = "0.3.36"
+URL = (
+    "https://files.pythonhosted.org/packages/ec/e9/"
+    "e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-0.3.36.tar.gz"
+)
+SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("QK_CACHE", Path.home() / ".cache" / "qk"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tarball() -> Path:
+    """The sdist archive, downloaded if absent or if its hash is wrong."""
+    path = cache_dir() / f"llama_cpp_python-{VERSION}.tar.gz"
+    if path.exists() and _sha256(path) == SHA256:
+        return path
+    tmp = path.with_suffix(".part")
+    with urllib.request.urlopen(URL, timeout=300) as r, open(tmp, "wb") as f:
+        while chunk := r.read(1 << 20):
+            f.write(chunk)
+    got = _sha256(tmp)
+    if got != SHA256:
+        tmp.unlink()
+        raise RuntimeError(f"llama-cpp-python sdist hash mismatch: got {got}, want {SHA256}")
+    tmp.rename(path)
+    return path
+
+
+def root() -> Path:
+    """The unpacked sdist (llama_cpp_python-0.3.36/)."""
+    out = cache_dir() / "sdist"
+    top = out / f"llama_cpp_python-{VERSION}"
+    stamp = top / ".qk-unpacked"
+    if stamp.exists():
+        return top
+    with tarfile.open(tarball()) as t:
+        t.extractall(out, filter="data")
+    stamp.write_text(SHA256)
+    return top
+
+
+def llama_cpp() -> Path:
+    return root() / "vendor" / "llama.cpp"
+
+
+def gguf_py() -> Path:
+    """gguf-py from the sdist: it knows the qwen3next / qwen35moe architectures."""
+    return llama_cpp() / "gguf-py"
+
+
+def wheel() -> Path:
+    """A llama-cpp-python wheel built from the sdist for this machine (CPU only), built once."""
+    wheels = cache_dir() / "wheels"
+    found = sorted(wheels.glob(f"llama_cpp_python-{VERSION}-*.whl"))
+    if found:
+        return found[-1]
+    wheels.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    # CPU only, no BLAS, no server binaries: the oracle needs libllama and its quantizer.
+    env["CMAKE_ARGS"] = "-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), str(tarball())],
+        check=True,
+        env=env,
+    )
+    return sorted(wheels.glob(f"llama_cpp_python-{VERSION}-*.whl"))[-1]
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "root"
+    print({"root": root, "gguf-py": gguf_py, "llama.cpp": llama_cpp, "wheel": wheel}[what]())

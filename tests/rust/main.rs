@@ -1,0 +1,1 @@
+//! The one cargo integration-test binary; each area adds a module here.
