@@ -1,0 +1,38 @@
+"""Shared test set-up: paths, the llama-cpp-python sdist (oracle and test data), hypothesis profile,
+and the GPU policy (QK_REQUIRE_GPU=1 turns a missing adapter into a failure instead of a skip)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+sys.path.insert(0, str(ROOT / "scripts"))
+
+# Lavapipe and the oracle are slow and their speed varies: no per-example deadline.
+settings.register_profile(
+    "qk", deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.load_profile("qk")
+
+
+def require_gpu() -> bool:
+    return os.environ.get("QK_REQUIRE_GPU") == "1"
+
+
+@pytest.fixture(scope="session")
+def sdist_root() -> Path:
+    """The unpacked llama-cpp-python 0.3.36 sdist (fetched and hash-checked once per machine)."""
+    import sdist
+
+    return sdist.root()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_src(sdist_root: Path) -> Path:
+    return sdist_root / "vendor" / "llama.cpp"
