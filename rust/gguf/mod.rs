@@ -145,17 +145,18 @@ impl GgufFile {
                         .get(k)
                         .and_then(|&i| parsed.metadata[i].1.as_u64())
                 };
+                let shown = |v: Option<u64>| v.map_or_else(|| "absent".to_string(), |v| v.to_string());
                 if key(split::KEY_SPLIT_NO) != Some(index as u64)
                     || key(split::KEY_SPLIT_COUNT) != Some(count)
                 {
                     return Err(QkError::gguf(
                         &shard_file,
                         format!(
-                            "expected {} = {index} and {} = {count}, found {:?} and {:?}",
+                            "expected {} = {index} and {} = {count}, found {} and {}",
                             split::KEY_SPLIT_NO,
                             split::KEY_SPLIT_COUNT,
-                            key(split::KEY_SPLIT_NO),
-                            key(split::KEY_SPLIT_COUNT)
+                            shown(key(split::KEY_SPLIT_NO)),
+                            shown(key(split::KEY_SPLIT_COUNT))
                         ),
                     ));
                 }

@@ -95,7 +95,8 @@ pub fn parse_header(buf: &[u8], file: &str, shard: usize, check_data: bool) -> R
     }
     let magic = c.bytes(4)?;
     if magic != MAGIC {
-        return Err(c.err(format!("not a GGUF file: magic {magic:02x?}, expected \"GGUF\"")));
+        let shown = magic.escape_ascii().to_string();
+        return Err(c.err(format!("not a GGUF file: magic \"{shown}\", expected \"GGUF\"")));
     }
     let version = c.u32()?;
     match version {
