@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-FILES = 6000
+FILES = 4000
 SEED = 20261129
 # Address space the child may add beyond what it holds after its imports. The valid files are a
 # few KiB; 512 MiB is far more than reading them needs and far less than an absurd count would take.
