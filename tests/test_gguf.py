@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 import qk
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def write_model(path, *, split_max_tensors: int = 0, extra_kv: dict | None = None) -> dict[str, np.ndarray]:
@@ -211,3 +214,91 @@ def test_errors_are_typed_and_name_the_file(model, tmp_path) -> None:
             qk.Gguf(bad)
         assert name in str(err.value)
         assert isinstance(err.value, qk.QkError)
+
+
+def test_real_llama_cpp_vocab_files(sdist_root) -> None:
+    """The vocabulary GGUFs shipped with llama.cpp (versions 2 and 3, written by its converters) all
+    open; the smallest one's metadata equals what gguf-py's reader finds."""
+    models = sdist_root / "vendor" / "llama.cpp" / "models"
+    paths = sorted(models.glob("ggml-vocab-*.gguf"))
+    assert len(paths) > 10
+    versions = set()
+    for path in paths:
+        g = qk.Gguf(path)
+        versions.add(g.version)
+        m = g.metadata
+        assert isinstance(g.arch, str) and g.arch
+        assert len(m["tokenizer.ggml.tokens"]) > 1000, path.name
+    assert versions == {2, 3}
+    smallest = min(paths, key=lambda p: p.stat().st_size)
+    ref = gguf.GGUFReader(smallest)
+    expected = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert qk.Gguf(smallest).metadata == expected
+
+
+INT_RANGES = {
+    V.UINT8: (0, 2**8 - 1),
+    V.INT8: (-(2**7), 2**7 - 1),
+    V.UINT16: (0, 2**16 - 1),
+    V.INT16: (-(2**15), 2**15 - 1),
+    V.UINT32: (0, 2**32 - 1),
+    V.INT32: (-(2**31), 2**31 - 1),
+    V.UINT64: (0, 2**64 - 1),
+    V.INT64: (-(2**63), 2**63 - 1),
+}
+SCALARS = {
+    **{t: st.integers(lo, hi) for t, (lo, hi) in INT_RANGES.items()},
+    V.FLOAT32: st.floats(width=32, allow_nan=False),
+    V.FLOAT64: st.floats(allow_nan=False),
+    V.BOOL: st.booleans(),
+    V.STRING: st.text(max_size=12),
+}
+# Inner arrays of nested arrays: gguf-py infers their element type (int → i32, float → f32).
+INFERRED = st.one_of(
+    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=4),
+    st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=4),
+    st.lists(st.text(max_size=5), min_size=1, max_size=4),
+    st.lists(st.booleans(), min_size=1, max_size=4),
+)
+
+
+@st.composite
+def typed_values(draw):
+    """(value type, element type or None, value) as gguf-py's add_key_value takes them."""
+    kind = draw(st.sampled_from(["scalar", "array", "nested"]))
+    if kind == "scalar":
+        t = draw(st.sampled_from(list(SCALARS)))
+        return t, None, draw(SCALARS[t])
+    if kind == "array":
+        t = draw(st.sampled_from(list(SCALARS)))
+        return V.ARRAY, t, draw(st.lists(SCALARS[t], min_size=1, max_size=6))
+    inner = st.one_of(INFERRED, st.lists(INFERRED, min_size=1, max_size=3))
+    return V.ARRAY, V.ARRAY, draw(st.lists(inner, min_size=1, max_size=4))
+
+
+@settings(max_examples=40)
+@given(
+    st.dictionaries(
+        st.text(min_size=1, max_size=16).filter(lambda k: not k.startswith("general.")),
+        typed_values(),
+        max_size=6,
+    )
+)
+def test_metadata_round_trip(kv) -> None:
+    """Whatever gguf-py writes, qk.Gguf reads back unchanged, in order."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "m.gguf")
+        w = gguf.GGUFWriter(path, "qwen3next")
+        for key, (vtype, sub_type, value) in kv.items():
+            w.add_key_value(key, value, vtype, sub_type=sub_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        m = qk.Gguf(path).metadata
+    assert list(m) == ["general.architecture", *kv]
+    for key, (_, _, value) in kv.items():
+        assert m[key] == value, key
+        assert type(m[key]) is type(value), key

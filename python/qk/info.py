@@ -171,11 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from qk import GgufError
 
     try:
-        g = Gguf(args.model, header_only=args.header_only)
-        print(summarize(g))
+        text = summarize(Gguf(args.model, header_only=args.header_only))
     except (GgufError, OSError, ValueError) as e:
         print(f"qk.info: {e}", file=sys.stderr)
         return 1
+    print(text)
     return 0
 
 
