@@ -59,6 +59,19 @@ fn map_file(path: &Path) -> Result<Mmap> {
     unsafe { Mmap::map(&file) }.map_err(io)
 }
 
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("version", &self.version)
+            .field("shards", &self.shards.len())
+            .field("metadata", &self.metadata.len())
+            .field("tensors", &self.tensors.len())
+            .field("header_only", &self.header_only)
+            .finish()
+    }
+}
+
 impl GgufFile {
     /// Opens a model: a single file, or the first shard `NAME-00001-of-0000N.gguf` of a split model
     /// (the other shards are found next to it). Every tensor must lie inside its file.

@@ -61,6 +61,13 @@ impl TensorInfo {
         })
     }
 
+    /// Bytes of one row of `ne[0]` weights (the stride between rows).
+    pub fn row_bytes(&self) -> u64 {
+        let row = self.ne.first().copied().unwrap_or(1);
+        // ne[0] was checked to be a whole number of blocks and the tensor's size not to overflow.
+        row / self.layout.block_len as u64 * self.layout.block_bytes as u64
+    }
+
     /// Dimensions in numpy (row-major) order: `ne` reversed.
     pub fn shape(&self) -> Vec<u64> {
         self.ne.iter().rev().copied().collect()

@@ -258,6 +258,8 @@ fn tensors_offsets_and_data() {
     assert_eq!(a.offset, data_start);
     let q = g.tensor("q").expect("tensor q");
     assert_eq!((q.data_offset, q.offset, q.nbytes), (32, data_start + 32, 34));
+    assert_eq!((a.row_bytes(), q.row_bytes()), (16, 34));
+    assert!(format!("{g:?}").contains("tensors: 2"));
     let values = g.dequantize_tensor(a).expect("f32");
     assert_eq!(values, (0..8).map(|i| i as f32).collect::<Vec<_>>());
     let qv = g.dequantize_tensor(q).expect("q8_0");
