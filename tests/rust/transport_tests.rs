@@ -1211,3 +1211,204 @@ fn flags_and_hello_fields_survive_the_wire() {
     );
     assert_eq!(decode(&bytes).unwrap(), Message::Hello(hello));
 }
+
+// A relaying test double: the middle stage of head → w1 → w2. It does what the real worker will do
+// with this API: authenticate the head, take the gate, open its own downstream hello (passing the
+// takeover on), answer with its own description plus the downstream chain — or relay the downstream's
+// refusal with the downstream stage's name intact — then forward RUNs and relay the replies.
+struct RelayConfig {
+    own: StageDesc,
+    secret: Option<&'static [u8]>,
+    down_secret: Option<&'static [u8]>,
+    next: String,
+}
+
+fn relay_session(mut conn: Conn, cfg: &RelayConfig, gate: &SessionGate) -> String {
+    let name = cfg.own.name.clone();
+    let hs = match ServerHandshake::start(
+        &mut conn,
+        &ServerConfig {
+            name: &name,
+            secret: cfg.secret,
+        },
+    ) {
+        Ok(hs) => hs,
+        Err(e) => return e.to_string(),
+    };
+    let _ticket = match gate.begin(&name, hs.hello(), &conn) {
+        Ok(t) => t,
+        Err(busy) => return hs.refuse(&mut conn, busy).to_string(),
+    };
+    let down_cfg = ClientConfig {
+        name: &name,
+        secret: cfg.down_secret,
+        takeover: hs.hello().takeover,
+        own: Some(&cfg.own),
+    };
+    let mut down = match Conn::connect(&cfg.next, quick()) {
+        Ok(d) => d,
+        Err(e) => {
+            return hs
+                .refuse(
+                    &mut conn,
+                    ErrorMsg::new(ErrorCode::Unavailable, &name, e.to_string()),
+                )
+                .to_string();
+        }
+    };
+    let chain = match down.client_hello(&down_cfg) {
+        Ok(chain) => chain,
+        Err(e) => {
+            let relayed = down
+                .peer_error()
+                .cloned()
+                .unwrap_or_else(|| ErrorMsg::new(ErrorCode::Chain, &name, e.to_string()));
+            return hs.refuse(&mut conn, relayed).to_string();
+        }
+    };
+    let mut full = vec![cfg.own.clone()];
+    full.extend(chain);
+    if let Err(e) = hs.finish(&mut conn, full) {
+        return e.to_string();
+    }
+    let mut relayed = 0;
+    loop {
+        let reply = match conn.recv(None) {
+            Ok(Message::Close) => {
+                down.close();
+                return format!("relayed {relayed}");
+            }
+            Ok(req @ Message::Run(_)) => match down.request(&req) {
+                Ok(reply) => reply,
+                Err(e) => Message::Error(
+                    down.peer_error()
+                        .cloned()
+                        .unwrap_or_else(|| ErrorMsg::new(ErrorCode::Unavailable, &name, e.to_string())),
+                ),
+            },
+            Ok(other) => Message::Error(ErrorMsg::new(
+                ErrorCode::BadFrame,
+                &name,
+                format!("{:?}", other.op()),
+            )),
+            Err(e) => return e.to_string(),
+        };
+        if conn.send(&reply).is_err() {
+            return "upstream gone".into();
+        }
+        relayed += 1;
+    }
+}
+
+fn spawn_relay(cfg: RelayConfig) -> TestWorker {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let log = thread::spawn(move || {
+        let conn = Conn::accept(&listener, quick()).unwrap();
+        vec![relay_session(conn, &cfg, &SessionGate::new())]
+    });
+    TestWorker { addr, log }
+}
+
+#[test]
+fn a_three_stage_chain_relays_its_description_and_requests() {
+    let last = spawn_test_worker(TestWorkerConfig {
+        name: "w2",
+        secret: Some(b"k2"),
+        chain: vec![stage("w2", 30, 48)],
+        connections: 1,
+    });
+    let middle = spawn_relay(RelayConfig {
+        own: stage("w1", 20, 30),
+        secret: Some(b"k1"),
+        down_secret: Some(b"k2"),
+        next: last.addr.clone(),
+    });
+    let head = stage("head", 0, 20);
+    let mut conn = Conn::connect(&middle.addr, quick()).unwrap();
+    let chain = conn
+        .client_hello(&client("head", Some(b"k1"), Some(&head)))
+        .unwrap();
+    let names: Vec<&str> = chain.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["w1", "w2"]);
+    let run = Message::Run(Run {
+        slot: 0,
+        base: 0,
+        topk: 0,
+        rows: Rows::Tokens(vec![7, 8, 9]),
+    });
+    let Message::RunReply(reply) = conn.request(&run).unwrap() else {
+        panic!("not a run reply")
+    };
+    assert_eq!(
+        reply.out,
+        RunOut::Ids {
+            ids: vec![8, 9, 10],
+            topk: vec![]
+        }
+    );
+    conn.close();
+    assert_eq!(middle.log.join().unwrap(), ["relayed 1"]);
+    assert_eq!(last.log.join().unwrap(), ["served 1"]);
+}
+
+#[test]
+fn a_downstream_refusal_reaches_the_head_with_the_downstream_stage_named() {
+    // The middle stage holds the wrong secret for the last one: the last stage refuses the middle,
+    // and the head reads that refusal with "w2" on it.
+    let last = spawn_test_worker(TestWorkerConfig {
+        name: "w2",
+        secret: Some(b"k2"),
+        chain: vec![stage("w2", 30, 48)],
+        connections: 1,
+    });
+    let middle = spawn_relay(RelayConfig {
+        own: stage("w1", 20, 30),
+        secret: None,
+        down_secret: Some(b"stale"),
+        next: last.addr.clone(),
+    });
+    let mut conn = Conn::connect(&middle.addr, quick()).unwrap();
+    let e = conn
+        .client_hello(&client("head", None, None))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("authentication failed: stage 'w2'"), "{e}");
+    assert_eq!(
+        conn.peer_error().map(|p| (p.code, p.stage.as_str())),
+        Some((ErrorCode::Auth, "w2"))
+    );
+    drop(conn);
+    let middle_log = middle.log.join().unwrap().remove(0);
+    assert!(
+        middle_log.contains("refused head: authentication failed: stage 'w2'"),
+        "{middle_log}"
+    );
+    assert!(last.log.join().unwrap()[0].contains("authentication failed"));
+
+    // A last stage that does not continue the middle's range: the middle refuses with its own name.
+    let last = spawn_test_worker(TestWorkerConfig {
+        name: "w2",
+        secret: None,
+        chain: vec![stage("w2", 31, 48)],
+        connections: 1,
+    });
+    let middle = spawn_relay(RelayConfig {
+        own: stage("w1", 20, 30),
+        secret: None,
+        down_secret: None,
+        next: last.addr.clone(),
+    });
+    let mut conn = Conn::connect(&middle.addr, quick()).unwrap();
+    let e = conn
+        .client_hello(&client("head", None, None))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("chain refused: stage 'w1'") && e.contains("stage 2 'w2' starts at layer 31"),
+        "{e}"
+    );
+    drop(conn);
+    middle.log.join().unwrap();
+    last.log.join().unwrap();
+}
