@@ -1412,3 +1412,93 @@ fn a_downstream_refusal_reaches_the_head_with_the_downstream_stage_named() {
     middle.log.join().unwrap();
     last.log.join().unwrap();
 }
+
+#[test]
+fn hidden_rows_travel_bit_exact_including_non_finite_values() {
+    let data = vec![
+        f32::NAN,
+        f32::from_bits(0x7fa0_0001),
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.0,
+        f32::MIN_POSITIVE / 2.0,
+    ];
+    let msg = Message::Run(Run {
+        slot: 0,
+        base: 0,
+        topk: 0,
+        rows: Rows::Hidden(HiddenRows {
+            width: 3,
+            data: data.clone(),
+        }),
+    });
+    let Message::Run(back) = decode(&encode(&msg).unwrap()).unwrap() else {
+        panic!("not a run")
+    };
+    let Rows::Hidden(rows) = back.rows else {
+        panic!("not hidden rows")
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&rows.data), bits(&data));
+}
+
+/// A recording proxy (test double) between a head and a worker: forwards bytes both ways and keeps a
+/// copy of everything that crossed.
+fn spawn_recording_proxy(target: String) -> (String, JoinHandle<Vec<u8>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let handle = thread::spawn(move || {
+        let (client, _) = listener.accept().unwrap();
+        let server = TcpStream::connect(&target).unwrap();
+        let pump = |mut from: TcpStream, mut to: TcpStream| {
+            thread::spawn(move || {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    match std::io::Read::read(&mut from, &mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => {
+                            seen.extend_from_slice(&buf[..k]);
+                            if std::io::Write::write_all(&mut to, &buf[..k]).is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+                let _ = to.shutdown(std::net::Shutdown::Write);
+                seen
+            })
+        };
+        let up = pump(client.try_clone().unwrap(), server.try_clone().unwrap());
+        let down = pump(server, client);
+        let mut all = up.join().unwrap();
+        all.extend(down.join().unwrap());
+        all
+    });
+    (addr, handle)
+}
+
+#[test]
+fn the_shared_secret_never_crosses_the_wire() {
+    let secret: &'static [u8] = b"correct horse battery staple";
+    let worker = spawn_test_worker(worker_cfg(Some(secret), 1));
+    let (proxy, recorded) = spawn_recording_proxy(worker.addr.clone());
+    let mut conn = Conn::connect(&proxy, quick()).unwrap();
+    conn.client_hello(&client("head", Some(secret), None)).unwrap();
+    conn.ping(1).unwrap();
+    conn.close();
+    drop(conn);
+    assert_eq!(worker.log.join().unwrap(), ["served 1"]);
+    let wire = recorded.join().unwrap();
+    assert!(
+        wire.len() > 2 * HEADER_LEN + 2 * 32,
+        "the proxy saw only {} bytes",
+        wire.len()
+    );
+    assert!(
+        !wire.windows(secret.len()).any(|w| w == secret),
+        "the secret appeared on the wire"
+    );
+    // Nor does any 8-byte piece of it.
+    assert!(!secret.windows(8).any(|piece| wire.windows(8).any(|w| w == piece)));
+}
