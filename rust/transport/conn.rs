@@ -177,7 +177,8 @@ impl Conn {
             .map_err(|e| self.fail(format!("reading keepalive: {e}")))
     }
 
-    /// The last ERROR the peer sent in answer to a hello or request, to relay it upstream intact.
+    /// The ERROR the peer sent in answer to the last hello or request, if that is how it failed: a
+    /// worker relays it upstream intact, so the head sees the failing stage's own name.
     pub fn peer_error(&self) -> Option<&ErrorMsg> {
         self.peer_error.as_ref()
     }
@@ -293,6 +294,7 @@ impl Conn {
     /// Send a request and read its reply (within `timeouts.for_rows(rows)` of the send, which
     /// includes the chain's compute). An ERROR reply becomes `Err` and is kept for `peer_error`.
     pub fn request(&mut self, msg: &Message) -> Result<Message> {
+        self.peer_error = None;
         self.send(msg)?;
         let reply = self.recv(Some(self.timeouts.for_rows(msg.rows())))?;
         self.reject_error(reply)
@@ -371,6 +373,7 @@ impl Conn {
     /// challenge with a proof, verify the worker's proof, and check the chain against `cfg.own`.
     /// Returns the chain: the worker's description first, then every stage after it.
     pub fn client_hello(&mut self, cfg: &ClientConfig) -> Result<Vec<StageDesc>> {
+        self.peer_error = None;
         check_secret(cfg.secret)?;
         let hello = ClientHello {
             nonce: auth::nonce()?,
