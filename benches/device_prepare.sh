@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run HERE (the build machine) before a device run: builds what the H200 machine cannot (it has no
+# Rust and no registry) into .device/ (git-ignored; carried by the device tool):
+#   qk-*.whl          the abi3 wheel (same dev profile as every other build)
+#   rust-tests        the cargo integration-test binary (GPU kernel tests, run there on real hardware)
+#   gguf-py/          llama.cpp's gguf-py from the sdist (writes the random 80B-shaped model)
+#   vocab/            the qwen2 vocabulary GGUF from the sdist
+# The Vulkan loader debs live in .gl/ (see the device README).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
+cd "$ROOT"
+qk_python_env >/dev/null
+rm -rf .device && mkdir -p .device/vocab
+maturin build -q -o .device 2>&1 | grep -v '^📦' || true
+bin=$(cargo test --no-default-features --no-run --message-format=json 2>/dev/null \
+  | python -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "rust":
+        print(m["executable"])')
+cp "$bin" .device/rust-tests
+cp -r "$(python scripts/sdist.py gguf-py)" .device/gguf-py
+cp "$(python scripts/sdist.py llama.cpp)/models/ggml-vocab-qwen2.gguf" .device/vocab/
+du -sh .device
