@@ -181,7 +181,7 @@ def make_vocab(n_merges: int = 200, pre: str = "qwen2") -> Vocab:
         pairs: Counter[tuple[str, str]] = Counter()
         for w, n in words.items():
             p = pieces[w]
-            for a, b in zip(p, p[1:]):
+            for a, b in zip(p, p[1:], strict=False):
                 pairs[(a, b)] += n
         if not pairs:
             break

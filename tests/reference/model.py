@@ -326,7 +326,7 @@ class Model:
         for t in range(x.shape[0]):
             sel = top[t]
             weights = probs[t, sel] / max(np.sum(probs[t, sel]), 6.103515625e-5)
-            for e, we in zip(sel, weights):
+            for e, we in zip(sel, weights, strict=True):
                 h = silu(gate_w[e] @ x[t]) * (up_w[e] @ x[t])
                 out[t] += we * (down_w[e] @ h)
         shared = silu(x @ w[p + "ffn_gate_shexp.weight"].T) * (x @ w[p + "ffn_up_shexp.weight"].T)
