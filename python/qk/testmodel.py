@@ -454,7 +454,7 @@ def write_model(
 
     if arch not in ARCHES:
         raise ValueError(f"arch must be one of {ARCHES}, not {arch!r}")
-    s = shape or Shape(rope_base=5e6 if arch == "qwen3next" else 1e7)
+    s = shape or quantisable_shape(arch)
     s.check()
     layout = layout or Layout()
     if layout.legacy_ssm_in and arch != "qwen3next":
@@ -515,6 +515,30 @@ def write_model(
     return path
 
 
-def default_shape(arch: str, **changes) -> Shape:
-    """The committed-fixture shape for `arch` (its real RoPE base), with `changes` applied."""
+def quantisable_shape(arch: str, **changes) -> Shape:
+    """The smallest shape whose quantisable rows are all multiples of 256 (for IQ4_XS / K-quants):
+    one DeltaNet and one attention layer, 4 experts (2 used), GQA 4/2, nv = 2·nk."""
     return replace(Shape(rope_base=5e6 if arch == "qwen3next" else 1e7), **changes)
+
+
+def small_shape(arch: str, **changes) -> Shape:
+    """A much smaller F32-only shape with the real layer pattern (interval 4: three DeltaNet layers,
+    then attention), 8 experts (2 used), GQA 4/2, nv = 2·nk."""
+    base = Shape(
+        n_embd=64,
+        n_layer=4,
+        full_attention_interval=4,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=32,
+        n_rot=8,
+        rope_base=5e6 if arch == "qwen3next" else 1e7,
+        ssm_nk=2,
+        ssm_nv=4,
+        ssm_dk=16,
+        n_expert=8,
+        n_expert_used=2,
+        ff_exp=64,
+        ff_shexp=64,
+    )
+    return replace(base, **changes)

@@ -43,6 +43,50 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """x rounded the way ggml-cpu packs activations into Q8_0 (blocks of 32 along the last axis): scale
+    d = amax/127 stored as fp16, values round(x·127/amax) half-to-even, all in f32 arithmetic."""
+    xb = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.max(np.abs(xb), axis=-1, keepdims=True)
+    d = (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv)
+    return (q.astype(np.float64) * d).reshape(x.shape)
+
+
+def quantize_q8_k(x: np.ndarray) -> np.ndarray:
+    """x rounded the way ggml packs activations into Q8_K (blocks of 256): iscale = −127/max (max = the
+    signed value of largest magnitude), q = min(127, rint(iscale·x)), d = 1/iscale, in f32 arithmetic."""
+    xb = x.astype(np.float32).reshape(*x.shape[:-1], -1, 256)
+    idx = np.argmax(np.abs(xb), axis=-1)[..., None]
+    mx = np.take_along_axis(xb, idx, axis=-1)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx != 0, np.float32(-127) / mx, np.float32(0)).astype(np.float32)
+        d = np.where(iscale != 0, np.float32(1) / iscale, np.float32(0)).astype(np.float32)
+    q = np.minimum(np.rint((xb * iscale).astype(np.float32)), 127)
+    return (q.astype(np.float64) * d).reshape(x.shape)
+
+
+# How llama.cpp's CPU backend rounds the activation operand of a matmul with a weight of each type
+# (ggml-cpu type_traits vec_dot_type): F32 weights keep f32 activations; quantised weights meet
+# Q8_0 or Q8_K activations (Q4_1/Q5_1 use Q8_1, whose values round like Q8_0).
+_Q8_0_PARTNERS = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}
+_Q8_K_PARTNERS = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS"}
+
+
+def activation_rounding(weight_type: str):
+    if weight_type == "F32":
+        return None
+    if weight_type == "F16":
+        return lambda x: x.astype(np.float16).astype(np.float64)
+    if weight_type in _Q8_0_PARTNERS:
+        return quantize_q8_0
+    if weight_type in _Q8_K_PARTNERS:
+        return quantize_q8_k
+    raise NotImplementedError(f"activation rounding for {weight_type} weights")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Gated delta rule (spec §3.2 step 8 and §3.4). q, k: (n, H, dk) already paired to v-heads, L2-normed,
 # q scaled; v: (n, H, dv); beta, g: (n, H); S: (H, dk, dv) in HF layout (key index first).
@@ -165,7 +209,9 @@ def _field(reader, key: str, default=None):
 class Model:
     """Weights of a GGUF dequantised to float64 (NumPy order: a GGUF ne = {in, out} weight is (out, in))."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, act_quant: bool = False) -> None:
+        """act_quant: round each matmul's activations as llama.cpp's CPU backend does for that weight's
+        type (Q8_0 / Q8_K packing), so a quantised model can be compared tightly, not just loosely."""
         from gguf import GGUFReader
         from gguf.quants import dequantize
 
@@ -202,6 +248,16 @@ class Model:
             self.w[t.name] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(shape)
         self.vocab_size = self.w["token_embd.weight"].shape[0]
         self.types = {t.name: t.tensor_type.name for t in reader.tensors}
+        self.act_quant = act_quant
+
+    def act(self, x: np.ndarray, name: str) -> np.ndarray:
+        """The activation operand as the matmul with weight `name` sees it."""
+        rounding = activation_rounding(self.types[name]) if self.act_quant else None
+        return x if rounding is None else rounding(x)
+
+    def mm(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x · Wᵀ for the weight `name` (rows of x are tokens)."""
+        return self.act(x, name) @ self.w[name].T
 
     # --- pieces ------------------------------------------------------------------------------------
 
@@ -235,11 +291,11 @@ class Model:
         hp, w, p = self.hp, self.w, f"blk.{il}."
         n, H, Hkv, hd = u.shape[0], hp.n_head, hp.n_head_kv, hp.head_dim
         if p + "attn_qkv.weight" in w:
-            qkv = u @ w[p + "attn_qkv.weight"].T
+            qkv = self.mm(u, p + "attn_qkv.weight")
             qfull, kx, vx = np.split(qkv, [2 * H * hd, 2 * H * hd + Hkv * hd], axis=1)
         else:
-            qfull = u @ w[p + "attn_q.weight"].T
-            kx, vx = u @ w[p + "attn_k.weight"].T, u @ w[p + "attn_v.weight"].T
+            qfull = self.mm(u, p + "attn_q.weight")
+            kx, vx = self.mm(u, p + "attn_k.weight"), self.mm(u, p + "attn_v.weight")
         qfull = qfull.reshape(n, H, 2 * hd)
         q, gate = qfull[..., :hd], qfull[..., hd:]
         k, v = kx.reshape(n, Hkv, hd), vx.reshape(n, Hkv, hd)
@@ -256,7 +312,7 @@ class Model:
         scores = np.where(causal[None], scores, -np.inf)
         out = np.einsum("hqk,khd->qhd", softmax(scores), V[:, kv_head])
         out = (out * sigmoid(gate)).reshape(n, H * hd)
-        return out @ w[p + "attn_output.weight"].T
+        return self.mm(out, p + "attn_output.weight")
 
     def _gdn_projections(self, il: int, u: np.ndarray):
         """(m = pre-conv q‖k‖v, z, b, a) in the file's v-head order (spec §3.2 step 1)."""
@@ -264,20 +320,20 @@ class Model:
         n, nk, nv, dk = u.shape[0], hp.ssm_nk, hp.ssm_nv, hp.ssm_dk
         r = nv // nk
         if p + "ssm_in.weight" in w:  # legacy qwen3next: per k-group [q ‖ k ‖ v (r heads) ‖ z (r heads)]
-            mixed = (u @ w[p + "ssm_in.weight"].T).reshape(n, nk, 2 * dk + 2 * r * dk)
+            mixed = (self.mm(u, p + "ssm_in.weight")).reshape(n, nk, 2 * dk + 2 * r * dk)
             q = mixed[:, :, :dk].reshape(n, -1)
             k = mixed[:, :, dk : 2 * dk].reshape(n, -1)
             v = mixed[:, :, 2 * dk : 2 * dk + r * dk].reshape(n, -1)
             z = mixed[:, :, 2 * dk + r * dk :].reshape(n, -1)
             m = np.concatenate([q, k, v], axis=1)
         else:
-            m = u @ w[p + "attn_qkv.weight"].T
-            z = u @ w[p + "attn_gate.weight"].T
+            m = self.mm(u, p + "attn_qkv.weight")
+            z = self.mm(u, p + "attn_gate.weight")
         if hp.arch == "qwen3next":  # ssm_ba: per k-group [b of its r v-heads ‖ a of the same]
-            ba = (u @ w[p + "ssm_ba.weight"].T).reshape(n, nk, 2 * r)
+            ba = (self.mm(u, p + "ssm_ba.weight")).reshape(n, nk, 2 * r)
             b, a = ba[:, :, :r].reshape(n, nv), ba[:, :, r:].reshape(n, nv)
         else:
-            b, a = u @ w[p + "ssm_beta.weight"].T, u @ w[p + "ssm_alpha.weight"].T
+            b, a = self.mm(u, p + "ssm_beta.weight"), self.mm(u, p + "ssm_alpha.weight")
         return m, z, b, a
 
     def k_head_of_v_head(self) -> np.ndarray:
@@ -309,29 +365,34 @@ class Model:
             o, S = delta_rule_recurrent(q[:, pair], k[:, pair], v, beta, g, S)
         st.ssm[il] = S
         o = rms_norm(o, w[p + "ssm_norm.weight"], hp.eps) * silu(z.reshape(n, nv, dk))
-        return o.reshape(n, nv * dk) @ w[p + "ssm_out.weight"].T
+        return self.mm(o.reshape(n, nv * dk), p + "ssm_out.weight")
 
     def moe(self, il: int, x: np.ndarray) -> np.ndarray:
         hp, w, p = self.hp, self.w, f"blk.{il}."
-        probs = softmax(x @ w[p + "ffn_gate_inp.weight"].T)
+        probs = softmax(self.mm(x, p + "ffn_gate_inp.weight"))
         top = np.argsort(-probs, axis=1, kind="stable")[:, : hp.n_expert_used]
-        if p + "ffn_gate_up_exps.weight" in w:
-            gu = w[p + "ffn_gate_up_exps.weight"]
-            ff = gu.shape[1] // 2
-            gate_w, up_w = gu[:, :ff], gu[:, ff:]
+        if p + "ffn_gate_up_exps.weight" in w:  # fused: gate = first ff rows, up = the next ff
+            gu_name = p + "ffn_gate_up_exps.weight"
+            ff = w[gu_name].shape[1] // 2
+            gate_w, up_w = w[gu_name][:, :ff], w[gu_name][:, ff:]
+            xg = xu = self.act(x, gu_name)
         else:
             gate_w, up_w = w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]
-        down_w = w[p + "ffn_down_exps.weight"]
+            xg, xu = self.act(x, p + "ffn_gate_exps.weight"), self.act(x, p + "ffn_up_exps.weight")
+        down_name = p + "ffn_down_exps.weight"
         out = np.zeros_like(x)
         for t in range(x.shape[0]):
             sel = top[t]
+            # llama.cpp clamps the renormalisation sum at 6.1e-5 (spec §3.6 step 2).
             weights = probs[t, sel] / max(np.sum(probs[t, sel]), 6.103515625e-5)
             for e, we in zip(sel, weights, strict=True):
-                h = silu(gate_w[e] @ x[t]) * (up_w[e] @ x[t])
-                out[t] += we * (down_w[e] @ h)
-        shared = silu(x @ w[p + "ffn_gate_shexp.weight"].T) * (x @ w[p + "ffn_up_shexp.weight"].T)
-        shared = shared @ w[p + "ffn_down_shexp.weight"].T
-        sg = sigmoid(x @ w[p + "ffn_gate_inp_shexp.weight"].reshape(-1))
+                h = silu(gate_w[e] @ xg[t]) * (up_w[e] @ xu[t])
+                out[t] += we * (w[down_name][e] @ self.act(h, down_name))
+        shared = silu(self.mm(x, p + "ffn_gate_shexp.weight")) * self.mm(x, p + "ffn_up_shexp.weight")
+        shared = self.mm(shared, p + "ffn_down_shexp.weight")
+        sg = sigmoid(
+            self.act(x, p + "ffn_gate_inp_shexp.weight") @ w[p + "ffn_gate_inp_shexp.weight"].reshape(-1)
+        )
         return out + shared * sg[:, None]
 
     # --- whole model ---------------------------------------------------------------------------------
@@ -355,5 +416,4 @@ class Model:
             x = x + self.moe(il, rms_norm(x, w[p + "post_attention_norm.weight"], hp.eps))
         st.pos += len(tokens)
         h = rms_norm(x, w["output_norm.weight"], hp.eps)
-        out_w = w.get("output.weight", w["token_embd.weight"])
-        return h @ out_w.T
+        return self.mm(h, "output.weight" if "output.weight" in w else "token_embd.weight")
