@@ -416,7 +416,7 @@ def _tensors(arch: str, shape: Shape, layout: Layout, vocab_size: int, seed: int
         out.append((f"{p}.ffn_up_shexp.weight", w.linear(s.ff_shexp, s.n_embd)))
         out.append((f"{p}.ffn_down_shexp.weight", w.linear(s.n_embd, s.ff_shexp)))
 
-    for il in range(s.n_layer + s.n_mtp):
+    def block(il: int) -> None:
         p = f"blk.{il}"
         out.append((f"{p}.attn_norm.weight", w.norm_plus_one(s.n_embd)))
         if s.is_recurrent(il):
@@ -425,13 +425,21 @@ def _tensors(arch: str, shape: Shape, layout: Layout, vocab_size: int, seed: int
             attention(p)
         out.append((f"{p}.post_attention_norm.weight", w.norm_plus_one(s.n_embd)))
         moe(p)
-        if il >= s.n_layer:  # MTP block: draft head input fusion (never run by the main pass)
-            out.append((f"{p}.nextn.eh_proj.weight", w.linear(s.n_embd, 2 * s.n_embd)))
-            out.append((f"{p}.nextn.enorm.weight", w.norm_plus_one(s.n_embd)))
-            out.append((f"{p}.nextn.hnorm.weight", w.norm_plus_one(s.n_embd)))
-            out.append((f"{p}.nextn.shared_head_norm.weight", w.norm_plus_one(s.n_embd)))
+
+    for il in range(s.n_layer):
+        block(il)
     out.append(("output_norm.weight", w.norm_plus_one(s.n_embd)))
     out.append(("output.weight", _f32(lm_head_gain * w.linear(vocab_size, s.n_embd))))
+    # MTP blocks draw from their own generator, so adding them leaves the main model's weights (and
+    # so its logits) unchanged. The main pass never runs them (spec §1.3).
+    w = _Weights(seed + 1_000_003)
+    for il in range(s.n_layer, s.n_layer + s.n_mtp):
+        block(il)
+        p = f"blk.{il}"
+        out.append((f"{p}.nextn.eh_proj.weight", w.linear(s.n_embd, 2 * s.n_embd)))
+        out.append((f"{p}.nextn.enorm.weight", w.norm_plus_one(s.n_embd)))
+        out.append((f"{p}.nextn.hnorm.weight", w.norm_plus_one(s.n_embd)))
+        out.append((f"{p}.nextn.shared_head_norm.weight", w.norm_plus_one(s.n_embd)))
     return out
 
 
