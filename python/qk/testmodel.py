@@ -50,8 +50,8 @@ class Shape:
     head_dim: int = 64
     n_rot: int = 16
     rope_base: float = 5_000_000.0
-    # Qwen3.5 M-RoPE sections; text positions make IMROPE equal NeoX as long as every rotary pair
-    # lands in the t/h/w sections (sum ≤ head_dim required by ggml; 3·min(section) ≥ n_rot/2 here).
+    # Qwen3.5 M-RoPE sections (qwen35moe only; ggml requires sum ≤ head_dim). For text IMROPE equals
+    # NeoX when rotary pair i's sector (i mod sum) falls in the t/h/w sections, as with [11, 11, 10, 0].
     rope_sections: tuple[int, int, int, int] = (11, 11, 10, 0)
     ssm_nk: int = 2
     ssm_nv: int = 4
