@@ -102,3 +102,18 @@ def test_state_snapshot_restores(small_model):
     first = small_model.forward(b, st)
     again = small_model.forward(b, snap)
     assert np.array_equal(first, again)
+
+
+def test_layer_ranges_compose(small_model):
+    """Stages owning layers [0, a) and [a, n) with their own states give the whole model's logits."""
+    tokens = np.random.default_rng(9).integers(0, small_model.vocab_size, 70)
+    whole = small_model.forward(tokens)
+    a = 2
+    first, second = small_model.new_state(), small_model.new_state()
+    x = small_model.run_layers(small_model.embed(tokens[:64]), first, 0, a)
+    top = [small_model.head(small_model.run_layers(x, second, a))]
+    for t in tokens[64:]:
+        x = small_model.run_layers(small_model.embed([t]), first, 0, a)
+        top.append(small_model.head(small_model.run_layers(x, second, a)))
+    assert first.pos == second.pos == len(tokens)
+    assert rel(np.concatenate(top), whole) < SELF_TOL
