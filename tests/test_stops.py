@@ -19,11 +19,12 @@ def stream(matcher: StopMatcher, pieces: list[str]) -> tuple[str, str | None]:
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, str | None]:
-    """The non-streamed answer: cut at the earliest occurrence of any stop string."""
-    hits = [(text.find(s), -len(s), s) for s in stops if s and s in text]
+    """The non-streamed answer: cut where the first stop string to complete (reading left to
+    right) begins; of two completing at the same character, the longer."""
+    hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s and s in text]
     if not hits:
         return text, None
-    at, _, stop = min(hits)
+    _, at, stop = min(hits)
     return text[:at], stop
 
 
@@ -46,9 +47,13 @@ def test_false_start_is_released() -> None:
     assert matcher.flush() == ""
 
 
-def test_earliest_then_longest_stop_wins() -> None:
-    assert stream(StopMatcher(["bc", "abcd", "ab"]), ["xabcd"]) == ("x", "abcd")
-    assert stream(StopMatcher(["cd", "abcz"]), ["abcd"]) == ("ab", "cd")
+def test_first_completed_stop_wins() -> None:
+    assert stream(StopMatcher(["bc", "abcd"]), ["xabcd"]) == ("xa", "bc")
+    assert stream(StopMatcher(["bc", "abc"]), ["xabc"]) == ("x", "abc")
+    # The same when the text arrives split: "c" completes before "c\n" can.
+    assert stream(StopMatcher(["c\n", "c"]), ["ab", "c\n"]) == stream(
+        StopMatcher(["c\n", "c"]), ["abc", "\n"]
+    )
 
 
 def test_no_stops_and_empty_stops() -> None:

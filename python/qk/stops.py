@@ -35,7 +35,7 @@ class StopMatch:
 class StopMatcher:
     def __init__(self, stops: Iterable[str]) -> None:
         # Empty strings would match everywhere; duplicates change nothing.
-        self.stops: tuple[str, ...] = tuple(sorted({s for s in stops if s}, key=len, reverse=True))
+        self.stops: tuple[str, ...] = tuple(sorted({s for s in stops if s}))
         self._held = ""
         self.stopped: str | None = None
 
@@ -67,13 +67,17 @@ class StopMatcher:
         return self._held
 
     def _earliest_match(self, buffer: str) -> tuple[int, str] | None:
-        # Earliest start wins; at equal starts the longest stop (sorted first) does.
-        best: tuple[int, str] | None = None
+        # The stop that completes first wins, as it would have had the text come one character at
+        # a time (so the answer does not depend on how the text was split); of stops completing at
+        # the same character, the one that started earlier (the longer) wins.
+        best: tuple[int, int, str] | None = None
         for stop in self.stops:
             at = buffer.find(stop)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
-        return best
+            if at >= 0:
+                candidate = (at + len(stop), at, stop)
+                if best is None or candidate[:2] < best[:2]:
+                    best = candidate
+        return None if best is None else (best[1], best[2])
 
     def _partial_length(self, buffer: str) -> int:
         longest = 0
