@@ -288,8 +288,20 @@ def test_rejects_unsupported_metadata(metadata: dict[str, dict[str, Any]]) -> No
     with pytest.raises(TokenizerError, match="token types"):
         Tokenizer(["a", "b"], [1], [], "qwen2")
     # An out-of-range special id is dropped (llama.cpp: "bad special token"), not trusted.
-    tok = Tokenizer.from_metadata({**base, "tokenizer.ggml.bos_token_id": 10**9})
-    assert tok.bos_id is None
+    tiny = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab", "<|endoftext|>"],
+        "tokenizer.ggml.token_type": [1, 1, 1, 3],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.eos_token_id": 3,
+        "tokenizer.ggml.bos_token_id": 10**9,
+    }
+    tok = Tokenizer.from_metadata(tiny)
+    assert tok.bos_id is None and tok.eos_id == 3 and tok.eog_ids == {3}
+    assert tok.encode("abab<|endoftext|>", special=True) == [2, 2, 3]
+    with pytest.raises(TokenizerError, match="integer"):
+        Tokenizer.from_metadata({**tiny, "tokenizer.ggml.eos_token_id": "3"})
 
 
 def test_from_gguf_reads_the_header(llama_cpp_src: Path, tokenizers: dict[str, Tokenizer]) -> None:
@@ -335,6 +347,7 @@ def oracles(
     llama_cpp_src: Path, metadata: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
     qwen3_path = tmp_path_factory.mktemp("vocab") / "ggml-vocab-qwen3-like.gguf"
     write_vocab_gguf(qwen3_path, qwen3_like_metadata(metadata["qwen2"]))
     paths = {name: vocab_path(llama_cpp_src, name) for name in VOCABS} | {"qwen3": qwen3_path}
@@ -399,12 +412,18 @@ def test_oracle_eog_set(oracles: dict[str, Any], tokenizers: dict[str, Tokenizer
 
 
 @pytest.mark.oracle
-@settings(max_examples=150)
-@given(data=st.data())
-def test_oracle_pieces(oracles: dict[str, Any], qwen3: Tokenizer, data: st.DataObject) -> None:
-    ids = data.draw(
-        st.lists(st.one_of(st.integers(0, qwen3.vocab_size - 1), st.integers(151640, 151700)), max_size=20)
-    )
-    special = data.draw(st.booleans())
-    expected = oracles["qwen3"].detokenize(ids, special=special)
-    assert b"".join(qwen3.token_to_piece(i, special) for i in ids) == expected
+def test_oracle_every_piece(oracles: dict[str, Any], qwen3: Tokenizer) -> None:
+    # llama.cpp's own per-token call: llama-cpp-python's detokenize() drops a space after a BOS.
+    import ctypes
+
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(oracles["qwen3"].model)
+    buffer = (ctypes.c_char * 256)()
+    for special in (False, True):
+        mismatched = []
+        for token in range(qwen3.vocab_size):
+            size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, special)
+            if not 0 <= size <= len(buffer) or qwen3.token_to_piece(token, special) != bytes(buffer[:size]):
+                mismatched.append(token)
+        assert mismatched == [], special

@@ -167,6 +167,9 @@ def test_truncated_call_ends_instead_of_swallowing_the_reply() -> None:
 def test_without_tool_format_tags_are_text() -> None:
     reply = parse(HERMES_TWO_CALLS, ToolFormat.NONE)
     assert reply.tool_calls == [] and reply.content == HERMES_TWO_CALLS
+    # A request that declared no tools gets no calls either; tools=None accepts any name.
+    assert parse(HERMES_TWO_CALLS, ToolFormat.HERMES, tools=[]).tool_calls == []
+    assert len(parse(HERMES_TWO_CALLS, ToolFormat.HERMES, tools=None).tool_calls) == 2
 
 
 # -- Qwen XML ---------------------------------------------------------------------------------------

@@ -206,14 +206,14 @@ class Tokenizer:
             if kind in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN) and text
         ]
         self._split = pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False)
-        self._with_specials = self._build_hf(regex, ranked_merges, split_specials=False)
-        # A second instance rather than toggling `encode_special_tokens` per call: that flag is
-        # tokenizer-wide state and encode calls can come from several threads.
-        self._text_only = self._build_hf(regex, ranked_merges, split_specials=True)
+        bpe = models.BPE(vocab=dict(self._id_of), merges=ranked_merges, fuse_unk=False, byte_fallback=False)
+        self._with_specials = self._build_hf(bpe, regex, split_specials=False)
+        # A second front end on the same BPE model rather than toggling `encode_special_tokens` per
+        # call: that flag is tokenizer-wide state and encode calls can come from several threads.
+        self._text_only = self._build_hf(bpe, regex, split_specials=True)
         self._pieces: list[bytes | None] = [None] * len(self.tokens)
 
-    def _build_hf(self, regex: str, merges: list[tuple[str, str]], *, split_specials: bool) -> HfTokenizer:
-        bpe = models.BPE(vocab=dict(self._id_of), merges=merges, fuse_unk=False, byte_fallback=False)
+    def _build_hf(self, bpe: models.BPE, regex: str, *, split_specials: bool) -> HfTokenizer:
         hf = HfTokenizer(bpe)
         hf.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -388,12 +388,12 @@ class IncrementalDecoder:
         return bool(self._utf8.getstate()[0])
 
 
+_TOKEN_TYPES = {kind.value: kind for kind in TokenType}
+
+
 def _token_type(value: Any) -> TokenType:
-    try:
-        return TokenType(int(value))
-    except (ValueError, TypeError):
-        # llama.cpp reads unknown type numbers as "undefined" and treats them like normal text.
-        return TokenType.NORMAL
+    # llama.cpp reads unknown type numbers as "undefined" and treats them like normal text.
+    return _TOKEN_TYPES.get(value, TokenType.NORMAL) if isinstance(value, int) else TokenType.NORMAL
 
 
 def _derive_eog_ids(md: Mapping[str, Any], tokens: Sequence[str]) -> set[int]:

@@ -280,7 +280,12 @@ class _Mode(enum.Enum):
 
 class ReplyParser:
     """Incremental parser of one reply. ``feed`` pieces, then ``finish``; ``result`` folds all
-    events emitted so far. Never raises on model output."""
+    events emitted so far. Never raises on model output.
+
+    ``tools`` (OpenAI or Anthropic tool definitions) types XML parameter values and limits calls to
+    the declared names; pass the request's list, empty when it declared none, so that tags the
+    model writes unprompted stay text. ``tools=None`` accepts any name, values untyped.
+    """
 
     def __init__(
         self,
@@ -292,8 +297,9 @@ class ReplyParser:
     ) -> None:
         self.tool_format = tool_format
         self._schemas = _tool_parameter_schemas(tools)
-        # With tools declared, a call to an unknown name is not a call (it degrades to text).
-        self._known_names = set(self._schemas) if tools else None
+        # With a tool list (even an empty one) a call to a name not on it is not a call: it stays
+        # text. None accepts any name.
+        self._known_names = set(self._schemas) if tools is not None else None
         self._new_call_id = new_call_id or (lambda: "call_" + uuid.uuid4().hex[:24])
         self._mode = _Mode.REASONING if starts_in_reasoning else _Mode.TEXT
         self._buffer = ""
