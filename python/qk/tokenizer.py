@@ -303,12 +303,29 @@ class Tokenizer:
 
     # -- encode / decode ----------------------------------------------------------------------------
 
-    def encode(self, text: str, special: bool = False) -> list[int]:
+    def encode(
+        self, text: str, special: bool = False, literal_spans: Sequence[tuple[int, int]] = ()
+    ) -> list[int]:
         """Token ids of ``text``; with ``special=True`` control/user-defined token spellings become
         their single ids (for rendered chat prompts), otherwise everything is plain text. No BOS is
-        added (Qwen GGUFs set ``add_bos_token = false``; see ``add_bos``)."""
-        hf = self._with_specials if special else self._text_only
-        return hf.encode(text, add_special_tokens=False).ids
+        added (Qwen GGUFs set ``add_bos_token = false``; see ``add_bos``).
+
+        ``literal_spans`` (character ranges, with ``special=True``) are parts that came from
+        message text: a special-token spelling inside one is spelled out as text, so a user
+        cannot close a turn by typing ``<|im_end|>``. The rest tokenises as without them.
+        """
+        if not special:
+            return self._text_only.encode(text, add_special_tokens=False).ids
+        encoding = self._with_specials.encode(text, add_special_tokens=False)
+        if not literal_spans:
+            return encoding.ids
+        ids: list[int] = []
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if self.is_special(token_id) and any(a <= start and end <= b for a, b in literal_spans):
+                ids.extend(self._text_only.encode(text[start:end], add_special_tokens=False).ids)
+            else:
+                ids.append(token_id)
+        return ids
 
     def pre_tokenize(self, text: str) -> list[str]:
         """The pieces the pre-tokenizer regex cuts ``text`` into (BPE never merges across them)."""
