@@ -280,6 +280,13 @@ def test_reasoning_block_in_output() -> None:
     assert (reply.reasoning, reply.content) == ("Step 1.\nStep 2.", "The answer is 4.")
 
 
+def test_think_tag_after_answer_text_is_text() -> None:
+    text = "Wrap it in <think> tags.\n<think>x</think>"
+    assert parse(text, ToolFormat.HERMES) == ParsedReply(content=text)
+    # Whitespace before the block does not count as answer text.
+    assert parse("\n <think>r</think>a", ToolFormat.HERMES) == ParsedReply(content="a", reasoning="r")
+
+
 def test_output_that_starts_inside_reasoning() -> None:
     reply = parse("The user wants X.\n</think>\n\nX.", ToolFormat.QWEN_XML, starts_in_reasoning=True)
     assert (reply.reasoning, reply.content) == ("The user wants X.", "X.")

@@ -319,6 +319,7 @@ class ReplyParser:
         self._trim_reasoning_start = starts_in_reasoning
         self._calls_started = 0
         self._call: _CallState | None = None
+        self._answer_started = False
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -359,9 +360,13 @@ class ReplyParser:
 
     def _markers(self, mode: _Mode) -> list[str]:
         tools = [TOOL_OPEN] if self.tool_format is not ToolFormat.NONE else []
+        if mode is _Mode.TEXT:
+            # Reasoning comes first in a reply; once the answer has begun, "<think>" is just text
+            # (a model explaining the tag, say).
+            return tools if self._answer_started else [THINK_OPEN, *tools]
         # `<tool_call>` also ends reasoning: a model that starts a call has stopped thinking, and
         # swallowing the call into reasoning would lose it.
-        return [THINK_OPEN, *tools] if mode is _Mode.TEXT else [THINK_CLOSE, *tools]
+        return [THINK_CLOSE, *tools]
 
     def _advance(self, final: bool) -> None:
         while True:
@@ -388,11 +393,12 @@ class ReplyParser:
                     # Dropped if this is a call, given back if the block turns out to be text.
                     space, self._held_space = self._held_space, ""
                     self._start_block(space)
+                elif before.strip():
+                    # Text came first: this "<think>" belongs to the answer.
+                    self._emit_text(before + marker)
                 else:
-                    self._emit_text(before)
-                    if self._held_space:
-                        self._events.append(TextDelta(self._held_space))
-                        self._held_space = ""
+                    # Only whitespace before the block: nothing of the answer yet.
+                    self._held_space = ""
                     self._mode = _Mode.REASONING
                     self._trim_reasoning_start = True
             else:
@@ -420,6 +426,7 @@ class ReplyParser:
         self._held_space = combined[len(body) :]
         if body:
             self._events.append(TextDelta(body))
+            self._answer_started = True
 
     def _emit_reasoning(self, text: str) -> None:
         if self._trim_reasoning_start:
@@ -439,6 +446,7 @@ class ReplyParser:
         self._call = _CallState(space_before=space_before)
 
     def _begin_call(self, name: str) -> int:
+        self._answer_started = True
         index = self._calls_started
         self._calls_started += 1
         self._events.append(ToolCallStart(index, self._new_call_id(), name))
