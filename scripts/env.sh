@@ -5,7 +5,17 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 export QK_CACHE="${QK_CACHE:-$HOME/.cache/qk}"
-phase() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+# Prints the time the previous phase took, then the new phase's name.
+_qk_phase_name=""; _qk_phase_start=$SECONDS; _qk_run_start=$SECONDS
+phase() {
+  if [ -n "$_qk_phase_name" ]; then
+    printf '== %s took %ds\n' "$_qk_phase_name" $((SECONDS - _qk_phase_start))
+  fi
+  _qk_phase_name="$1"; _qk_phase_start=$SECONDS
+  [ -n "$1" ] && printf '\n== %s (%s)\n' "$1" "$(date +%T)"
+  return 0
+}
+phase_end() { phase ""; printf '== all phases: %ds\n' $((SECONDS - _qk_run_start)); }
 
 qk_system_packages() {
   phase "system packages"
