@@ -172,6 +172,20 @@ def test_prompt_ends_in_reasoning() -> None:
     assert not prompt_ends_in_reasoning("<|im_start|>assistant\n")
 
 
+def test_anthropic_tools_render_as_openai_tools(templates: dict[str, ChatTemplate]) -> None:
+    function = TIME["function"]
+    anthropic = {
+        "name": function["name"],
+        "description": function["description"],
+        "input_schema": function["parameters"],
+    }
+    for name in ("qwen3", "qwen3.5", "qwen3-coder"):
+        assert (
+            templates[name].render([USER], tools=[anthropic]).text
+            == templates[name].render([USER], tools=[TIME]).text
+        )
+
+
 def test_tojson_is_hf_style(templates: dict[str, ChatTemplate]) -> None:
     text = templates["qwen3"].render([USER], tools=[WEATHER]).text
     # Non-ASCII and angle brackets stay literal (Jinja's own tojson would write \u003c).

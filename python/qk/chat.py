@@ -187,6 +187,18 @@ def _normalise_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _normalise_tool(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Tools in OpenAI's shape, the one Qwen templates print and the models were trained on;
+    Anthropic's ``{name, description, input_schema}`` is converted."""
+    if "function" in tool or "input_schema" not in tool:
+        return tool
+    function: dict[str, Any] = {"name": tool.get("name")}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    function["parameters"] = tool["input_schema"]
+    return {"type": "function", "function": function}
+
+
 class ChatTemplate:
     """A compiled chat template with the tokens and capabilities it was built with."""
 
@@ -241,7 +253,8 @@ class ChatTemplate:
 
         ``messages``: ``{"role", "content", "reasoning_content"?, "tool_calls"?: [{"id",
         "type": "function", "function": {"name", "arguments"}}], "tool_call_id"?}``; ``tools``:
-        ``[{"type": "function", "function": {"name", "description", "parameters"}}]``.
+        ``[{"type": "function", "function": {"name", "description", "parameters"}}]`` (Anthropic's
+        ``{"name", "description", "input_schema"}`` is accepted and converted).
         ``enable_thinking=None`` leaves the template's default. ``continue_final_message`` renders
         the last (assistant) message open, so generation continues it (Anthropic prefill).
         """
@@ -251,7 +264,7 @@ class ChatTemplate:
         normalised = shield.apply([_normalise_message(m) for m in messages])
         context: dict[str, Any] = {
             "messages": normalised,
-            "tools": shield.apply(list(tools)) if tools else None,
+            "tools": shield.apply([_normalise_tool(t) for t in tools]) if tools else None,
             "add_generation_prompt": add_generation_prompt and not continue_final_message,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
