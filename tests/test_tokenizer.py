@@ -285,6 +285,10 @@ def test_rejects_unsupported_metadata(metadata: dict[str, dict[str, Any]]) -> No
         Tokenizer.from_metadata({k: v for k, v in base.items() if k != "tokenizer.ggml.merges"})
     with pytest.raises(TokenizerError, match="separating space"):
         Tokenizer(["a", "b"], [1, 1], ["ab"], "qwen2")
+    with pytest.raises(TokenizerError, match="not in the vocabulary"):
+        Tokenizer(["a", "b"], [1, 1], ["a b"], "qwen2")
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        Tokenizer(["a", "b"], [1, 1], [], "qwen2", eog_ids=[2])
     with pytest.raises(TokenizerError, match="token types"):
         Tokenizer(["a", "b"], [1], [], "qwen2")
     # An out-of-range special id is dropped (llama.cpp: "bad special token"), not trusted.

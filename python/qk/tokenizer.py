@@ -189,6 +189,8 @@ class Tokenizer:
         # An EOG token that is not typed CONTROL is forced to CONTROL by llama.cpp ("control-looking
         # token"), so it is never spelled out by detokenisation without special=True.
         self.eog_ids: frozenset[int] = frozenset(eog_ids)
+        if any(not 0 <= i < len(self.tokens) for i in self.eog_ids):
+            raise TokenizerError(f"end-of-generation ids {sorted(self.eog_ids)} reach outside the vocabulary")
         for i in self.eog_ids:
             if self.token_types[i] not in (TokenType.CONTROL, TokenType.UNKNOWN):
                 self.token_types[i] = TokenType.CONTROL
@@ -199,7 +201,11 @@ class Tokenizer:
             cut = merge.find(" ", 1)
             if cut < 0:
                 raise TokenizerError(f"merge {i} ({merge!r}) has no separating space")
-            ranked_merges.append((merge[:cut], merge[cut + 1 :]))
+            left, right = merge[:cut], merge[cut + 1 :]
+            # HF's BPE builder panics (not raises) on a merge outside the vocabulary.
+            if left not in self._id_of or right not in self._id_of or left + right not in self._id_of:
+                raise TokenizerError(f"merge {i} ({merge!r}) joins or makes a token not in the vocabulary")
+            ranked_merges.append((left, right))
         self._special_texts = [
             text
             for text, kind in zip(self.tokens, self.token_types, strict=True)
