@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from qk.chat import FALLBACK_TEMPLATE, ChatTemplate, ChatTemplateError, prompt_ends_in_reasoning
 from qk.tokenizer import Tokenizer
 from qk.toolcalls import ToolFormat, parse_reply
@@ -328,3 +330,37 @@ def test_from_tokenizer_shields_its_special_tokens(byte_tokenizer: Tokenizer) ->
     assert ids.count(im_end) == 1 and prompt.literal_spans == (
         (len("<|im_start|>user\na"), len("<|im_start|>user\na<|im_end|>")),
     )
+
+
+_JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer"])},
+    optional={
+        "content": _JSONISH,
+        "reasoning_content": _JSONISH,
+        "tool_calls": st.lists(
+            st.fixed_dictionaries(
+                {"function": st.fixed_dictionaries({"name": _JSONISH, "arguments": _JSONISH})}
+            ),
+            max_size=2,
+        ),
+    },
+)
+
+
+@settings(max_examples=100)
+@given(messages=st.lists(_MESSAGE, max_size=4), tools=st.none() | st.lists(_JSONISH, max_size=2))
+def test_any_conversation_renders_or_raises_chat_template_error(
+    templates: dict[str, ChatTemplate], messages: list[dict[str, Any]], tools: list[Any] | None
+) -> None:
+    # Whatever a client sends, rendering ends in a prompt or a ChatTemplateError (a 400), never
+    # in another exception that would surface as a server fault.
+    for template in templates.values():
+        try:
+            template.render(messages, tools=tools)
+        except ChatTemplateError:
+            pass

@@ -156,15 +156,18 @@ def _text_of(content: Any) -> Any:
 
 
 def _normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    if "role" not in message:
-        raise ChatTemplateError("every message needs a 'role'")
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise ChatTemplateError("every message must be an object with a string 'role'")
     out = dict(message)
     out["content"] = _text_of(message.get("content"))
     # Qwen templates read `reasoning_content` (llama.cpp's name); vLLM's newer name is `reasoning`.
     if out.get("reasoning_content") is None and isinstance(message.get("reasoning"), str):
         out["reasoning_content"] = message["reasoning"]
     if message.get("tool_calls"):
-        out["tool_calls"] = [_normalise_tool_call(call) for call in message["tool_calls"]]
+        calls = message["tool_calls"]
+        if not isinstance(calls, list) or not all(isinstance(c, Mapping) for c in calls):
+            raise ChatTemplateError("'tool_calls' must be a list of objects")
+        out["tool_calls"] = [_normalise_tool_call(call) for call in calls]
     return out
 
 
@@ -190,6 +193,8 @@ def _normalise_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
 def _normalise_tool(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     """Tools in OpenAI's shape, the one Qwen templates print and the models were trained on;
     Anthropic's ``{name, description, input_schema}`` is converted."""
+    if not isinstance(tool, Mapping):
+        raise ChatTemplateError("every tool must be an object")
     if "function" in tool or "input_schema" not in tool:
         return tool
     function: dict[str, Any] = {"name": tool.get("name")}
