@@ -23,7 +23,19 @@ _NATIVE = {
     "EngineError",
     "TransportError",
 }
-_PYTHON = {"Gguf": "qk.gguf"}
+_PYTHON = {
+    "Gguf": "qk.gguf",
+    "Tokenizer": "qk.tokenizer",
+    "TokenizerError": "qk.tokenizer",
+    "IncrementalDecoder": "qk.tokenizer",
+    "ChatTemplate": "qk.chat",
+    "ChatTemplateError": "qk.chat",
+    "RenderedPrompt": "qk.chat",
+    "ReplyParser": "qk.toolcalls",
+    "ToolFormat": "qk.toolcalls",
+    "parse_reply": "qk.toolcalls",
+    "StopMatcher": "qk.stops",
+}
 
 __all__ = sorted(_NATIVE | set(_PYTHON))
 
