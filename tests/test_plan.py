@@ -80,8 +80,9 @@ def tensor_plan(s: dict) -> list[tuple[str, tuple[int, ...], Q]]:
     return out
 
 
-def write_model(path, s: dict, *, data: bool) -> list[tuple[str, tuple[int, ...], Q]]:
-    """A GGUF of shape ``s``: header + tensor table, and random tensor bytes only if ``data``."""
+def write_model(path, s: dict, *, data: bool, drop=frozenset()) -> list[tuple[str, tuple[int, ...], Q]]:
+    """A GGUF of shape ``s`` without the tensors named in ``drop``: header + tensor table, and random
+    tensor bytes only if ``data``."""
     w = gguf.GGUFWriter(str(path), arch=s["arch"])
     w.add_context_length(262144)
     w.add_embedding_length(s["E"])
@@ -102,7 +103,7 @@ def write_model(path, s: dict, *, data: bool) -> list[tuple[str, tuple[int, ...]
     w.add_ssm_time_step_rank(s["vh"])
     w.add_ssm_group_count(s["kh"])
     w.add_full_attention_interval(4)
-    tensors = tensor_plan(s)
+    tensors = [t for t in tensor_plan(s) if t[0] not in drop]
     for name, ne, q in tensors:
         shape = tuple(reversed(ne))
         per, size = BLOCK[q]
@@ -262,6 +263,30 @@ def test_additive_problem_matches_stage_memory(tiny) -> None:
                 assert p.time(0, a, b) == pytest.approx(qp.stage_cost(f, costs, a, b) / 2.0)
 
 
+def test_tied_lm_head_is_held_once_by_a_single_stage(tmp_path) -> None:
+    path = tmp_path / "tied.gguf"
+    tensors = write_model(path, TINY, data=False, drop={"output.weight"})
+    f = qp.ModelFacts.from_gguf(path)
+    embd = 512 * 256 // 32 * 34
+    assert f.tied_lm_head and f.tail_weight_bytes == 256 * 4 + embd
+    sizing = qp.Sizing(ctx=64, slots=1)
+    layers = sum(layer_bytes(tensors, i) for i in range(8))
+    assert qp.stage_memory(f, sizing, 0, 8).weights == layers + 256 * 4 + embd
+    assert (
+        qp.stage_memory(f, sizing, 0, 4).weights + qp.stage_memory(f, sizing, 4, 8).weights
+        == layers + 256 * 4 + 2 * embd
+    )
+    p = qp._problem(f, sizing, qp.Costs.from_bytes(f), [qp.Device("a", 1.0)])
+    assert p.mem(0, 0, 8) == qp.stage_memory(f, sizing, 0, 8).total
+
+
+def test_non_hybrid_model_is_refused(tmp_path) -> None:
+    path = tmp_path / "llama.gguf"
+    write_model(path, dict(TINY, arch="llama"), data=False)
+    with pytest.raises(qp.PlanError, match="not a hybrid"):
+        qp.ModelFacts.from_gguf(path)
+
+
 def test_mtp_layers_are_not_planned(tmp_path) -> None:
     s = dict(TINY, arch="qwen35moe", L=4, mtp=1)
     path = tmp_path / "mtp.gguf"
@@ -312,6 +337,7 @@ def test_solver_matches_brute_force_on_random_problems(data) -> None:
         capacity=data.draw(st.lists(st.integers(0, 300), min_size=D, max_size=D)),
         fixed_mem=data.draw(st.lists(st.integers(0, 20), min_size=D, max_size=D)),
         speed=data.draw(st.lists(st.floats(0.1, 10), min_size=D, max_size=D)),
+        shared_end_mem=data.draw(st.integers(0, 20)),
     )
     check_against_brute(p)
 
@@ -415,6 +441,10 @@ def test_main_prints_plan_and_commands(big, capsys) -> None:
     lines = [line for line in out.splitlines() if line.startswith(("head ", "w1 "))]
     shares = [float(re.search(r"([\d.]+)%", line).group(1)) for line in lines]
     assert len(shares) == 2 and abs(sum(shares) - 100) < 0.2
+    # tron's 20 GiB hold fewer layers than its speed deserves: the plan says memory sets the split.
+    assert re.search(r"memory-bound: .* more memory on tron \([\d.]+ GiB free\) would let it", out)
+    assert qp.main([str(path), "--device", "a:80", "--device", "b:80", "--ctx", "4096", "--slots", "1"]) == 0
+    assert "memory-bound" not in capsys.readouterr().out
 
 
 def test_main_refusal_exit_code(big, capsys) -> None:

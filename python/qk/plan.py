@@ -46,6 +46,7 @@ shortfall).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -60,7 +61,6 @@ from qk.info import layer_kinds
 
 GIB = 1 << 30
 DEFAULT_BASE_PORT = 18100
-DEFAULT_HTTP_PORT = 8080
 DEFAULT_CHUNK = 64  # the DeltaNet prefill chunk; the head cuts prefill frames at its multiples
 DEFAULT_RESERVE_GIB = 0.5
 # Bytes per KV element, by --kv-type (q8_0: 34-byte blocks of 32 values).
@@ -97,7 +97,7 @@ class Device:
         if len(parts) not in (2, 3) or not parts[0]:
             raise PlanError(f"--device {spec!r}: expected NAME[@GPU]:MEM_GiB[:REL_SPEED]")
         host, _, gpu = parts[0].partition("@")
-        if not re.fullmatch(r"[A-Za-z0-9._\-\[\]]+", host):
+        if not re.fullmatch(r"[A-Za-z0-9._\-]+", host):
             raise PlanError(f"--device {spec!r}: {host!r} is not a host name")
         try:
             mem = float(parts[1])
@@ -127,6 +127,7 @@ class ModelFacts:
     head_read_bytes: float  # one embedding row
     tail_weight_bytes: int  # output_norm + output (or the tied token_embd)
     tail_read_bytes: float
+    tied_lm_head: bool  # no output.weight: the last stage holds token_embd as its LM head
     kv_elements_per_position: int  # Hkv · (key_length + value_length) per attention layer
     deltanet_state_bytes: int  # conv + S per DeltaNet layer per slot
     conv_state_bytes: int
@@ -165,6 +166,8 @@ class ModelFacts:
         n_layer = len(kinds)
         if n_layer == 0:
             raise PlanError(f"{g.path}: the model has no layers ({arch}.block_count)")
+        if "layer" in kinds:
+            raise PlanError(f"{g.path}: {arch} is not a hybrid DeltaNet/attention model qk serves")
         n_embd = int(key("embedding_length"))
         n_head = int(key("attention.head_count"))
         n_head_kv = int(key("attention.head_count_kv"))
@@ -227,6 +230,7 @@ class ModelFacts:
             head_read_bytes=embd.nbytes / max(vocab, 1),
             tail_weight_bytes=sum(t.nbytes for t in tail),
             tail_read_bytes=float(sum(t.nbytes for t in tail)),
+            tied_lm_head="output.weight" not in g,
             kv_elements_per_position=n_head_kv * (key_len + value_len),
             deltanet_state_bytes=conv_bytes + ssm_bytes,
             conv_state_bytes=conv_bytes,
@@ -309,6 +313,7 @@ def stage_memory(facts: ModelFacts, sizing: Sizing, first: int, end: int) -> Mem
     weights = sum(facts.layer_weight_bytes[first:end])
     weights += facts.head_weight_bytes if first == 0 else 0
     weights += facts.tail_weight_bytes if end == facts.n_layer else 0
+    weights -= both_ends_shared_bytes(facts) if first == 0 and end == facts.n_layer else 0
     scratch = scratch_bytes(facts, sizing) + (logits_bytes(facts, sizing) if end == facts.n_layer else 0)
     return Memory(weights, kv, dn, snaps, scratch, int(sizing.reserve_gib * GIB))
 
@@ -324,6 +329,11 @@ def scratch_bytes(facts: ModelFacts, sizing: Sizing) -> int:
 def logits_bytes(facts: ModelFacts, sizing: Sizing) -> int:
     """The last stage's f32 logits for every row of a chunk."""
     return 4 * max(sizing.chunk, sizing.slots) * facts.vocab
+
+
+def both_ends_shared_bytes(facts: ModelFacts) -> int:
+    """A single stage with a tied LM head holds token_embd once, not as embedding and head."""
+    return facts.head_weight_bytes if facts.tied_lm_head else 0
 
 
 def fixed_bytes(facts: ModelFacts, sizing: Sizing) -> int:
@@ -371,6 +381,7 @@ class Problem:
     capacity: Sequence[int]
     fixed_mem: Sequence[int]
     speed: Sequence[float]
+    shared_end_mem: int = 0  # counted once less when one stage holds both ends
 
     def __post_init__(self) -> None:
         self._cost_prefix = _prefix(self.layer_cost)
@@ -386,7 +397,8 @@ class Problem:
 
     def mem(self, d: int, a: int, b: int) -> int:
         m = self.fixed_mem[d] + self._mem_prefix[b] - self._mem_prefix[a]
-        return m + (self.head_mem if a == 0 else 0) + (self.tail_mem if b == self.n_layer else 0)
+        m += (self.head_mem if a == 0 else 0) + (self.tail_mem if b == self.n_layer else 0)
+        return m - (self.shared_end_mem if a == 0 and b == self.n_layer else 0)
 
     def time(self, d: int, a: int, b: int) -> float:
         c = self._cost_prefix[b] - self._cost_prefix[a]
@@ -516,6 +528,7 @@ class Plan:
     bottleneck: float  # the slowest stage's time
     total_time: float  # sum of stage times: single-stream latency per token
     ideal: float  # Σ costs / Σ speeds: the bottleneck of a perfectly divisible model
+    speed_only: float  # the best bottleneck were memory unlimited: below `bottleneck` = memory-bound
     commands: list[str] = field(default_factory=list)
 
 
@@ -577,7 +590,9 @@ def plan(
         )
     all_cost = sum(costs.layer) + costs.head + costs.tail
     ideal = all_cost / sum(dev.speed for dev in devs)
-    result = Plan(os.fspath(facts.path), facts, sizing, costs, stages, max(times), total, ideal)
+    unlimited = dataclasses.replace(problem, capacity=[math.inf] * len(devs))
+    speed_only = bottleneck(unlimited, solve(unlimited))
+    result = Plan(os.fspath(facts.path), facts, sizing, costs, stages, max(times), total, ideal, speed_only)
     result.commands.extend(launch_commands(result))
     return result
 
@@ -599,6 +614,7 @@ def _problem(facts: ModelFacts, sizing: Sizing, costs: Costs, devs: Sequence[Dev
         capacity=[d.mem_bytes for d in devs],
         fixed_mem=[fixed_bytes(facts, sizing)] * len(devs),
         speed=[d.speed for d in devs],
+        shared_end_mem=both_ends_shared_bytes(facts),
     )
 
 
@@ -724,6 +740,10 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
+def _cost(costs: Costs, value: float) -> str:
+    return f"{value / GIB:.3f}" if costs.unit == "bytes" else f"{1e3 * value:.3f}"
+
+
 def format_plan(p: Plan) -> str:
     f, s = p.facts, p.sizing
     n_attn, n_dn = f.kinds.count("attention"), f.kinds.count("deltanet")
@@ -733,6 +753,7 @@ def format_plan(p: Plan) -> str:
         else f"{s.snapshot_count()} per stage (each a slot's full state at ctx)"
     )
     unit = "bytes read per token" if p.costs.unit == "bytes" else "measured seconds per token on this adapter"
+    cost_head = "GiB/token" if p.costs.unit == "bytes" else "ms/token"
     lines = [
         f"model: {p.model} ({f.arch}, {f.n_layer} layers: {n_attn} attention, {n_dn} DeltaNet"
         + (f"; {f.n_mtp} MTP skipped" if f.n_mtp else "")
@@ -741,7 +762,7 @@ def format_plan(p: Plan) -> str:
         f"element, the engine's f32 unless told); snapshots {snaps}; reserve {s.reserve_gib:g} GiB per device",
         f"cost model: {unit}; stage time = cost / REL_SPEED",
         "",
-        f"{'stage':<7}{'device':<18}{'speed':>6}  {'layers':<8}{'attn/DN':>8}  {'time share':>10}",
+        f"{'stage':<7}{'device':<18}{'speed':>6}  {'layers':<8}{'attn/DN':>8}{cost_head:>12}  {'time share':>10}",
     ]
     for d, st in enumerate(p.stages):
         role = "head" if d == 0 else f"w{d}"
@@ -752,7 +773,7 @@ def format_plan(p: Plan) -> str:
         )
         lines.append(
             f"{role:<7}{str(st.device):<18}{st.device.speed:>6g}  {st.layers:<8}"
-            f"{f'{st.n_attention}/{st.n_deltanet}':>8}  {100 * st.share:>9.1f}%{mark}"
+            f"{f'{st.n_attention}/{st.n_deltanet}':>8}{_cost(p.costs, st.cost):>12}  {100 * st.share:>9.1f}%{mark}"
         )
     if p.costs.unit == "s":
         lines.append(
@@ -763,6 +784,13 @@ def format_plan(p: Plan) -> str:
         f"balance: slowest stage {p.bottleneck / p.ideal:.3f}× the ideal (Σ cost / Σ speed, a perfectly "
         "divisible model); contiguous ranges, each device at least one layer"
     )
+    if p.bottleneck > p.speed_only * (1 + TIME_RTOL):
+        full = [f"{st.device} ({_gib(st.free)} GiB free)" for st in p.stages if st.free < 2 * GIB]
+        lines.append(
+            f"memory-bound: with unlimited memory the slowest stage would be {p.bottleneck / p.speed_only:.2f}× "
+            f"faster; more memory on {', '.join(full) or 'the fuller devices'} would let "
+            f"{'it' if len(full) == 1 else 'them'} take more layers"
+        )
     lines += [
         "",
         "memory per device (GiB):",
