@@ -287,6 +287,23 @@ def test_non_hybrid_model_is_refused(tmp_path) -> None:
         qp.ModelFacts.from_gguf(path)
 
 
+def test_bad_metadata_is_a_plan_error(tmp_path, capsys) -> None:
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), arch="qwen3next")
+    w.add_block_count(4)
+    w.add_full_attention_interval(0)
+    w.add_tensor_info("token_embd.weight", (8, 4), np.dtype(np.float32), 128)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(qp.PlanError, match="unusable metadata: .*full_attention_interval"):
+        qp.ModelFacts.from_gguf(path)
+    assert qp.main([str(path), "--device", "a:8", "--ctx", "64", "--slots", "1"]) == 2
+    assert qp.main([str(tmp_path / "missing.gguf"), "--device", "a:8", "--ctx", "64", "--slots", "1"]) == 2
+    assert "unusable metadata" in capsys.readouterr().err
+
+
 def test_mtp_layers_are_not_planned(tmp_path) -> None:
     s = dict(TINY, arch="qwen35moe", L=4, mtp=1)
     path = tmp_path / "mtp.gguf"

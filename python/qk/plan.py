@@ -150,6 +150,16 @@ class ModelFacts:
 
     @classmethod
     def from_model(cls, g: Any) -> ModelFacts:
+        """From a ``qk.Gguf`` (header only is enough); ``PlanError`` on metadata it cannot use."""
+        try:
+            return cls._from_model(g)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, PlanError):
+                raise
+            raise PlanError(f"{g.path}: unusable metadata: {e}") from None
+
+    @classmethod
+    def _from_model(cls, g: Any) -> ModelFacts:
         arch = g.arch
         if not arch:
             raise PlanError(f"{g.path}: no general.architecture")
@@ -566,7 +576,7 @@ def plan(
     except PlanError as e:
         if not e.shortfall_gib:
             raise
-        raise _named_refusal(facts, sizing, devs, problem, e) from None
+        raise _named_refusal(facts, sizing, devs, e) from None
 
     stages = []
     times = [problem.time(d, bounds[d], bounds[d + 1]) for d in range(len(devs))]
@@ -618,9 +628,8 @@ def _problem(facts: ModelFacts, sizing: Sizing, costs: Costs, devs: Sequence[Dev
     )
 
 
-def _named_refusal(
-    facts: ModelFacts, sizing: Sizing, devs: Sequence[Device], p: Problem, e: PlanError
-) -> PlanError:
+def _named_refusal(facts: ModelFacts, sizing: Sizing, devs: Sequence[Device], e: PlanError) -> PlanError:
+    """``solve``'s refusal (shortfalls by stage index) told in device names, with what to change."""
     short = {
         str(devs[int(k)]) + (f"#{k}" if sum(str(x) == str(devs[int(k)]) for x in devs) > 1 else ""): v
         for k, v in e.shortfall_gib.items()
