@@ -768,7 +768,7 @@ def format_plan(p: Plan) -> str:
         + (f"; {f.n_mtp} MTP skipped" if f.n_mtp else "")
         + ")",
         f"sizing: ctx {s.ctx} per slot × {s.slots} slot(s); KV {s.kv_type} ({KV_TYPE_BYTES[s.kv_type]:g} B per "
-        f"element, the engine's f32 unless told); snapshots {snaps}; reserve {s.reserve_gib:g} GiB per device",
+        f"element; the default f32 is what the engine stores); snapshots {snaps}; reserve {s.reserve_gib:g} GiB per device",
         f"cost model: {unit}; stage time = cost / REL_SPEED",
         "",
         f"{'stage':<7}{'device':<18}{'speed':>6}  {'layers':<8}{'attn/DN':>8}{cost_head:>12}  {'time share':>10}",
@@ -813,7 +813,10 @@ def format_plan(p: Plan) -> str:
             f"{_gib(m.scratch):>8}{_gib(m.reserve):>8}{_gib(m.total):>8}{_gib(st.device.mem_bytes):>9}"
             f"{_gib(st.free):>7}"
         )
-    lines += ["", "launch (the model file at the same path on every machine; workers first, any order):"]
+    lines += [
+        "",
+        "launch (the model file at the same path on every machine; any order, the head connects lazily):",
+    ]
     if len(p.stages) > 1:
         lines.append(
             "  export QK_SECRET=...   # the same secret on every machine: "
