@@ -17,9 +17,9 @@ Memory of a stage (all formulas per device; ``GiB`` = 2**30 bytes):
   ``B_kv`` the bytes of one KV element (``--kv-type``, default f32 = 4: the engine stores f32 K/V).
 * DeltaNet state: per Gated DeltaNet layer per slot, conv ``(K−1) · conv_dim · 4`` plus
   S ``nv · dk · dv · 4`` (conv_dim = 2·nk·dk + nv·dv).
-* snapshots (cross-turn reuse, mirrored on every stage): ``--snapshots N`` entries, each a slot's full
-  state for the stage's layers at the worst case (KV for all ctx positions + conv + S); or a flat
-  ``--snapshot-gib G`` per stage.
+* snapshots (cross-turn reuse, mirrored on every stage): ``--snapshots N`` entries (default: one per
+  slot), each a slot's full state for the stage's layers at the worst case (KV for all ctx positions
+  + conv + S); or a flat ``--snapshot-gib G`` per stage.
 * scratch (an estimate of the engine's activation buffers for one prefill chunk): with
   ``rows = max(chunk, slots)`` (chunk = 64, the DeltaNet chunk),
   ``4 · rows · (4·n_embd + 2·conv_dim + 2·nv + 3·nv·dv + 4·H·hd + 2·Hkv·hd + E + 2·k + 3·k·ff_exp
@@ -36,7 +36,9 @@ full, and the routed experts' tensors times k/E; the head adds one embedding row
 LM head and final norm. ``--measure`` replaces the costs with times measured on the local adapter
 through ``qk.Engine`` (one layer of each kind, and the LM head).
 
-The planner is exact: it first finds the smallest possible bottleneck (the slowest stage's time) by
+Every device gets at least one layer (a device that would slow the chain down is not dropped:
+leave it out of the list). Network hops and per-frame overheads are not in the model. The planner
+is exact: it first finds the smallest possible bottleneck (the slowest stage's time) by
 dynamic programming over the stage boundaries, then, among the layouts reaching it, the one with the
 smallest sum of stage times (the single-stream latency of a token). A layout that cannot fit is
 refused with the shortfall of each device in the layout that comes closest (smallest largest
