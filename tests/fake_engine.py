@@ -42,6 +42,9 @@ class FakeEngine:
         self.banned = np.zeros(n_vocab, dtype=bool)
         self.banned[list(banned)] = True
         self.calls: list[tuple[str, object]] = []
+        #: Each slot's history at the end of its latest prefill (the prompt, as the engine saw it).
+        self.prompts: list[list[int]] = [[] for _ in range(slots)]
+        self.last_slot = 0
         self.fail_with: BaseException | None = None
         #: Set while a step runs (lets tests hold the engine mid-generation).
         self.gate = threading.Event()
@@ -96,6 +99,8 @@ class FakeEngine:
             for t in tokens:
                 self.history[slot].append(t)
                 ids.append(self._next(slot, 0)[0])
+            self.prompts[slot] = list(self.history[slot])
+            self.last_slot = slot
             if self.script is not None:
                 reply = self.script(list(self.history[slot]))
                 if reply is not None:
@@ -146,7 +151,9 @@ def tiny_tokenizer(arch: str = "qwen3next"):
                 "tokenizer.ggml.bos_token_id": vocab.bos_id,
                 "tokenizer.ggml.eos_token_id": vocab.eos_id,
                 "tokenizer.ggml.padding_token_id": vocab.pad_id,
-                "tokenizer.chat_template": CHAT_TEMPLATE_QWEN3 if arch == "qwen3next" else CHAT_TEMPLATE_QWEN35,
+                "tokenizer.chat_template": CHAT_TEMPLATE_QWEN3
+                if arch == "qwen3next"
+                else CHAT_TEMPLATE_QWEN35,
             }
         )
     return _TOKENIZERS[arch]
@@ -189,6 +196,10 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
+        import httpx
+
+        # One pooled client: a fresh httpx client per call costs ~0.15 s (TLS context set-up).
+        self.http = httpx.Client(base_url=self.url, timeout=30)
         self._wait_started()
         if wait_ready:
             self.wait_health(200)
@@ -208,11 +219,9 @@ class LiveServer:
         """Poll /health until it answers ``status`` (the fake engine loads in milliseconds)."""
         import time
 
-        import httpx
-
         end = time.monotonic() + timeout
         while True:
-            got = httpx.get(self.url + "/health", timeout=5).status_code
+            got = self.http.get("/health").status_code
             if got == status:
                 return
             if time.monotonic() > end:
@@ -220,6 +229,7 @@ class LiveServer:
             threading.Event().wait(0.02)
 
     def close(self) -> None:
+        self.http.close()
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()

@@ -231,8 +231,12 @@ class Scheduler:
                 raise ShuttingDownError("the server is shutting down")
             if self.state != "ready":
                 raise DeviceUnavailableError(self._unavailable_reason())
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self._waiting)} requests are already waiting for a slot")
+            # Jobs in the deque that a free slot is about to take are not queued behind anyone.
+            free = sum(job is None for job in self._slots)
+            if len(self._waiting) - free >= self.max_queue:
+                raise QueueFullError(
+                    f"all {self.n_slots} slots are busy and {self.max_queue} requests already wait"
+                )
             job = Job(request, asyncio.get_running_loop())
             self._waiting.append(job)
             self._cond.notify()

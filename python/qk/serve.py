@@ -68,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=1, help="concurrent sequences decoded together")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help="context length per slot")
     p.add_argument("--device", help="GPU index or name")
-    p.add_argument("--api-key", default=os.environ.get("QK_API_KEY"), help="required on every route but /health")
+    p.add_argument(
+        "--api-key", default=os.environ.get("QK_API_KEY"), help="required on every route but /health"
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 529/429")
     p.add_argument("--alias", help="model name reported by the API (default: the file name)")
     p.add_argument("--log-level", default="info")
@@ -80,7 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     import uvicorn
 
     from qk.server import create_app
@@ -111,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     # uvicorn's own SIGTERM handling is the drain: it stops accepting, lets open responses finish,
     # then runs the lifespan shutdown (which waits for the engine thread).
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=None)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=None
+    )
     return 0
 
 
