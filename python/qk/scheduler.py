@@ -288,11 +288,15 @@ class Scheduler:
             try:
                 self._turn()
             except BaseException as exc:
-                self._fail_everything(exc)
-                if isinstance(exc, self._device_lost_errors):
+                # Every job must end, whatever broke.
+                lost = isinstance(exc, self._device_lost_errors)
+                if lost:
+                    # Before the jobs hear of it, so no new request slips in after their failure.
                     self.load_error = exc
                     self.state = "device_lost"
                     log.error("GPU device lost: %s; /health now answers 503", exc)
+                self._fail_everything(exc)
+                if lost:
                     return
         self.state = "stopped"
 

@@ -16,7 +16,9 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = ["demo_model_path", "main"]
 
@@ -80,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM. ``load`` replaces the engine loader (tests)."""
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -89,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from qk.server import create_app
 
-    if args.model:
+    if load is not None:
+        name = args.alias or "custom"
+    elif args.model:
         path = Path(args.model)
         if not path.exists():
             print(f"qk.serve: no such model file: {path}", file=sys.stderr)
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach the port can use it", args.host)
     app = create_app(
-        _loader(path, args.slots, args.ctx, args.device, name),
+        load or _loader(path, args.slots, args.ctx, args.device, name),
         slots=args.slots,
         ctx=args.ctx,
         api_key=args.api_key,
