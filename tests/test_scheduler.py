@@ -216,3 +216,20 @@ def test_sampled_requests_are_seeded():
         scheduler.drain(5)
 
     asyncio.run(main())
+
+
+def test_sampled_request_logs_slot_temperature_top_p_seed(caplog):
+    async def main():
+        _, scheduler = make(slots=1)
+        await ready(scheduler)
+        with caplog.at_level("INFO", logger="qk.scheduler"):
+            await run_job(scheduler.submit(request([1], 2, temperature=0.7, top_p=0.9, seed=1234)))
+            await run_job(scheduler.submit(request([1], 2)))
+        scheduler.drain(5)
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "seed" in r.getMessage()]
+    # One line for the sampled request, none for the greedy one.
+    assert len(lines) == 1 and all(
+        s in lines[0] for s in ("slot 0", "temperature 0.7", "top_p 0.9", "seed 1234")
+    )

@@ -429,3 +429,39 @@ def test_api_key_required_except_health():
         assert server.http.get("/metrics", headers={"authorization": "Bearer s3cret"}).status_code == 200
     finally:
         server.close()
+
+
+def test_thinking_disabled_closes_the_think_block(thinking):
+    server, engine, tok = thinking
+    m = client(server).messages.create(
+        model="x",
+        max_tokens=4,
+        thinking={"type": "disabled"},
+        messages=[{"role": "user", "content": "hello"}],
+    )
+    assert tok.decode(engine.prompts[engine.last_slot]).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert all(b.type != "thinking" for b in m.content)
+
+
+def test_pings_while_prefill_is_slow():
+    tok = tiny_tokenizer()
+    engine = FakeEngine(tok.vocab_size, slots=1)
+    server = LiveServer(make_app(engine, tok, slots=1, keepalive_s=0.05))
+    try:
+        engine.gate.clear()
+        import threading
+
+        # Release the engine after a few keep-alive periods.
+        threading.Timer(0.5, engine.gate.set).start()
+        events = sse_events(
+            server,
+            {"model": "x", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "a"}]},
+        )
+        check_order(events)
+        first_block = next(i for i, e in enumerate(events) if e["type"] == "content_block_start")
+        assert sum(e["type"] == "ping" for e in events[:first_block]) >= 3
+    finally:
+        engine.gate.set()
+        server.close()
