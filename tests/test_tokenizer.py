@@ -285,6 +285,10 @@ def test_rejects_unsupported_metadata(metadata: dict[str, dict[str, Any]]) -> No
         Tokenizer.from_metadata({k: v for k, v in base.items() if k != "tokenizer.ggml.merges"})
     with pytest.raises(TokenizerError, match="separating space"):
         Tokenizer(["a", "b"], [1, 1], ["ab"], "qwen2")
+    with pytest.raises(TokenizerError, match="not in the vocabulary"):
+        Tokenizer(["a", "b"], [1, 1], ["a b"], "qwen2")
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        Tokenizer(["a", "b"], [1, 1], [], "qwen2", eog_ids=[2])
     with pytest.raises(TokenizerError, match="token types"):
         Tokenizer(["a", "b"], [1], [], "qwen2")
     # An out-of-range special id is dropped (llama.cpp: "bad special token"), not trusted.
@@ -304,12 +308,20 @@ def test_rejects_unsupported_metadata(metadata: dict[str, dict[str, Any]]) -> No
         Tokenizer.from_metadata({**tiny, "tokenizer.ggml.eos_token_id": "3"})
 
 
-def test_from_gguf_reads_the_header(llama_cpp_src: Path, tokenizers: dict[str, Tokenizer]) -> None:
+def test_from_gguf_reads_the_header(
+    llama_cpp_src: Path, metadata: dict[str, dict[str, Any]], tokenizers: dict[str, Tokenizer]
+) -> None:
     try:
-        from qk import Gguf  # noqa: F401  (qk.Gguf lands from the gguf branch)
-    except (ImportError, AttributeError):
-        pytest.skip("qk.Gguf is not available in this build yet")
-    tok = Tokenizer.from_gguf(vocab_path(llama_cpp_src, "qwen35"))
+        from qk import Gguf
+    except ImportError:
+        pytest.skip("qk._qk is not built (maturin develop)")
+    path = vocab_path(llama_cpp_src, "qwen35")
+    # qk.Gguf and this file's reader agree on every tokenizer key.
+    native = Gguf(path, header_only=True).metadata
+    assert {k: v for k, v in native.items() if k.startswith("tokenizer.")} == {
+        k: v for k, v in metadata["qwen35"].items() if k.startswith("tokenizer.")
+    }
+    tok = Tokenizer.from_gguf(path)
     assert tok.pre == "qwen35" and tok.vocab_size == tokenizers["qwen35"].vocab_size
     text = "Hello, y'all! How are you 😁 ?我想在apple工作1314151天～"
     assert tok.encode(text) == tokenizers["qwen35"].encode(text)

@@ -229,16 +229,33 @@ def test_xml_tolerates_missing_closers_and_python_literals() -> None:
     assert args(parse(text, ToolFormat.QWEN_XML)) == [("run", {}), ("get_weather", {})]
 
 
-def test_xml_streams_one_parameter_at_a_time() -> None:
+def test_xml_streams_strings_as_they_come_and_typed_values_whole() -> None:
     parser = ReplyParser(ToolFormat.QWEN_XML, tools=TOOLS, new_call_id=counter_ids())
     assert parser.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar") == [
-        ToolCallStart(0, "call_0", "get_weather")
+        ToolCallStart(0, "call_0", "get_weather"),
+        ToolCallDelta(0, '{"city": "'),
+        ToolCallDelta(0, "Par"),
     ]
-    assert parser.feed("is\n</parameter>\n<parameter=days>\n2\n</parameter>\n") == [
-        ToolCallDelta(0, '{"city": "Paris"'),
+    assert parser.feed("is\n</parameter>\n<parameter=days>\n2\n</param") == [ToolCallDelta(0, 'is"')]
+    assert parser.feed("eter>\n</function>\n</tool_call>") == [
         ToolCallDelta(0, ', "days": 2'),
+        ToolCallDelta(0, "}"),
+        ToolCallEnd(0),
     ]
-    assert parser.feed("</function>\n</tool_call>") == [ToolCallDelta(0, "}"), ToolCallEnd(0)]
+
+
+def test_xml_string_fragments_hold_the_closing_newline() -> None:
+    parser = ReplyParser(ToolFormat.QWEN_XML, tools=TOOLS, new_call_id=counter_ids())
+    parser.feed("<tool_call>\n<function=run>\n<parameter=cmd>\n")
+    # The newline may be the one the format puts before </parameter>: held until text follows.
+    assert parser.feed('echo "a"\n') == [ToolCallDelta(0, 'echo \\"a\\"')]
+    assert parser.feed("ls\n</para") == [ToolCallDelta(0, "\\nls")]
+    assert parser.feed("meter>\n</function>\n</tool_call>") == [
+        ToolCallDelta(0, '"'),
+        ToolCallDelta(0, "}"),
+        ToolCallEnd(0),
+    ]
+    assert parser.result().tool_calls[0].arguments == {"cmd": 'echo "a"\nls'}
 
 
 def test_xml_malformed_degrades_to_text() -> None:
@@ -261,6 +278,13 @@ def test_hermes_json_under_an_xml_template_still_parses() -> None:
 def test_reasoning_block_in_output() -> None:
     reply = parse("<think>\nStep 1.\nStep 2.\n</think>\n\nThe answer is 4.", ToolFormat.HERMES)
     assert (reply.reasoning, reply.content) == ("Step 1.\nStep 2.", "The answer is 4.")
+
+
+def test_think_tag_after_answer_text_is_text() -> None:
+    text = "Wrap it in <think> tags.\n<think>x</think>"
+    assert parse(text, ToolFormat.HERMES) == ParsedReply(content=text)
+    # Whitespace before the block does not count as answer text.
+    assert parse("\n <think>r</think>a", ToolFormat.HERMES) == ParsedReply(content="a", reasoning="r")
 
 
 def test_output_that_starts_inside_reasoning() -> None:
@@ -295,6 +319,14 @@ SAMPLES = [
     ("reason </thin> more\n\n</think>\n\n" + XML_CALL, ToolFormat.QWEN_XML, True),
     ("<tool_call>\nbroken\n</tool_call> tail <tool_call", ToolFormat.HERMES, False),
     ('<tool_call>\n{"name": "run", "arguments": {"cmd": "x</tool_call>"', ToolFormat.HERMES, False),
+    (
+        '<tool_call>\n<function=run>\n<parameter=cmd>\n\n"quoted" </para <parameter\n\n\n</parameter>\n'
+        "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=note>\nnull\n"
+        "<parameter=city>\nOslo</function></tool_call>",
+        ToolFormat.QWEN_XML,
+        False,
+    ),
+    ("<tool_call>\n<function=run>\n<parameter=cmd>\nabc\n", ToolFormat.QWEN_XML, False),
 ]
 
 

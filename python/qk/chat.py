@@ -4,13 +4,15 @@ The template text decides everything model-specific (tool prompt, tool-call synt
 scaffold); this module supplies what HF-style templates expect around it (``tojson``,
 ``raise_exception``, ``strftime_now``, OpenAI-shaped messages and tools) and reports what the
 rendered prompt implies for parsing the reply: whether output starts inside ``<think>`` and which
-tool-call format to expect. A GGUF without a template gets a built-in Qwen ChatML one.
+tool-call format to expect. Special-token spellings inside message text (a user typing
+``<|im_end|>``, a tool result quoting ``</tool_response>``) are tracked through rendering so that
+they tokenise as text. A GGUF without a template gets a built-in Qwen ChatML one.
 
 Example::
 
     template = ChatTemplate.from_tokenizer(tok)
     prompt = template.render([{"role": "user", "content": "Hi"}], tools=tools)
-    ids = tok.encode(prompt.text, special=True)
+    ids = prompt.token_ids(tok)      # message text never becomes control tokens
     parser = prompt.reply_parser(tools)
 """
 
@@ -19,7 +21,9 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import json
-from collections.abc import Mapping, Sequence
+import re
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -103,6 +107,12 @@ class RenderedPrompt:
     starts_in_reasoning: bool
     #: How the model writes tool calls (read from the template text).
     tool_format: ToolFormat
+    #: Character ranges of special-token spellings that came from message text, not the template.
+    literal_spans: tuple[tuple[int, int], ...] = ()
+
+    def token_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The prompt's ids: template tokens as special tokens, message text as plain text."""
+        return tokenizer.encode(self.text, special=True, literal_spans=self.literal_spans)
 
     def reply_parser(self, tools: Sequence[Mapping[str, Any]] | None = None) -> ReplyParser:
         """A fresh streaming parser for the model's reply to this prompt."""
@@ -146,15 +156,18 @@ def _text_of(content: Any) -> Any:
 
 
 def _normalise_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    if "role" not in message:
-        raise ChatTemplateError("every message needs a 'role'")
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise ChatTemplateError("every message must be an object with a string 'role'")
     out = dict(message)
     out["content"] = _text_of(message.get("content"))
     # Qwen templates read `reasoning_content` (llama.cpp's name); vLLM's newer name is `reasoning`.
     if out.get("reasoning_content") is None and isinstance(message.get("reasoning"), str):
         out["reasoning_content"] = message["reasoning"]
     if message.get("tool_calls"):
-        out["tool_calls"] = [_normalise_tool_call(call) for call in message["tool_calls"]]
+        calls = message["tool_calls"]
+        if not isinstance(calls, list) or not all(isinstance(c, Mapping) for c in calls):
+            raise ChatTemplateError("'tool_calls' must be a list of objects")
+        out["tool_calls"] = [_normalise_tool_call(call) for call in calls]
     return out
 
 
@@ -177,11 +190,37 @@ def _normalise_tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _normalise_tool(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Tools in OpenAI's shape, the one Qwen templates print and the models were trained on;
+    Anthropic's ``{name, description, input_schema}`` is converted."""
+    if not isinstance(tool, Mapping):
+        raise ChatTemplateError("every tool must be an object")
+    if "function" in tool or "input_schema" not in tool:
+        return tool
+    function: dict[str, Any] = {"name": tool.get("name")}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    function["parameters"] = tool["input_schema"]
+    return {"type": "function", "function": function}
+
+
 class ChatTemplate:
     """A compiled chat template with the tokens and capabilities it was built with."""
 
-    def __init__(self, source: str | None, *, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(
+        self,
+        source: str | None,
+        *,
+        bos_token: str = "",
+        eos_token: str = "",
+        special_tokens: Iterable[str] = (),
+    ) -> None:
         self.source = source if source else FALLBACK_TEMPLATE
+        # Spellings of special tokens to keep literal where they occur in message text (the
+        # tokenizer's control and user-defined tokens); longest first so that overlaps resolve as
+        # the tokenizer would.
+        texts = sorted({t for t in special_tokens if t}, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
         self.is_fallback = not source
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -199,7 +238,10 @@ class ChatTemplate:
             return tokenizer.tokens[token_id] if token_id is not None else ""
 
         return cls(
-            tokenizer.chat_template, bos_token=text_of(tokenizer.bos_id), eos_token=text_of(tokenizer.eos_id)
+            tokenizer.chat_template,
+            bos_token=text_of(tokenizer.bos_id),
+            eos_token=text_of(tokenizer.eos_id),
+            special_tokens=tokenizer.special_tokens,
         )
 
     def render(
@@ -216,16 +258,18 @@ class ChatTemplate:
 
         ``messages``: ``{"role", "content", "reasoning_content"?, "tool_calls"?: [{"id",
         "type": "function", "function": {"name", "arguments"}}], "tool_call_id"?}``; ``tools``:
-        ``[{"type": "function", "function": {"name", "description", "parameters"}}]``.
+        ``[{"type": "function", "function": {"name", "description", "parameters"}}]`` (Anthropic's
+        ``{"name", "description", "input_schema"}`` is accepted and converted).
         ``enable_thinking=None`` leaves the template's default. ``continue_final_message`` renders
         the last (assistant) message open, so generation continues it (Anthropic prefill).
         """
         if not messages:
             raise ChatTemplateError("no messages to render")
-        normalised = [_normalise_message(m) for m in messages]
+        shield = _Shield(self._special_pattern)
+        normalised = shield.apply([_normalise_message(m) for m in messages])
         context: dict[str, Any] = {
             "messages": normalised,
-            "tools": list(tools) if tools else None,
+            "tools": shield.apply([_normalise_tool(t) for t in tools]) if tools else None,
             "add_generation_prompt": add_generation_prompt and not continue_final_message,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -242,7 +286,10 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed on this conversation: {exc}") from exc
         if continue_final_message:
             text = self._cut_after_final_message(text, normalised[-1])
-        return RenderedPrompt(text, prompt_ends_in_reasoning(text), self.tool_format)
+        # Judged before the message text is put back: a user's "<think>" opens nothing.
+        starts_in_reasoning = prompt_ends_in_reasoning(text)
+        text, spans = shield.restore(text)
+        return RenderedPrompt(text, starts_in_reasoning, self.tool_format, spans)
 
     @staticmethod
     def _cut_after_final_message(text: str, final: Mapping[str, Any]) -> str:
@@ -255,3 +302,50 @@ class ChatTemplate:
         if at < 0:
             raise ChatTemplateError("the template does not render the final message's text verbatim")
         return text[: at + len(stripped)]
+
+
+class _Shield:
+    """Swaps special-token spellings in message text for private placeholders while the template
+    runs, then puts them back and reports where they are, so that they tokenise as text.
+
+    Placeholders are private-use characters around a per-render nonce: no template logic keys on
+    them, and no input can forge one.
+    """
+
+    def __init__(self, pattern: re.Pattern[str] | None) -> None:
+        self._pattern = pattern
+        self._nonce = uuid.uuid4().hex[:16]
+        self._originals: list[str] = []
+        self._placeholder = re.compile("\ue000" + self._nonce + r"(\d+)\ue001")
+
+    def _hide(self, match: re.Match[str]) -> str:
+        self._originals.append(match.group(0))
+        return f"\ue000{self._nonce}{len(self._originals) - 1}\ue001"
+
+    def apply(self, value: Any) -> Any:
+        if self._pattern is None:
+            return value
+        if isinstance(value, str):
+            return self._pattern.sub(self._hide, value)
+        if isinstance(value, Mapping):
+            return {key: self.apply(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.apply(item) for item in value]
+        return value
+
+    def restore(self, text: str) -> tuple[str, tuple[tuple[int, int], ...]]:
+        if not self._originals:
+            return text, ()
+        pieces: list[str] = []
+        spans: list[tuple[int, int]] = []
+        length = cursor = 0
+        for match in self._placeholder.finditer(text):
+            before = text[cursor : match.start()]
+            original = self._originals[int(match.group(1))]
+            pieces += [before, original]
+            length += len(before)
+            spans.append((length, length + len(original)))
+            length += len(original)
+            cursor = match.end()
+        pieces.append(text[cursor:])
+        return "".join(pieces), tuple(spans)

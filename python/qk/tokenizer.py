@@ -189,6 +189,8 @@ class Tokenizer:
         # An EOG token that is not typed CONTROL is forced to CONTROL by llama.cpp ("control-looking
         # token"), so it is never spelled out by detokenisation without special=True.
         self.eog_ids: frozenset[int] = frozenset(eog_ids)
+        if any(not 0 <= i < len(self.tokens) for i in self.eog_ids):
+            raise TokenizerError(f"end-of-generation ids {sorted(self.eog_ids)} reach outside the vocabulary")
         for i in self.eog_ids:
             if self.token_types[i] not in (TokenType.CONTROL, TokenType.UNKNOWN):
                 self.token_types[i] = TokenType.CONTROL
@@ -199,7 +201,11 @@ class Tokenizer:
             cut = merge.find(" ", 1)
             if cut < 0:
                 raise TokenizerError(f"merge {i} ({merge!r}) has no separating space")
-            ranked_merges.append((merge[:cut], merge[cut + 1 :]))
+            left, right = merge[:cut], merge[cut + 1 :]
+            # HF's BPE builder panics (not raises) on a merge outside the vocabulary.
+            if left not in self._id_of or right not in self._id_of or left + right not in self._id_of:
+                raise TokenizerError(f"merge {i} ({merge!r}) joins or makes a token not in the vocabulary")
+            ranked_merges.append((left, right))
         self._special_texts = [
             text
             for text, kind in zip(self.tokens, self.token_types, strict=True)
@@ -303,12 +309,29 @@ class Tokenizer:
 
     # -- encode / decode ----------------------------------------------------------------------------
 
-    def encode(self, text: str, special: bool = False) -> list[int]:
+    def encode(
+        self, text: str, special: bool = False, literal_spans: Sequence[tuple[int, int]] = ()
+    ) -> list[int]:
         """Token ids of ``text``; with ``special=True`` control/user-defined token spellings become
         their single ids (for rendered chat prompts), otherwise everything is plain text. No BOS is
-        added (Qwen GGUFs set ``add_bos_token = false``; see ``add_bos``)."""
-        hf = self._with_specials if special else self._text_only
-        return hf.encode(text, add_special_tokens=False).ids
+        added (Qwen GGUFs set ``add_bos_token = false``; see ``add_bos``).
+
+        ``literal_spans`` (character ranges, with ``special=True``) are parts that came from
+        message text: a special-token spelling inside one is spelled out as text, so a user
+        cannot close a turn by typing ``<|im_end|>``. The rest tokenises as without them.
+        """
+        if not special:
+            return self._text_only.encode(text, add_special_tokens=False).ids
+        encoding = self._with_specials.encode(text, add_special_tokens=False)
+        if not literal_spans:
+            return encoding.ids
+        ids: list[int] = []
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets, strict=True):
+            if self.is_special(token_id) and any(a <= start and end <= b for a, b in literal_spans):
+                ids.extend(self._text_only.encode(text[start:end], add_special_tokens=False).ids)
+            else:
+                ids.append(token_id)
+        return ids
 
     def pre_tokenize(self, text: str) -> list[str]:
         """The pieces the pre-tokenizer regex cuts ``text`` into (BPE never merges across them)."""

@@ -256,10 +256,10 @@ def _partial_marker_length(buffer: str, markers: Sequence[str]) -> int:
     return longest
 
 
-def _earliest(buffer: str, markers: Sequence[str]) -> tuple[int, str] | None:
+def _earliest(buffer: str, markers: Sequence[str], start: int = 0) -> tuple[int, str] | None:
     found: tuple[int, str] | None = None
     for marker in markers:
-        at = buffer.find(marker)
+        at = buffer.find(marker, start)
         if at >= 0 and (found is None or at < found[0]):
             found = (at, marker)
     return found
@@ -270,6 +270,12 @@ _ARGUMENTS_VALUE = re.compile(r'"arguments"\s*:\s*\S')
 _FUNCTION_HEAD = re.compile(r"\s*<function=([^>\n]+)>\n?")
 _PARAMETER_HEAD = re.compile(r"\s*<parameter=([^>\n]+)>")
 _BROKEN_PARAMETER_HEAD = re.compile(r"\s*<parameter=[^>\n]*\n")
+
+
+# What ends an XML parameter value: its own close tag or, when the model forgot it, the next
+# parameter, the end of the function or of the block.
+_PARAMETER_TERMINATORS = (PARAMETER_CLOSE, PARAMETER_OPEN, FUNCTION_CLOSE, TOOL_CLOSE)
+_LONGEST_TERMINATOR = max(len(t) for t in _PARAMETER_TERMINATORS)
 
 
 class _Mode(enum.Enum):
@@ -313,6 +319,7 @@ class ReplyParser:
         self._trim_reasoning_start = starts_in_reasoning
         self._calls_started = 0
         self._call: _CallState | None = None
+        self._answer_started = False
 
     # -- public API -----------------------------------------------------------------------------
 
@@ -353,9 +360,13 @@ class ReplyParser:
 
     def _markers(self, mode: _Mode) -> list[str]:
         tools = [TOOL_OPEN] if self.tool_format is not ToolFormat.NONE else []
+        if mode is _Mode.TEXT:
+            # Reasoning comes first in a reply; once the answer has begun, "<think>" is just text
+            # (a model explaining the tag, say).
+            return tools if self._answer_started else [THINK_OPEN, *tools]
         # `<tool_call>` also ends reasoning: a model that starts a call has stopped thinking, and
         # swallowing the call into reasoning would lose it.
-        return [THINK_OPEN, *tools] if mode is _Mode.TEXT else [THINK_CLOSE, *tools]
+        return [THINK_CLOSE, *tools]
 
     def _advance(self, final: bool) -> None:
         while True:
@@ -382,11 +393,12 @@ class ReplyParser:
                     # Dropped if this is a call, given back if the block turns out to be text.
                     space, self._held_space = self._held_space, ""
                     self._start_block(space)
+                elif before.strip():
+                    # Text came first: this "<think>" belongs to the answer.
+                    self._emit_text(before + marker)
                 else:
-                    self._emit_text(before)
-                    if self._held_space:
-                        self._events.append(TextDelta(self._held_space))
-                        self._held_space = ""
+                    # Only whitespace before the block: nothing of the answer yet.
+                    self._held_space = ""
                     self._mode = _Mode.REASONING
                     self._trim_reasoning_start = True
             else:
@@ -414,6 +426,7 @@ class ReplyParser:
         self._held_space = combined[len(body) :]
         if body:
             self._events.append(TextDelta(body))
+            self._answer_started = True
 
     def _emit_reasoning(self, text: str) -> None:
         if self._trim_reasoning_start:
@@ -433,6 +446,7 @@ class ReplyParser:
         self._call = _CallState(space_before=space_before)
 
     def _begin_call(self, name: str) -> int:
+        self._answer_started = True
         index = self._calls_started
         self._calls_started += 1
         self._events.append(ToolCallStart(index, self._new_call_id(), name))
@@ -456,8 +470,9 @@ class ReplyParser:
         if call.index is not None:
             return self._advance_incremental(call, final)
         # Not (yet) recognisable as a streaming call: wait for the close tag and parse the block whole.
-        at = self._buffer.find(TOOL_CLOSE)
+        at = self._buffer.find(TOOL_CLOSE, max(0, call.scanned - len(TOOL_CLOSE) + 1))
         if at < 0:
+            call.scanned = len(self._buffer)
             return False
         block, rest = self._buffer[:at], self._buffer[at + len(TOOL_CLOSE) :]
         self._emit_whole_block(block)
@@ -544,16 +559,14 @@ class ReplyParser:
         while True:
             buffer = self._buffer
             if call.function_open:
+                if call.parameter is not None:
+                    if not self._advance_parameter(call, call.parameter, final):
+                        return False
+                    continue
                 param = _PARAMETER_HEAD.match(buffer)
                 if param is not None:
-                    body = buffer[param.end() :]
-                    end = _earliest(body, (PARAMETER_CLOSE, PARAMETER_OPEN, FUNCTION_CLOSE, TOOL_CLOSE))
-                    if end is None:
-                        return False
-                    at, marker = end
-                    self._emit_parameter(call, param.group(1).strip(), body[:at])
-                    skip = len(PARAMETER_CLOSE) if marker == PARAMETER_CLOSE else 0
-                    self._buffer = body[at + skip :]
+                    self._open_parameter(call, param.group(1).strip())
+                    self._buffer = buffer[param.end() :]
                     continue
                 stripped = buffer.lstrip()
                 if stripped.startswith(FUNCTION_CLOSE) or stripped.startswith(TOOL_CLOSE):
@@ -589,17 +602,61 @@ class ReplyParser:
                 continue
             return False
 
-    def _emit_parameter(self, call: _CallState, key: str, raw: str) -> None:
+    def _open_parameter(self, call: _CallState, key: str) -> None:
         assert call.index is not None and call.tool is not None
-        # The format puts the value on its own lines: one newline after the tag, one before the close.
-        if raw.startswith("\n"):
-            raw = raw[1:]
-        if raw.endswith("\n"):
-            raw = raw[:-1]
-        value = _typed_value(raw, self._schemas.get(call.tool, {}).get(key))
-        prefix = "{" if call.parameters == 0 else ", "
+        schema = self._schemas.get(call.tool, {}).get(key)
+        types = _schema_types(schema)
+        # A value that can only be a string is streamed as it comes (a long file body shows up
+        # progressively); any other waits for its end to be typed.
+        streams = (not types or "string" in types) and "null" not in types
+        head = ("{" if call.parameters == 0 else ", ") + _json(key) + ": "
         call.parameters += 1
-        self._events.append(ToolCallDelta(call.index, prefix + _json(key) + ": " + _json(value)))
+        call.parameter = _OpenParameter(key, schema, streams, head)
+        if streams:
+            self._events.append(ToolCallDelta(call.index, head + '"'))
+
+    def _advance_parameter(self, call: _CallState, param: _OpenParameter, final: bool) -> bool:
+        """Consume the open parameter's value; True once it ended (at one of its terminators, or
+        at the end of the reply when ``final``)."""
+        assert call.index is not None
+        buffer = self._buffer
+        # The format puts the value on its own lines: one newline after the tag, one before the close.
+        if not param.started and param.streams:
+            if not buffer:
+                return final and self._close_parameter(call, param, "")
+            param.started = True
+            if buffer.startswith("\n"):
+                buffer = self._buffer = buffer[1:]
+        search_from = max(0, param.scanned - (_LONGEST_TERMINATOR - 1))
+        end = _earliest(buffer, _PARAMETER_TERMINATORS, search_from)
+        if end is None and not final:
+            if param.streams:
+                ready = len(buffer) - _partial_marker_length(buffer, _PARAMETER_TERMINATORS)
+                if ready > 0 and buffer[ready - 1] == "\n":
+                    ready -= 1  # possibly the newline that precedes the closing tag
+                if ready > 0:
+                    self._events.append(ToolCallDelta(call.index, _json(buffer[:ready])[1:-1]))
+                    buffer = self._buffer = buffer[ready:]
+            param.scanned = len(buffer)
+            return False
+        at, marker = end if end is not None else (len(buffer), "")
+        self._buffer = buffer[at + (len(PARAMETER_CLOSE) if marker == PARAMETER_CLOSE else 0) :]
+        return self._close_parameter(call, param, buffer[:at])
+
+    def _close_parameter(self, call: _CallState, param: _OpenParameter, rest: str) -> bool:
+        assert call.index is not None
+        if not param.streams and rest.startswith("\n"):
+            rest = rest[1:]
+        if rest.endswith("\n"):
+            rest = rest[:-1]
+        if param.streams:
+            self._events.append(ToolCallDelta(call.index, _json(rest)[1:-1] + '"'))
+        else:
+            self._events.append(
+                ToolCallDelta(call.index, param.head + _json(_typed_value(rest, param.schema)))
+            )
+        call.parameter = None
+        return True
 
     def _end_function(self, call: _CallState) -> None:
         assert call.index is not None
@@ -616,9 +673,6 @@ class ReplyParser:
             self._emit_whole_block(self._buffer, closed=False)
         elif self.tool_format is ToolFormat.QWEN_XML:
             if call.function_open:
-                param = _PARAMETER_HEAD.match(self._buffer)
-                if param is not None:
-                    self._emit_parameter(call, param.group(1).strip(), self._buffer[param.end() :])
                 self._end_function(call)
         else:
             self._events.append(ToolCallEnd(call.index))
@@ -688,6 +742,19 @@ class _JsonValueScanner:
 
 
 @dataclass
+class _OpenParameter:
+    key: str
+    schema: Any
+    #: String-valued: streamed as JSON string fragments, else typed and sent whole at its end.
+    streams: bool
+    #: `{"key": ` or `, "key": `.
+    head: str
+    started: bool = False
+    #: How much of the buffer has been searched for a terminator already.
+    scanned: int = 0
+
+
+@dataclass
 class _CallState:
     index: int | None = None
     tool: str | None = None
@@ -696,11 +763,13 @@ class _CallState:
     arguments_done: bool = False
     function_open: bool = True
     parameters: int = 0
+    parameter: _OpenParameter | None = None
+    scanned: int = 0
     json_scanner: _JsonValueScanner = field(default_factory=_JsonValueScanner)
 
     def reset_function(self, index: int, tool: str) -> None:
         self.index, self.tool = index, tool
-        self.function_open, self.parameters = True, 0
+        self.function_open, self.parameters, self.parameter = True, 0, None
 
 
 def _parse_block_json(block: str) -> tuple[str, str] | None:
