@@ -52,7 +52,7 @@ class FakeEngine:
         self.lock = threading.Lock()
 
     def info(self) -> dict[str, object]:
-        return {"n_vocab": self.n_vocab, "n_ctx": self.ctx, "n_slots": self.slots, "fake": True}
+        return {"arch": "fake", "vocab": self.n_vocab, "ctx": self.ctx, "slots": self.slots}
 
     def _logits(self, history: Sequence[int]) -> np.ndarray:
         digest = hashlib.blake2b(np.asarray(history, dtype=np.int64).tobytes(), digest_size=8).digest()
@@ -107,7 +107,7 @@ class FakeEngine:
                     self._reply[slot] = (len(self.history[slot]), list(reply))
                     ids[-1] = self._next(slot, 0)[0]
             _, top = self._next(slot, topk)
-            return ids, (top if topk else None)
+            return ids, (top if topk else [])
 
     def step(self, slots: Sequence[int], tokens: Sequence[int], topk: int = 0):
         self.gate.wait()
@@ -124,7 +124,8 @@ class FakeEngine:
                     raise ValueError("context overflow")
                 self.history[slot].append(int(token))
                 greedy, top = self._next(slot, topk)
-                out.append((greedy, top if topk else None))
+                # The native engine's shape: each slot's result as stage_run's, ([id], top-k).
+                out.append(([greedy], top if topk else []))
             return out
 
 

@@ -66,7 +66,7 @@ def reference(prompt, n) -> list[int]:
     ids, _ = engine.stage_run(0, list(prompt), 0)
     out = [ids[-1]]
     while len(out) < n:
-        ((token, _),) = engine.step([0], [out[-1]])
+        (([token], _),) = engine.step([0], [out[-1]])
         out.append(token)
     return out
 

@@ -37,8 +37,8 @@ class EngineLike(Protocol):
       ``slot`` (``base == 0`` resets it, any other base must equal the slot's position) and returns
       ``(ids, topk)``: the greedy id of every position, and the final position's top-k pairs.
     * ``step(slots, tokens, topk=0)`` runs one position for several slots in one pass and returns,
-      per slot, ``(greedy_id, topk)``.
-    * ``info()`` describes the model and the engine (``n_vocab``, ``n_ctx``, ``n_slots``, …).
+      per slot, a result in ``stage_run``'s shape: ``([greedy_id], topk)``.
+    * ``info()`` describes the model and the engine (``arch``, ``vocab``, ``slots``, ``ctx``, …).
     """
 
     def stage_run(self, slot: int, tokens: Sequence[int], base: int, topk: int = 0) -> Any: ...
@@ -74,6 +74,17 @@ def _pairs(topk: Any) -> list[tuple[int, float]]:
     return [(int(i), float(x)) for i, x in topk]
 
 
+def _last_id(ids: Any) -> int:
+    """A step result's greedy id: qk.Engine returns each slot's result in stage_run's shape (a list
+    of one id); a bare int is accepted too."""
+    if isinstance(ids, int):
+        return ids
+    ids = list(ids)
+    if len(ids) != 1:
+        raise RuntimeError(f"step returned {len(ids)} ids for one position")
+    return int(ids[0])
+
+
 class LocalDriver:
     """One engine holding every layer: prefill is ``stage_run``, decode is ``step``."""
 
@@ -91,7 +102,7 @@ class LocalDriver:
         results = list(self.engine.step(list(slots), list(tokens), topk=topk))
         if len(results) != len(slots):
             raise RuntimeError(f"step returned {len(results)} results for {len(slots)} slots")
-        return [Next(int(token), _pairs(top) if topk else []) for token, top in results]
+        return [Next(_last_id(ids), _pairs(top) if topk else []) for ids, top in results]
 
     def info(self) -> Mapping[str, Any]:
         return dict(self.engine.info())
