@@ -50,13 +50,15 @@ def demo_model_path() -> Path:
 
 def _loader(path: Path, slots: int, ctx: int, device: str | None, name: str):
     def load():
-        import qk
+        # qk.engine (the native engine's Python home) rather than the lazy `qk.Engine` attribute,
+        # which the package root exports only once the engine is wired into it.
         from qk.driver import LocalDriver
+        from qk.engine import Engine
         from qk.server import Loaded
         from qk.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(path)
-        engine = qk.Engine(str(path), layers=None, slots=slots, ctx=ctx, device=device)
+        engine = Engine(str(path), layers=None, slots=slots, ctx=ctx, device=device)
         return Loaded(LocalDriver(engine), tokenizer, name, str(path))
 
     return load
