@@ -108,7 +108,7 @@ JSON = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(2**40), 2**40)
-    | st.floats(allow_nan=False)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=12,
@@ -149,7 +149,7 @@ GOOD = {
 }
 
 
-@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_bad_bodies_never_500(live, data):
     server, _, _ = live
@@ -175,7 +175,7 @@ def test_bad_bodies_never_500(live, data):
 
 
 @given(st.binary(max_size=40))
-@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_garbage_bytes_are_400(live, raw):
     server, _, _ = live
     for route in FIELDS:

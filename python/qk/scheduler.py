@@ -34,6 +34,7 @@ from qk.sampler import Sampler, SamplingParams
 
 __all__ = [
     "DeviceUnavailableError",
+    "EmptyPromptError",
     "Failed",
     "Finished",
     "GenerationRequest",
@@ -63,6 +64,10 @@ class ShuttingDownError(Exception):
 
 class DeviceUnavailableError(Exception):
     """The model is not loaded (still loading, failed to load, or the device was lost)."""
+
+
+class EmptyPromptError(ValueError):
+    """A request with no prompt tokens (nothing to continue from)."""
 
 
 class PromptTooLongError(ValueError):
@@ -224,7 +229,7 @@ class Scheduler:
     def submit(self, request: GenerationRequest) -> Job:
         """Queue a request (call on the event loop). Raises instead of queueing what cannot run."""
         if not request.prompt:
-            raise ValueError("the prompt is empty")
+            raise EmptyPromptError("the prompt is empty")
         self.check_prompt(len(request.prompt))
         with self._cond:
             if self._draining:

@@ -13,7 +13,13 @@ from typing import Any
 
 from qk.chat import ChatTemplateError
 from qk.sampler import SamplerError
-from qk.scheduler import DeviceUnavailableError, PromptTooLongError, QueueFullError, ShuttingDownError
+from qk.scheduler import (
+    DeviceUnavailableError,
+    EmptyPromptError,
+    PromptTooLongError,
+    QueueFullError,
+    ShuttingDownError,
+)
 
 __all__ = ["ApiStyle", "AuthError", "ErrorInfo", "NotFoundError", "RequestError", "error_body", "lookup"]
 
@@ -69,6 +75,7 @@ def _native_classes() -> dict[type[BaseException], ErrorInfo]:
 #: Exception class → how it is answered; the most derived matching class wins (MRO order).
 ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     PromptTooLongError: ErrorInfo(400, "invalid_request_error", 400, "invalid_request_error"),
+    EmptyPromptError: ErrorInfo(400, "invalid_request_error", 400, "invalid_request_error"),
     RequestError: ErrorInfo(400, "invalid_request_error", 400, "invalid_request_error"),
     ChatTemplateError: ErrorInfo(400, "invalid_request_error", 400, "invalid_request_error"),
     AuthError: ErrorInfo(401, "authentication_error", 401, "authentication_error"),
