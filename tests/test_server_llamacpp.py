@@ -253,3 +253,30 @@ def test_health_503_while_loading():
     finally:
         release.set()
         server.close()
+
+
+def test_engine_failure_mid_stream_is_an_error_event():
+    tok = tiny_tokenizer()
+    engine = FakeEngine(tok.vocab_size, slots=1, step_delay=0.002, banned=sorted(tok.eog_ids))
+    server = LiveServer(make_app(engine, tok, slots=1))
+    body = {"model": "x", "max_tokens": 500, "stream": True, "messages": [{"role": "user", "content": "a"}]}
+    try:
+        events = []
+        with server.http.stream("POST", "/v1/messages", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1]["type"] == "content_block_delta":
+                        engine.fail_with = RuntimeError("shader exploded")
+        # Tokens already sent stay sent; the stream ends with an error event, not a hang or a reset.
+        assert any(e["type"] == "content_block_delta" for e in events)
+        assert events[-1] == {
+            "type": "error",
+            "error": {"type": "api_error", "message": "internal server error"},
+        }
+        engine.fail_with = None
+        ok = server.http.post("/completion", json={"prompt": "b", "n_predict": 2}).json()
+        assert len(ok["tokens"]) == 2
+    finally:
+        server.close()

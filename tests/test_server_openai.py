@@ -192,3 +192,40 @@ def test_models_list_both_sdks(live):
     models = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0).models.list()
     assert [m.id for m in models.data] == ["qk-test"]
     assert server.http.get("/v1/models/nope").status_code == 404
+
+
+def test_queue_full_is_429_and_empty_prefill_turn_ignored():
+    import threading
+
+    tok = tiny_tokenizer()
+    engine = FakeEngine(tok.vocab_size, slots=1, banned=sorted(tok.eog_ids))
+    server = LiveServer(make_app(engine, tok, slots=1, max_queue=0))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        engine.gate.clear()
+        first = threading.Thread(
+            target=lambda: client.chat.completions.create(
+                model="x", max_tokens=2, messages=[{"role": "user", "content": "a"}]
+            )
+        )
+        first.start()
+        for _ in range(500):
+            if server.http.get("/slots").json()[0]["is_processing"]:
+                break
+            threading.Event().wait(0.01)
+        with pytest.raises(openai.RateLimitError) as err:
+            client.chat.completions.create(
+                model="x", max_tokens=2, messages=[{"role": "user", "content": "b"}]
+            )
+        assert err.value.status_code == 429 and err.value.body["type"] == "rate_limit_exceeded"
+        engine.gate.set()
+        first.join(10)
+        r = client.chat.completions.create(
+            model="x",
+            max_tokens=2,
+            messages=[{"role": "user", "content": "b"}, {"role": "assistant", "content": ""}],
+        )
+        assert r.usage.completion_tokens == 2
+    finally:
+        engine.gate.set()
+        server.close()

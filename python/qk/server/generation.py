@@ -264,6 +264,14 @@ def render_chat(
     if forced and not tools:
         raise RequestError("tool_choice forces a tool call but no tools were given")
     prompt_tools = tools if tools and tool_choice != "none" else None
+    last = messages[-1] if messages else {}
+    if (
+        last.get("role") == "assistant"
+        and not str(last.get("content") or "").strip()
+        and not last.get("tool_calls")
+    ):
+        # An empty assistant turn at the end prefills nothing: answer as if it were absent.
+        messages = messages[:-1]
     continue_final = bool(messages) and messages[-1].get("role") == "assistant" and not forced
     if forced and template.supports_thinking:
         enable_thinking = False
