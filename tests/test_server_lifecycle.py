@@ -127,3 +127,47 @@ def test_cli_defaults():
 
     args = serve.parse_args([])
     assert args.ctx >= 32768 and args.host == "127.0.0.1" and args.port == 8080 and args.model is None
+
+
+def test_missing_model_file_exits_2(tmp_path, capsys):
+    from qk import serve
+
+    assert serve.main(["--model", str(tmp_path / "nope.gguf")]) == 2
+    assert "no such model file" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_demo_serves_through_the_real_engine(tmp_path):
+    pytest.importorskip("gguf")
+    try:
+        import qk.engine  # noqa: F401
+    except ImportError:
+        pytest.skip("the native engine is not in this build yet")
+    import anthropic
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "QK_CACHE": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qk.serve", "--port", str(port), "--ctx", "1024", "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_health(url, proc, timeout=180)
+        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        m = client.messages.create(
+            model="qk-demo", max_tokens=6, messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert m.usage.output_tokens == 6 and m.stop_reason == "max_tokens"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        output = proc.stdout.read().decode() if proc.stdout else ""
+        assert "RANDOM" in output and "noise" in output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
