@@ -280,3 +280,54 @@ def test_engine_failure_mid_stream_is_an_error_event():
         assert len(ok["tokens"]) == 2
     finally:
         server.close()
+
+
+BLOCK_TYPES = [
+    "text",
+    "image",
+    "tool_use",
+    "tool_result",
+    "thinking",
+    "redacted_thinking",
+    "document",
+    "weird",
+]
+BLOCK = st.fixed_dictionaries(
+    {"type": st.sampled_from(BLOCK_TYPES)},
+    optional={
+        "text": JSON,
+        "id": JSON,
+        "name": JSON,
+        "input": JSON,
+        "content": JSON
+        | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": JSON}), max_size=2),
+        "tool_use_id": JSON,
+        "thinking": JSON,
+        "is_error": JSON,
+    },
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "tool", "developer", "x"])},
+    optional={
+        "content": st.text(max_size=20) | st.lists(BLOCK, max_size=3) | JSON,
+        "tool_calls": st.lists(
+            st.fixed_dictionaries(
+                {"id": JSON, "function": JSON | st.fixed_dictionaries({"name": JSON, "arguments": JSON})}
+            ),
+            max_size=2,
+        ),
+        "tool_call_id": JSON,
+        "reasoning_content": JSON,
+    },
+)
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(
+    route=st.sampled_from(["/v1/messages", "/v1/chat/completions"]),
+    messages=st.lists(MESSAGE, min_size=1, max_size=4),
+)
+def test_bad_conversations_never_500(live, route, messages):
+    server, _, _ = live
+    r = server.http.post(route, json={"model": "x", "max_tokens": 2, "messages": messages})
+    assert r.status_code in (200, 400), (route, messages, r.status_code, r.text)

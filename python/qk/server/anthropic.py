@@ -302,6 +302,16 @@ def fold(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return blocks
 
 
+def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    # No prefix cache yet: every prompt token is computed, none read from a cache.
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
 def message_shell(model: ServedModel, msg_id: str, input_tokens: int) -> dict[str, Any]:
     return {
         "id": msg_id,
@@ -311,7 +321,7 @@ def message_shell(model: ServedModel, msg_id: str, input_tokens: int) -> dict[st
         "model": model.name,
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": input_tokens, "output_tokens": 0},
+        "usage": usage(input_tokens, 0),
     }
 
 
@@ -331,7 +341,7 @@ async def collect(model: ServedModel, outputs: AsyncIterator[Any], prompt_tokens
     message["content"] = fold(events)
     message["stop_reason"] = stop_reason(done, assembler.used_tools)
     message["stop_sequence"] = done.stop_sequence
-    message["usage"] = {"input_tokens": done.prompt_tokens, "output_tokens": done.output_tokens}
+    message["usage"] = usage(done.prompt_tokens, done.output_tokens)
     return message
 
 
@@ -358,7 +368,7 @@ async def stream(
                     "stop_reason": stop_reason(out, assembler.used_tools),
                     "stop_sequence": out.stop_sequence,
                 },
-                "usage": {"input_tokens": out.prompt_tokens, "output_tokens": out.output_tokens},
+                "usage": usage(out.prompt_tokens, out.output_tokens),
             }
             yield {"type": "message_stop"}
         else:
