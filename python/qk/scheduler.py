@@ -235,7 +235,7 @@ class Scheduler:
             if self._draining:
                 raise ShuttingDownError("the server is shutting down")
             if self.state != "ready":
-                raise DeviceUnavailableError(self._unavailable_reason())
+                raise DeviceUnavailableError(self.unavailable_reason())
             # Jobs in the deque that a free slot is about to take are not queued behind anyone.
             free = sum(job is None for job in self._slots)
             if len(self._waiting) - free >= self.max_queue:
@@ -260,7 +260,7 @@ class Scheduler:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _unavailable_reason(self) -> str:
+    def unavailable_reason(self) -> str:
         if self.state == "loading":
             return "the model is still loading"
         if self.state == "failed":

@@ -139,7 +139,7 @@ def create_app(
             # Raises the class that says why (loading, failed, device lost, draining).
             if scheduler.state == "ready":
                 raise ShuttingDownError("the server is shutting down")
-            raise DeviceUnavailableError(scheduler._unavailable_reason())
+            raise DeviceUnavailableError(scheduler.unavailable_reason())
         return served
 
     def endpoint(style: ApiStyle) -> Callable[[Callable[[Request], Awaitable[Response]]], Callable]:
@@ -250,7 +250,7 @@ def create_app(
         if scheduler.state == "loading":
             message = "Loading model"
         else:
-            message = scheduler._unavailable_reason() if scheduler.state != "ready" else "Shutting down"
+            message = scheduler.unavailable_reason() if scheduler.state != "ready" else "Shutting down"
         return JSONResponse({"error": {"code": 503, "message": message, "type": "unavailable_error"}}, 503)
 
     async def metrics_route(request: Request) -> Response:
