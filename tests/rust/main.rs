@@ -1,1 +1,3 @@
 //! The one cargo integration-test binary; each area adds a module here.
+mod gpu_tests;
+mod shaders_valid;
