@@ -1,3 +1,4 @@
 //! The one cargo integration-test binary; each area adds a module here.
+mod gguf_tests;
 mod gpu_tests;
 mod shaders_valid;
