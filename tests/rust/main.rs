@@ -2,3 +2,4 @@
 mod gguf_tests;
 mod gpu_tests;
 mod shaders_valid;
+mod matmul_tests;
