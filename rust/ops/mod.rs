@@ -1,1 +1,6 @@
 //! Host side of every kernel: parameters, bindings and dispatch sizes; CPU references for tests.
+
+pub mod embed;
+pub mod matmul;
+
+// ---- other ops (branch `kernels`): add `pub mod <op>;` lines below this marker ----
