@@ -119,4 +119,6 @@ impl fmt::Display for GgmlType {
 }
 
 /// Non-linear 4-bit codebook shared by IQ4_NL and IQ4_XS (ggml-common.h kvalues_iq4nl).
-pub const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
