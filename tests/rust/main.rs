@@ -1,2 +1,5 @@
 //! The one cargo integration-test binary; each area adds a module here.
+mod gguf_tests;
+mod gpu_tests;
 mod ops_tests;
+mod shaders_valid;
