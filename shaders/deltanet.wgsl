@@ -6,11 +6,11 @@
 // state_offset + (n * dv + j) * dk + i (value-major, the layout llama.cpp uses), so one value
 // column is contiguous and columns evolve independently.
 //
-// Entry points:
-// * deltanet_recurrent: token by token (decode, and the head of a prefill that starts mid-chunk).
+// Variants (OP):
+// * recurrent: token by token (decode, and the head of a prefill that starts mid-chunk).
 //   Grid (ceil(dv / COLS), v_heads); invocation = (column, lane), a lane owns every LANES-th key row
 //   of its column in registers.
-// * deltanet_chunk_prep + deltanet_chunk_state: the chunked WY/UT form for chunks of 64 tokens
+// * prep + state: the chunked WY/UT form for chunks of 64 tokens
 //   starting at token first_token of the call, which the caller puts on an absolute multiple of 64.
 //   prep (grid (chunks, v_heads), invocation = chunk row) writes per chunk and head: W, U, the
 //   masked decayed q.k matrix P, the cumulative log-decays and the inverse norms to scratch.
@@ -18,6 +18,12 @@
 //   in workgroup memory: V' = U - W S, O = e^gamma Q S + P V', S = e^gamma_C S + K^T diag(.) V'.
 //   A last partial chunk behaves like zero padding, and its outputs are the same numbers as the
 //   same rows of a full chunk (sums only run over real rows).
+
+#include "common.wgsl"
+#define WG 64
+#define OP recurrent
+#variants OP=prep
+#variants OP=state
 
 struct DeltaParams {
     tokens: u32,
@@ -49,7 +55,6 @@ struct DeltaParams {
     _pad1: u32,
 }
 
-const WG: u32 = 64u;
 const CHUNK: u32 = 64u;
 // Recurrent: columns per workgroup and lanes per column (COLS * LANES = WG).
 const COLS: u32 = 16u;
@@ -61,83 +66,106 @@ const STATE_COLS: u32 = 16u;
 // Packed strictly-lower 64x64 matrix: row i holds i entries starting at i*(i-1)/2.
 const TRI_LEN: u32 = 2016u;
 
-@group(0) @binding(0) var<uniform> params: DeltaParams;
-@group(0) @binding(1) var<storage, read> qkv: array<f32>;
-@group(0) @binding(2) var<storage, read> ba: array<f32>;
-@group(0) @binding(3) var<storage, read> ssm_a: array<f32>;
-@group(0) @binding(4) var<storage, read> dt_bias: array<f32>;
-@group(0) @binding(5) var<storage, read_write> state: array<f32>;
-@group(0) @binding(6) var<storage, read_write> out: array<f32>;
-@group(0) @binding(7) var<storage, read_write> scratch: array<f32>;
+var<immediate> P: DeltaParams;
+@group(0) @binding(0) var<storage, read> QKV: array<f32>;
+#if OP != state
+@group(0) @binding(1) var<storage, read> BA: array<f32>;
+@group(0) @binding(2) var<storage, read> SSM_A: array<f32>;
+@group(0) @binding(3) var<storage, read> DT_BIAS: array<f32>;
+#endif
+#if OP == recurrent
+@group(0) @binding(4) var<storage, read_write> STATE: array<f32>;
+@group(0) @binding(5) var<storage, read_write> OUT: array<f32>;
+#endif
+#if OP == prep
+@group(0) @binding(4) var<storage, read_write> SCRATCH: array<f32>;
+#endif
+#if OP == state
+@group(0) @binding(1) var<storage, read> SCRATCH: array<f32>;
+@group(0) @binding(2) var<storage, read_write> STATE: array<f32>;
+@group(0) @binding(3) var<storage, read_write> OUT: array<f32>;
+#endif
 
+#if OP == recurrent
 var<workgroup> rec_q: array<f32, MAX_DK>;
 var<workgroup> rec_k: array<f32, MAX_DK>;
-var<workgroup> rec_kv_parts: array<f32, WG>;
-var<workgroup> rec_o_parts: array<f32, WG>;
+var<workgroup> rec_kv_parts: array<f32, {{WG}}>;
+var<workgroup> rec_o_parts: array<f32, {{WG}}>;
+#endif
 
+#if OP == prep
 var<workgroup> prep_tri: array<f32, TRI_LEN>;
 var<workgroup> prep_gamma: array<f32, CHUNK>;
 var<workgroup> prep_beta: array<f32, CHUNK>;
 var<workgroup> prep_inv_k: array<f32, CHUNK>;
+#endif
 
+#if OP == state
 var<workgroup> st_s: array<f32, 2048>;
 var<workgroup> st_vp: array<f32, 1024>;
 var<workgroup> st_gamma: array<f32, CHUNK>;
 var<workgroup> st_inv_k: array<f32, CHUNK>;
+#endif
 
 fn k_head_of(n: u32) -> u32 {
-    if params.pairing == 0u {
-        return n / (params.v_heads / params.k_heads);
+    if P.pairing == 0u {
+        return n / (P.v_heads / P.k_heads);
     }
-    return n % params.k_heads;
+    return n % P.k_heads;
 }
 
 fn q_at(t: u32, kh: u32, i: u32) -> f32 {
-    return qkv[t * params.qkv_token_stride + params.q_offset + kh * params.dk + i];
+    return QKV[t * P.qkv_token_stride + P.q_offset + kh * P.dk + i];
 }
 
 fn k_at(t: u32, kh: u32, i: u32) -> f32 {
-    return qkv[t * params.qkv_token_stride + params.k_offset + kh * params.dk + i];
+    return QKV[t * P.qkv_token_stride + P.k_offset + kh * P.dk + i];
 }
 
 fn v_at(t: u32, n: u32, j: u32) -> f32 {
-    return qkv[t * params.qkv_token_stride + params.v_offset + n * params.dv + j];
+    return QKV[t * P.qkv_token_stride + P.v_offset + n * P.dv + j];
 }
 
+#if OP != state
 fn ba_index(t: u32, n: u32, which_offset: u32) -> u32 {
-    return t * params.ba_token_stride + which_offset + (n / params.ba_group) * params.ba_group_stride
-        + n % params.ba_group;
+    return t * P.ba_token_stride + which_offset + (n / P.ba_group) * P.ba_group_stride
+        + n % P.ba_group;
 }
 
 fn beta_of(t: u32, n: u32) -> f32 {
-    return 1.0 / (1.0 + exp(-ba[ba_index(t, n, params.beta_offset)]));
+    return 1.0 / (1.0 + exp(-BA[ba_index(t, n, P.beta_offset)]));
 }
 
 // g <= 0, the log-decay of one token.
 fn log_decay_of(t: u32, n: u32) -> f32 {
-    let x = ba[ba_index(t, n, params.alpha_offset)] + dt_bias[n];
+    let x = BA[ba_index(t, n, P.alpha_offset)] + DT_BIAS[n];
     // softplus with the usual linear tail above 20 (FLA / torch threshold).
     let softplus = select(log(1.0 + exp(x)), x, x > 20.0);
-    return ssm_a[n] * softplus;
+    return SSM_A[n] * softplus;
 }
 
+#endif
+
 fn state_index(n: u32, j: u32, i: u32) -> u32 {
-    return params.state_offset + (n * params.dv + j) * params.dk + i;
+    return P.state_offset + (n * P.dv + j) * P.dk + i;
 }
 
 fn out_index(t: u32, n: u32, j: u32) -> u32 {
-    return params.out_offset + t * params.out_token_stride + n * params.dv + j;
+    return P.out_offset + t * P.out_token_stride + n * P.dv + j;
 }
 
-@compute @workgroup_size(WG)
-fn deltanet_recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+#if OP == recurrent
+@compute @workgroup_size({{WG}})
+fn main(ids: ComputeIds) {
+    let wid = ids.wid;
+    let lid = ids.lid;
     let n = wid.y;
     let kh = k_head_of(n);
     let col = lid / LANES;
     let lane = lid % LANES;
     let j = wid.x * COLS + col;
-    let col_valid = j < params.dv;
-    let dk = params.dk;
+    let col_valid = j < P.dv;
+    let dk = P.dk;
     let rows = (dk + LANES - 1u) / LANES;
 
     var s: array<f32, MAX_ROWS_PER_LANE>;
@@ -145,12 +173,12 @@ fn deltanet_recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
         let i = lane + r * LANES;
         s[r] = 0.0;
         if col_valid && i < dk {
-            s[r] = state[state_index(n, j, i)];
+            s[r] = STATE[state_index(n, j, i)];
         }
     }
-    for (var step = 0u; step < params.tokens; step++) {
-        let t = params.first_token + step;
-        for (var i = lid; i < dk; i += WG) {
+    for (var step = 0u; step < P.tokens; step++) {
+        let t = P.first_token + step;
+        for (var i = lid; i < dk; i += {{WG}}u) {
             rec_q[i] = q_at(t, kh, i);
             rec_k[i] = k_at(t, kh, i);
         }
@@ -162,8 +190,8 @@ fn deltanet_recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
             qq += rec_q[i] * rec_q[i];
             kk += rec_k[i] * rec_k[i];
         }
-        let inv_q = params.q_scale / max(sqrt(qq), params.eps);
-        let inv_k = 1.0 / max(sqrt(kk), params.eps);
+        let inv_q = P.q_scale / max(sqrt(qq), P.eps);
+        let inv_k = 1.0 / max(sqrt(kk), P.eps);
         let decay = exp(log_decay_of(t, n));
         let beta = beta_of(t, n);
 
@@ -201,24 +229,27 @@ fn deltanet_recurrent(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
             for (var ln = 0u; ln < LANES; ln++) {
                 o_total += rec_o_parts[col * LANES + ln];
             }
-            out[out_index(t, n, j)] = o_total;
+            OUT[out_index(t, n, j)] = o_total;
         }
         workgroupBarrier();
     }
     for (var r = 0u; r < rows; r++) {
         let i = lane + r * LANES;
         if col_valid && i < dk {
-            state[state_index(n, j, i)] = s[r];
+            STATE[state_index(n, j, i)] = s[r];
         }
     }
 }
 
+#endif
+
 // Scratch of chunk c, v-head n: W (64 x dk), U (64 x dv), P (64 x 64), gamma, inv_q, inv_k (64 each).
 fn scratch_base(c: u32, n: u32) -> u32 {
-    let stride = CHUNK * (params.dk + params.dv + CHUNK + 3u);
-    return (c * params.v_heads + n) * stride;
+    let stride = CHUNK * (P.dk + P.dv + CHUNK + 3u);
+    return (c * P.v_heads + n) * stride;
 }
 
+#if OP == prep
 fn tri_index(i: u32, j: u32) -> u32 {
     return i * (i - 1u) / 2u + j;
 }
@@ -230,17 +261,21 @@ fn t_entry(row: u32, s: u32) -> f32 {
     }
     return prep_tri[tri_index(row, s)];
 }
+#endif
 
-@compute @workgroup_size(WG)
-fn deltanet_chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+#if OP == prep
+@compute @workgroup_size({{WG}})
+fn main(ids: ComputeIds) {
+    let wid = ids.wid;
+    let lid = ids.lid;
     let c = wid.x;
     let n = wid.y;
     let kh = k_head_of(n);
-    let dk = params.dk;
-    let dv = params.dv;
+    let dk = P.dk;
+    let dv = P.dv;
     let row = lid;
-    let t = params.first_token + c * CHUNK + row;
-    let valid = c * CHUNK + row < params.tokens;
+    let t = P.first_token + c * CHUNK + row;
+    let valid = c * CHUNK + row < P.tokens;
     let base = scratch_base(c, n);
     let w_base = base;
     let u_base = base + CHUNK * dk;
@@ -262,8 +297,8 @@ fn deltanet_chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
             qq += qv * qv;
             kk += kv * kv;
         }
-        inv_q = params.q_scale / max(sqrt(qq), params.eps);
-        inv_k = 1.0 / max(sqrt(kk), params.eps);
+        inv_q = P.q_scale / max(sqrt(qq), P.eps);
+        inv_k = 1.0 / max(sqrt(kk), P.eps);
     }
     prep_gamma[row] = g;
     prep_beta[row] = beta;
@@ -315,7 +350,7 @@ fn deltanet_chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
                 let tv = t_entry(row, s);
                 acc += tv * prep_beta[s] * exp(prep_gamma[s]) * prep_inv_k[s] * k_at(t - row + s, kh, i);
             }
-            scratch[w_base + row * dk + i] = acc;
+            SCRATCH[w_base + row * dk + i] = acc;
         }
         for (var jv = 0u; jv < dv; jv++) {
             var acc = 0.0;
@@ -323,46 +358,51 @@ fn deltanet_chunk_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
                 let tv = t_entry(row, s);
                 acc += tv * prep_beta[s] * v_at(t - row + s, n, jv);
             }
-            scratch[u_base + row * dv + jv] = acc;
+            SCRATCH[u_base + row * dv + jv] = acc;
         }
         for (var s = 0u; s <= row; s++) {
             var dot = 0.0;
             for (var i = 0u; i < dk; i++) {
                 dot += q_at(t, kh, i) * k_at(t - row + s, kh, i);
             }
-            scratch[p_base + row * CHUNK + s] = dot * inv_q * prep_inv_k[s] * exp(gamma - prep_gamma[s]);
+            SCRATCH[p_base + row * CHUNK + s] = dot * inv_q * prep_inv_k[s] * exp(gamma - prep_gamma[s]);
         }
     }
-    scratch[tail + row] = gamma;
-    scratch[tail + CHUNK + row] = inv_q;
-    scratch[tail + 2u * CHUNK + row] = inv_k;
+    SCRATCH[tail + row] = gamma;
+    SCRATCH[tail + CHUNK + row] = inv_q;
+    SCRATCH[tail + 2u * CHUNK + row] = inv_k;
 }
 
-@compute @workgroup_size(WG)
-fn deltanet_chunk_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+#endif
+
+#if OP == state
+@compute @workgroup_size({{WG}})
+fn main(ids: ComputeIds) {
+    let wid = ids.wid;
+    let lid = ids.lid;
     let n = wid.y;
     let kh = k_head_of(n);
-    let dk = params.dk;
-    let dv = params.dv;
+    let dk = P.dk;
+    let dv = P.dv;
     let j0 = wid.x * STATE_COLS;
 
-    for (var idx = lid; idx < dk * STATE_COLS; idx += WG) {
+    for (var idx = lid; idx < dk * STATE_COLS; idx += {{WG}}u) {
         let j = j0 + idx % STATE_COLS;
-        st_s[idx] = select(0.0, state[state_index(n, j, idx / STATE_COLS)], j < dv);
+        st_s[idx] = select(0.0, STATE[state_index(n, j, idx / STATE_COLS)], j < dv);
     }
-    for (var c = 0u; c < params.chunks; c++) {
-        let valid = min(CHUNK, params.tokens - c * CHUNK);
+    for (var c = 0u; c < P.chunks; c++) {
+        let valid = min(CHUNK, P.tokens - c * CHUNK);
         let base = scratch_base(c, n);
         let u_base = base + CHUNK * dk;
         let p_base = u_base + CHUNK * dv;
         let tail = p_base + CHUNK * CHUNK;
-        st_gamma[lid] = scratch[tail + lid];
-        st_inv_k[lid] = scratch[tail + 2u * CHUNK + lid];
+        st_gamma[lid] = SCRATCH[tail + lid];
+        st_inv_k[lid] = SCRATCH[tail + 2u * CHUNK + lid];
         workgroupBarrier();
 
         // Phase a (invocation = chunk row): V' = U - W S and the inter-chunk part e^gamma q^ S.
         let row = lid;
-        let t = params.first_token + c * CHUNK + row;
+        let t = P.first_token + c * CHUNK + row;
         var ws: array<f32, STATE_COLS>;
         var qs: array<f32, STATE_COLS>;
         for (var jj = 0u; jj < STATE_COLS; jj++) {
@@ -371,7 +411,7 @@ fn deltanet_chunk_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_in
         }
         if row < valid {
             for (var i = 0u; i < dk; i++) {
-                let w = scratch[base + row * dk + i];
+                let w = SCRATCH[base + row * dk + i];
                 let qv = q_at(t, kh, i);
                 for (var jj = 0u; jj < STATE_COLS; jj++) {
                     let s = st_s[i * STATE_COLS + jj];
@@ -381,12 +421,12 @@ fn deltanet_chunk_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_in
             }
         }
         var o_part: array<f32, STATE_COLS>;
-        let q_factor = exp(st_gamma[row]) * scratch[tail + CHUNK + row];
+        let q_factor = exp(st_gamma[row]) * SCRATCH[tail + CHUNK + row];
         for (var jj = 0u; jj < STATE_COLS; jj++) {
             let j = j0 + jj;
             var vp = 0.0;
             if row < valid && j < dv {
-                vp = scratch[u_base + row * dv + j] - ws[jj];
+                vp = SCRATCH[u_base + row * dv + j] - ws[jj];
             }
             st_vp[row * STATE_COLS + jj] = vp;
             o_part[jj] = q_factor * qs[jj];
@@ -400,9 +440,9 @@ fn deltanet_chunk_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_in
                 if j < dv {
                     var acc = o_part[jj];
                     for (var s = 0u; s <= row; s++) {
-                        acc += scratch[p_base + row * CHUNK + s] * st_vp[s * STATE_COLS + jj];
+                        acc += SCRATCH[p_base + row * CHUNK + s] * st_vp[s * STATE_COLS + jj];
                     }
-                    out[out_index(t, n, j)] = acc;
+                    OUT[out_index(t, n, j)] = acc;
                 }
             }
         }
@@ -410,13 +450,13 @@ fn deltanet_chunk_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_in
         // Phase b never reads st_s, so this needs no barrier before it.
         let gamma_last = st_gamma[valid - 1u];
         let decay = exp(gamma_last);
-        for (var i = lid; i < dk; i += WG) {
+        for (var i = lid; i < dk; i += {{WG}}u) {
             var acc: array<f32, STATE_COLS>;
             for (var jj = 0u; jj < STATE_COLS; jj++) {
                 acc[jj] = decay * st_s[i * STATE_COLS + jj];
             }
             for (var s = 0u; s < valid; s++) {
-                let ts = params.first_token + c * CHUNK + s;
+                let ts = P.first_token + c * CHUNK + s;
                 let factor = k_at(ts, kh, i) * st_inv_k[s] * exp(gamma_last - st_gamma[s]);
                 for (var jj = 0u; jj < STATE_COLS; jj++) {
                     acc[jj] += factor * st_vp[s * STATE_COLS + jj];
@@ -428,10 +468,11 @@ fn deltanet_chunk_state(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_in
         }
         workgroupBarrier();
     }
-    for (var idx = lid; idx < dk * STATE_COLS; idx += WG) {
+    for (var idx = lid; idx < dk * STATE_COLS; idx += {{WG}}u) {
         let j = j0 + idx % STATE_COLS;
         if j < dv {
-            state[state_index(n, j, idx / STATE_COLS)] = st_s[idx];
+            STATE[state_index(n, j, idx / STATE_COLS)] = st_s[idx];
         }
     }
 }
+#endif

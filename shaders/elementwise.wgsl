@@ -1,7 +1,14 @@
-// Small fused element-wise ops on f32 rows: SiLU(gate)*up, residual add, sigmoid gating, row copy
-// (e.g. V rows into the KV cache), and the MoE combine (weighted expert outputs plus the shared
-// expert times sigmoid(gate logit), optionally accumulated into the residual stream).
+// Small fused element-wise ops on f32 rows (variant OP): silu_mul = SiLU(a) * b; add = a + b;
+// mul_sigmoid = a * sigmoid(b); copy = a (e.g. V rows into the KV cache); moe_combine =
+// sum_e w_e * a_e + sigmoid(gate) * b, optionally added to out (the residual stream).
 // Operand X of row r, element i sits at x_offset + r * x_stride + i. One invocation per element.
+#include "common.wgsl"
+#define WG 64
+#define OP add
+#variants OP=silu_mul
+#variants OP=mul_sigmoid
+#variants OP=copy
+#variants OP=moe_combine
 
 struct EwParams {
     rows: u32,
@@ -15,103 +22,65 @@ struct EwParams {
     // moe_combine: expert weights of row r at weights_offset + r * weights_stride + e.
     weights_offset: u32,
     weights_stride: u32,
-    // moe_combine: experts per row; their outputs are n apart within a row of a.
+    // moe_combine: experts per row; expert e's output starts at e * n within a row of a.
     experts: u32,
     // moe_combine: 1 adds the result to out instead of overwriting it.
     accumulate: u32,
     // moe_combine: shared-expert gate logit of row r at gate_offset + r * gate_stride.
     gate_offset: u32,
     gate_stride: u32,
-    _pad0: u32,
-    _pad1: u32,
 }
 
-const WG: u32 = 64u;
-
-@group(0) @binding(0) var<uniform> params: EwParams;
-@group(0) @binding(1) var<storage, read> a: array<f32>;
-@group(0) @binding(2) var<storage, read> b: array<f32>;
-@group(0) @binding(3) var<storage, read_write> out: array<f32>;
-@group(0) @binding(4) var<storage, read> weights: array<f32>;
-@group(0) @binding(5) var<storage, read> gate: array<f32>;
-
-fn element(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
-    return (wid.x + wid.y * nwg.x) * WG + lid;
-}
+var<immediate> P: EwParams;
+@group(0) @binding(0) var<storage, read> A: array<f32>;
+#if OP == copy
+@group(0) @binding(1) var<storage, read_write> OUT: array<f32>;
+#else
+@group(0) @binding(1) var<storage, read> B: array<f32>;
+@group(0) @binding(2) var<storage, read_write> OUT: array<f32>;
+#endif
+#if OP == moe_combine
+@group(0) @binding(3) var<storage, read> WEIGHTS: array<f32>;
+@group(0) @binding(4) var<storage, read> GATE: array<f32>;
+#endif
 
 fn sigmoid(x: f32) -> f32 {
     return 1.0 / (1.0 + exp(-x));
 }
 
-@compute @workgroup_size(WG)
-fn silu_mul(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-            @builtin(local_invocation_index) lid: u32) {
-    let idx = element(wid, nwg, lid);
-    if idx >= params.rows * params.n {
+@compute @workgroup_size({{WG}})
+fn main(ids: ComputeIds) {
+    let idx = group_index(ids) * {{WG}}u + ids.lid;
+    if idx >= P.rows * P.n {
         return;
     }
-    let r = idx / params.n;
-    let i = idx % params.n;
-    let g = a[params.a_offset + r * params.a_stride + i];
-    out[params.out_offset + r * params.out_stride + i] = g * sigmoid(g) * b[params.b_offset + r * params.b_stride + i];
-}
-
-@compute @workgroup_size(WG)
-fn add(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-       @builtin(local_invocation_index) lid: u32) {
-    let idx = element(wid, nwg, lid);
-    if idx >= params.rows * params.n {
-        return;
-    }
-    let r = idx / params.n;
-    let i = idx % params.n;
-    out[params.out_offset + r * params.out_stride + i] =
-        a[params.a_offset + r * params.a_stride + i] + b[params.b_offset + r * params.b_stride + i];
-}
-
-@compute @workgroup_size(WG)
-fn mul_sigmoid(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-               @builtin(local_invocation_index) lid: u32) {
-    let idx = element(wid, nwg, lid);
-    if idx >= params.rows * params.n {
-        return;
-    }
-    let r = idx / params.n;
-    let i = idx % params.n;
-    out[params.out_offset + r * params.out_stride + i] =
-        a[params.a_offset + r * params.a_stride + i] * sigmoid(b[params.b_offset + r * params.b_stride + i]);
-}
-
-@compute @workgroup_size(WG)
-fn copy_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-             @builtin(local_invocation_index) lid: u32) {
-    let idx = element(wid, nwg, lid);
-    if idx >= params.rows * params.n {
-        return;
-    }
-    let r = idx / params.n;
-    let i = idx % params.n;
-    out[params.out_offset + r * params.out_stride + i] = a[params.a_offset + r * params.a_stride + i];
-}
-
-@compute @workgroup_size(WG)
-fn moe_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-               @builtin(local_invocation_index) lid: u32) {
-    let idx = element(wid, nwg, lid);
-    if idx >= params.rows * params.n {
-        return;
-    }
-    let r = idx / params.n;
-    let i = idx % params.n;
+    let r = idx / P.n;
+    let i = idx % P.n;
+    let a = P.a_offset + r * P.a_stride + i;
+    let o = P.out_offset + r * P.out_stride + i;
+#if OP == copy
+    OUT[o] = A[a];
+#else
+    let b = P.b_offset + r * P.b_stride + i;
+#if OP == add
+    OUT[o] = A[a] + B[b];
+#endif
+#if OP == silu_mul
+    OUT[o] = A[a] * sigmoid(A[a]) * B[b];
+#endif
+#if OP == mul_sigmoid
+    OUT[o] = A[a] * sigmoid(B[b]);
+#endif
+#if OP == moe_combine
     var acc = 0.0;
-    for (var e = 0u; e < params.experts; e++) {
-        acc += weights[params.weights_offset + r * params.weights_stride + e]
-            * a[params.a_offset + r * params.a_stride + e * params.n + i];
+    for (var e = 0u; e < P.experts; e++) {
+        acc += WEIGHTS[P.weights_offset + r * P.weights_stride + e] * A[a + e * P.n];
     }
-    acc += sigmoid(gate[params.gate_offset + r * params.gate_stride]) * b[params.b_offset + r * params.b_stride + i];
-    let o = params.out_offset + r * params.out_stride + i;
-    if params.accumulate != 0u {
-        acc += out[o];
+    acc += sigmoid(GATE[P.gate_offset + r * P.gate_stride]) * B[b];
+    if P.accumulate != 0u {
+        acc += OUT[o];
     }
-    out[o] = acc;
+    OUT[o] = acc;
+#endif
+#endif
 }

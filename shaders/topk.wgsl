@@ -4,6 +4,10 @@
 // candidates. Each invocation owns a strided subset of its entries and caches the best one not yet
 // taken; since entries are taken in strictly decreasing (logit desc, id asc) order, "not yet taken"
 // is "ordered after the last one this invocation gave", so nothing has to be marked.
+#include "common.wgsl"
+#define WG 256
+#define OP block
+#variants OP=merge
 
 struct Pair {
     id: u32,
@@ -16,22 +20,22 @@ struct TopkParams {
     offset: u32,
     block_len: u32,
     blocks: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
 }
 
-const WG: u32 = 256u;
 const NONE: u32 = 0xffffffffu;
 const LOWEST: f32 = -3.4028235e38;
 
-@group(0) @binding(0) var<uniform> params: TopkParams;
-@group(0) @binding(1) var<storage, read> logits: array<f32>;
-@group(0) @binding(2) var<storage, read_write> candidates: array<Pair>;
-@group(0) @binding(3) var<storage, read_write> result: array<Pair>;
+var<immediate> P: TopkParams;
+#if OP == block
+@group(0) @binding(0) var<storage, read> LOGITS: array<f32>;
+@group(0) @binding(1) var<storage, read_write> CANDIDATES: array<Pair>;
+#else
+@group(0) @binding(0) var<storage, read> CANDIDATES: array<Pair>;
+@group(0) @binding(1) var<storage, read_write> RESULT: array<Pair>;
+#endif
 
-var<workgroup> red_id: array<u32, WG>;
-var<workgroup> red_logit: array<f32, WG>;
+var<workgroup> red_id: array<u32, {{WG}}>;
+var<workgroup> red_logit: array<f32, {{WG}}>;
 
 // a comes strictly before b in (logit desc, id asc); a real entry always beats NONE.
 fn before(a: Pair, b: Pair) -> bool {
@@ -53,7 +57,7 @@ fn workgroup_best(lid: u32, mine: Pair) -> Pair {
     red_id[lid] = mine.id;
     red_logit[lid] = mine.logit;
     workgroupBarrier();
-    for (var width = WG / 2u; width > 0u; width /= 2u) {
+    for (var width = {{WG}}u / 2u; width > 0u; width /= 2u) {
         if lid < width {
             let other = Pair(red_id[lid + width], red_logit[lid + width]);
             if before(other, Pair(red_id[lid], red_logit[lid])) {
@@ -68,10 +72,11 @@ fn workgroup_best(lid: u32, mine: Pair) -> Pair {
     return best;
 }
 
+#if OP == block
 fn block_scan(lid: u32, start: u32, end: u32, has_last: bool, last: Pair) -> Pair {
     var best = Pair(NONE, LOWEST);
-    for (var i = start + lid; i < end; i += WG) {
-        let entry = Pair(i, sanitize(logits[params.offset + i]));
+    for (var i = start + lid; i < end; i += {{WG}}u) {
+        let entry = Pair(i, sanitize(LOGITS[P.offset + i]));
         if (!has_last || before(last, entry)) && before(entry, best) {
             best = entry;
         }
@@ -79,10 +84,13 @@ fn block_scan(lid: u32, start: u32, end: u32, has_last: bool, last: Pair) -> Pai
     return best;
 }
 
+#endif
+
+#if OP == merge
 fn merge_scan(lid: u32, count: u32, has_last: bool, last: Pair) -> Pair {
     var best = Pair(NONE, LOWEST);
-    for (var i = lid; i < count; i += WG) {
-        let entry = candidates[i];
+    for (var i = lid; i < count; i += {{WG}}u) {
+        let entry = CANDIDATES[i];
         if (!has_last || before(last, entry)) && before(entry, best) {
             best = entry;
         }
@@ -90,18 +98,22 @@ fn merge_scan(lid: u32, count: u32, has_last: bool, last: Pair) -> Pair {
     return best;
 }
 
-@compute @workgroup_size(WG)
-fn topk_block(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let b = wid.x;
-    let start = b * params.block_len;
-    let end = min(start + params.block_len, params.n);
+#endif
+
+#if OP == block
+@compute @workgroup_size({{WG}})
+fn main(ids: ComputeIds) {
+    let lid = ids.lid;
+    let b = group_index(ids);
+    let start = b * P.block_len;
+    let end = min(start + P.block_len, P.n);
     var last = Pair(NONE, LOWEST);
     var has_last = false;
     var mine = block_scan(lid, start, end, has_last, last);
-    for (var it = 0u; it < params.k; it++) {
+    for (var it = 0u; it < P.k; it++) {
         let best = workgroup_best(lid, mine);
         if lid == 0u {
-            candidates[b * params.k + it] = best;
+            CANDIDATES[b * P.k + it] = best;
         }
         if best.id != NONE && best.id == mine.id {
             last = mine;
@@ -111,16 +123,20 @@ fn topk_block(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     }
 }
 
-@compute @workgroup_size(WG)
-fn topk_merge(@builtin(local_invocation_index) lid: u32) {
-    let count = params.blocks * params.k;
+#endif
+
+#if OP == merge
+@compute @workgroup_size({{WG}})
+fn main(ids: ComputeIds) {
+    let lid = ids.lid;
+    let count = P.blocks * P.k;
     var last = Pair(NONE, LOWEST);
     var has_last = false;
     var mine = merge_scan(lid, count, has_last, last);
-    for (var it = 0u; it < params.k; it++) {
+    for (var it = 0u; it < P.k; it++) {
         let best = workgroup_best(lid, mine);
         if lid == 0u {
-            result[it] = best;
+            RESULT[it] = best;
         }
         if best.id != NONE && best.id == mine.id {
             last = mine;
@@ -129,3 +145,4 @@ fn topk_merge(@builtin(local_invocation_index) lid: u32) {
         }
     }
 }
+#endif

@@ -4,11 +4,10 @@
 
 use bytemuck::{Pod, Zeroable};
 
-pub const SHADER_NAME: &str = "attention";
-pub const SHADER_SOURCE: &str = include_str!("../../shaders/attention.wgsl");
-pub const DECODE_SPLIT_ENTRY: &str = "attn_decode_split";
-pub const DECODE_REDUCE_ENTRY: &str = "attn_decode_reduce";
-pub const PREFILL_ENTRY: &str = "attn_prefill";
+use super::elementwise::require_len;
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+
+pub const FILE: ShaderFile = crate::shader_file!("attention");
 /// Query rows per prefill workgroup (`BQ`).
 pub const PREFILL_ROWS: u32 = 16;
 /// Limits of the shader's workgroup arrays (`MAX_GROUP`, `MAX_GROUP_Q`, `MAX_SCORES`, prefill
@@ -40,14 +39,13 @@ pub struct AttnParams {
     pub split_len: u32,
     pub scale: f32,
     pub gated: u32,
-    pub _pad0: u32,
-    pub _pad1: u32,
 }
 
 impl AttnParams {
-    /// Cache positions per decode split: as many as the shared score array allows for one group.
+    /// Cache positions per decode split: as many as the shared score array allows for one group
+    /// (128 for the 8 q heads per kv head of the reference models).
     pub fn decode_split_len(heads: u32, kv_heads: u32) -> u32 {
-        (MAX_SCORES / (heads / kv_heads)).min(256)
+        (MAX_SCORES / (heads / kv_heads).max(1)).min(256)
     }
 
     /// Fills `splits` / `split_len` for a decode dispatch over the longest row's cache.
@@ -79,6 +77,122 @@ impl AttnParams {
         );
         Ok(())
     }
+}
+
+/// The operands of an attention dispatch. `gate` may be any buffer when `gated == 0`.
+pub struct AttnArgs<'a> {
+    pub q: &'a GpuBuffer,
+    pub gate: &'a GpuBuffer,
+    pub k_cache: &'a GpuBuffer,
+    pub v_cache: &'a GpuBuffer,
+    pub out: &'a GpuBuffer,
+}
+
+fn check(p: &AttnParams, args: &AttnArgs<'_>) -> crate::Result<()> {
+    p.validate()?;
+    if p.tokens == 0 {
+        return Ok(());
+    }
+    let (t, h) = (p.tokens as u64 - 1, p.heads as u64 - 1);
+    let hd = p.head_dim as u64;
+    require_len(
+        "attention q",
+        args.q,
+        p.q_offset as u64 + t * p.q_token_stride as u64 + h * p.q_head_stride as u64 + hd,
+    )?;
+    if p.gated != 0 {
+        let last = p.gate_offset as u64 + t * p.gate_token_stride as u64 + h * p.gate_head_stride as u64 + hd;
+        require_len("attention gate", args.gate, last)?;
+    }
+    let kv = p.kv_offset as u64 + (p.q_pos as u64 + p.tokens as u64) * p.kv_heads as u64 * hd;
+    require_len("attention k cache", args.k_cache, kv)?;
+    require_len("attention v cache", args.v_cache, kv)?;
+    require_len(
+        "attention out",
+        args.out,
+        p.out_offset as u64 + t * p.out_token_stride as u64 + (h + 1) * hd,
+    )
+}
+
+/// Record tiled causal prefill attention for `p.tokens` query rows.
+pub fn record_prefill(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &AttnParams,
+    args: &AttnArgs<'_>,
+) -> crate::Result<()> {
+    check(p, args)?;
+    let pipe = gpu.pipeline(&FILE, &[("OP", "prefill".into())], &[])?;
+    rec.dispatch(
+        &pipe,
+        &[
+            args.q.all(),
+            args.gate.all(),
+            args.k_cache.all(),
+            args.v_cache.all(),
+            args.out.all(),
+        ],
+        bytemuck::bytes_of(p),
+        [p.tokens.div_ceil(PREFILL_ROWS), p.heads, 1],
+    )
+}
+
+/// f32 counts of the decode scratch buffers (partial outputs, max/sum pairs) for `p`
+/// (after [`AttnParams::with_decode_splits`]).
+pub fn decode_scratch_len(p: &AttnParams) -> (u64, u64) {
+    let slots = p.tokens as u64 * p.heads as u64 * p.splits as u64;
+    (slots * p.head_dim as u64, slots * 2)
+}
+
+/// Record split-K decode attention (few query rows, any cache length): the split pass and the
+/// reduce pass. `p` must carry `splits`/`split_len` (see [`AttnParams::with_decode_splits`]).
+pub fn record_decode(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &AttnParams,
+    args: &AttnArgs<'_>,
+    partial_out: &GpuBuffer,
+    partial_ml: &GpuBuffer,
+) -> crate::Result<()> {
+    check(p, args)?;
+    let group = p.heads / p.kv_heads;
+    crate::ensure!(
+        p.split_len > 0
+            && group * p.split_len <= MAX_SCORES
+            && p.splits as u64 * p.split_len as u64 >= p.q_pos as u64 + p.tokens as u64,
+        crate::QkError::Engine(format!(
+            "attention decode: {} splits of {} do not fit",
+            p.splits, p.split_len
+        ))
+    );
+    let (po, pml) = decode_scratch_len(p);
+    require_len("attention partial out", partial_out, po)?;
+    require_len("attention partial max/sum", partial_ml, pml)?;
+    let split = gpu.pipeline(&FILE, &[("OP", "split".into())], &[])?;
+    rec.dispatch(
+        &split,
+        &[
+            args.q.all(),
+            args.k_cache.all(),
+            args.v_cache.all(),
+            partial_out.all(),
+            partial_ml.all(),
+        ],
+        bytemuck::bytes_of(p),
+        [p.splits, p.kv_heads, p.tokens],
+    )?;
+    let reduce = gpu.pipeline(&FILE, &[("OP", "reduce".into())], &[])?;
+    rec.dispatch(
+        &reduce,
+        &[
+            args.gate.all(),
+            partial_out.all(),
+            partial_ml.all(),
+            args.out.all(),
+        ],
+        bytemuck::bytes_of(p),
+        [p.heads, p.tokens, 1],
+    )
 }
 
 pub mod reference {

@@ -3,9 +3,11 @@
 
 use bytemuck::{Pod, Zeroable};
 
-pub const SHADER_NAME: &str = "conv";
-pub const SHADER_SOURCE: &str = include_str!("../../shaders/conv.wgsl");
-pub const ENTRY_POINT: &str = "conv_silu";
+use super::elementwise::require_len;
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+use crate::{QkError, Result};
+
+pub const FILE: ShaderFile = crate::shader_file!("conv");
 /// Invocations per workgroup in conv.wgsl (one invocation per channel).
 pub const WORKGROUP: u32 = 64;
 /// Largest tap count the shader holds in registers (`MAX_TAPS`).
@@ -18,11 +20,44 @@ pub struct ConvParams {
     pub tokens: u32,
     pub channels: u32,
     pub taps: u32,
-    pub _pad0: u32,
     pub src_offset: u32,
     pub src_token_stride: u32,
     pub dst_offset: u32,
     pub dst_token_stride: u32,
+}
+
+/// Record conv + SiLU of `p.tokens` tokens of `src` into `dst`, advancing `state` (decode: 1 token).
+pub fn record(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &ConvParams,
+    src: &GpuBuffer,
+    weight: &GpuBuffer,
+    state: &GpuBuffer,
+    dst: &GpuBuffer,
+) -> Result<()> {
+    crate::ensure!(
+        (1..=MAX_TAPS).contains(&p.taps),
+        QkError::Engine(format!("conv: {} taps (1..={MAX_TAPS})", p.taps))
+    );
+    let rows = |offset: u32, stride: u32| {
+        if p.tokens == 0 {
+            0
+        } else {
+            offset as u64 + (p.tokens as u64 - 1) * stride as u64 + p.channels as u64
+        }
+    };
+    require_len("conv src", src, rows(p.src_offset, p.src_token_stride))?;
+    require_len("conv dst", dst, rows(p.dst_offset, p.dst_token_stride))?;
+    require_len("conv weight", weight, p.channels as u64 * p.taps as u64)?;
+    require_len("conv state", state, p.channels as u64 * (p.taps as u64 - 1))?;
+    let pipe = gpu.pipeline(&FILE, &[], &[])?;
+    rec.dispatch(
+        &pipe,
+        &[src.all(), weight.all(), state.all(), dst.all()],
+        bytemuck::bytes_of(p),
+        gpu.grid(p.channels.div_ceil(WORKGROUP)),
+    )
 }
 
 pub mod reference {

@@ -9,11 +9,10 @@
 
 use bytemuck::{Pod, Zeroable};
 
-pub const SHADER_NAME: &str = "deltanet";
-pub const SHADER_SOURCE: &str = include_str!("../../shaders/deltanet.wgsl");
-pub const RECURRENT_ENTRY: &str = "deltanet_recurrent";
-pub const CHUNK_PREP_ENTRY: &str = "deltanet_chunk_prep";
-pub const CHUNK_STATE_ENTRY: &str = "deltanet_chunk_state";
+use super::elementwise::require_len;
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+
+pub const FILE: ShaderFile = crate::shader_file!("deltanet");
 /// Chunk length of the chunked form (spec model.md §3.4).
 pub const CHUNK: u32 = 64;
 /// Value columns per workgroup of the recurrent and chunk-state entry points.
@@ -115,6 +114,138 @@ impl PrefillPlan {
     pub fn chunks(&self) -> u32 {
         self.chunked_tokens.div_ceil(CHUNK)
     }
+}
+
+/// The operands of the DeltaNet kernels. `qkv` is the conv output ([q | k | v] per token), `ba`
+/// the beta/alpha logits, `state` the per-v-head states (layout in the shader), `out` the output
+/// rows; `scratch` (the chunked form only) holds [`DeltaParams::scratch_len`] floats.
+pub struct DeltaArgs<'a> {
+    pub qkv: &'a GpuBuffer,
+    pub ba: &'a GpuBuffer,
+    pub ssm_a: &'a GpuBuffer,
+    pub dt_bias: &'a GpuBuffer,
+    pub state: &'a GpuBuffer,
+    pub out: &'a GpuBuffer,
+    pub scratch: Option<&'a GpuBuffer>,
+}
+
+fn check(p: &DeltaParams, args: &DeltaArgs<'_>) -> crate::Result<()> {
+    p.validate()?;
+    let end = p.first_token as u64 + p.tokens as u64;
+    if end > 0 {
+        let last = end - 1;
+        require_len(
+            "deltanet qkv",
+            args.qkv,
+            last * p.qkv_token_stride as u64 + p.v_offset as u64 + (p.v_heads * p.dv) as u64,
+        )?;
+        require_len("deltanet ba", args.ba, (last + 1) * p.ba_token_stride as u64)?;
+        require_len(
+            "deltanet out",
+            args.out,
+            p.out_offset as u64 + last * p.out_token_stride as u64 + (p.v_heads * p.dv) as u64,
+        )?;
+    }
+    require_len("deltanet ssm_a", args.ssm_a, p.v_heads as u64)?;
+    require_len("deltanet dt_bias", args.dt_bias, p.v_heads as u64)?;
+    require_len(
+        "deltanet state",
+        args.state,
+        p.state_offset as u64 + (p.v_heads * p.dk * p.dv) as u64,
+    )
+}
+
+/// Record the recurrent form for tokens `p.first_token .. p.first_token + p.tokens`.
+pub fn record_recurrent(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &DeltaParams,
+    args: &DeltaArgs<'_>,
+) -> crate::Result<()> {
+    check(p, args)?;
+    let pipe = gpu.pipeline(&FILE, &[("OP", "recurrent".into())], &[])?;
+    rec.dispatch(
+        &pipe,
+        &[
+            args.qkv.all(),
+            args.ba.all(),
+            args.ssm_a.all(),
+            args.dt_bias.all(),
+            args.state.all(),
+            args.out.all(),
+        ],
+        bytemuck::bytes_of(p),
+        [p.dv.div_ceil(COLUMNS_PER_WORKGROUP), p.v_heads, 1],
+    )
+}
+
+/// Record the chunked form for tokens `p.first_token ..` (`p.tokens` of them, the first on an
+/// absolute multiple of 64): the prep pass over all chunks, then the state pass.
+pub fn record_chunked(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &DeltaParams,
+    args: &DeltaArgs<'_>,
+) -> crate::Result<()> {
+    check(p, args)?;
+    let mut p = *p;
+    p.chunks = p.tokens.div_ceil(CHUNK);
+    if p.chunks == 0 {
+        return Ok(());
+    }
+    let scratch = args
+        .scratch
+        .ok_or_else(|| crate::QkError::Engine("deltanet chunked form needs a scratch buffer".into()))?;
+    require_len("deltanet scratch", scratch, p.scratch_len(p.tokens))?;
+    let prep = gpu.pipeline(&FILE, &[("OP", "prep".into())], &[])?;
+    rec.dispatch(
+        &prep,
+        &[
+            args.qkv.all(),
+            args.ba.all(),
+            args.ssm_a.all(),
+            args.dt_bias.all(),
+            scratch.all(),
+        ],
+        bytemuck::bytes_of(&p),
+        [p.chunks, p.v_heads, 1],
+    )?;
+    let state = gpu.pipeline(&FILE, &[("OP", "state".into())], &[])?;
+    rec.dispatch(
+        &state,
+        &[args.qkv.all(), scratch.all(), args.state.all(), args.out.all()],
+        bytemuck::bytes_of(&p),
+        [p.dv.div_ceil(COLUMNS_PER_WORKGROUP), p.v_heads, 1],
+    )
+}
+
+/// Record a prefill call for absolute positions `base .. base + p.tokens` (tokens 0.. of the
+/// buffers): recurrent up to the next multiple of 64, chunked after it ([`PrefillPlan`]).
+pub fn record_prefill(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &DeltaParams,
+    base: u32,
+    args: &DeltaArgs<'_>,
+) -> crate::Result<()> {
+    let plan = PrefillPlan::new(base, p.tokens);
+    if plan.recurrent_tokens > 0 {
+        let head = DeltaParams {
+            tokens: plan.recurrent_tokens,
+            first_token: p.first_token,
+            ..*p
+        };
+        record_recurrent(gpu, rec, &head, args)?;
+    }
+    if plan.chunked_tokens > 0 {
+        let rest = DeltaParams {
+            tokens: plan.chunked_tokens,
+            first_token: p.first_token + plan.recurrent_tokens,
+            ..*p
+        };
+        record_chunked(gpu, rec, &rest, args)?;
+    }
+    Ok(())
 }
 
 pub mod reference {

@@ -3,8 +3,10 @@
 
 use bytemuck::{Pod, Zeroable};
 
-pub const SHADER_NAME: &str = "elementwise";
-pub const SHADER_SOURCE: &str = include_str!("../../shaders/elementwise.wgsl");
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+use crate::{QkError, Result};
+
+pub const FILE: ShaderFile = crate::shader_file!("elementwise");
 /// Invocations per workgroup (one per element).
 pub const WORKGROUP: u32 = 64;
 
@@ -24,15 +26,94 @@ pub enum EwKind {
 }
 
 impl EwKind {
-    pub fn entry_point(self) -> &'static str {
+    /// The shader's `OP` variant.
+    pub fn variant(self) -> &'static str {
         match self {
             EwKind::SiluMul => "silu_mul",
             EwKind::Add => "add",
             EwKind::MulSigmoid => "mul_sigmoid",
-            EwKind::CopyRows => "copy_rows",
+            EwKind::CopyRows => "copy",
             EwKind::MoeCombine => "moe_combine",
         }
     }
+}
+
+/// Fails unless `buf` holds at least `elements` 4-byte values (kernels index by element offsets
+/// in their parameters; this turns a wrong shape into an error instead of a clamped read).
+pub fn require_len(op: &str, buf: &GpuBuffer, elements: u64) -> Result<()> {
+    crate::ensure!(
+        buf.size >= elements * 4,
+        QkError::Engine(format!(
+            "{op}: buffer {} holds {} bytes, needs {}",
+            buf.label,
+            buf.size,
+            elements * 4
+        ))
+    );
+    Ok(())
+}
+
+fn rows_extent(rows: u32, offset: u32, stride: u32, n: u32) -> u64 {
+    if rows == 0 {
+        0
+    } else {
+        offset as u64 + (rows as u64 - 1) * stride as u64 + n as u64
+    }
+}
+
+/// The operands of an element-wise op; `b` is unused by `CopyRows`, `weights`/`gate` only by
+/// `MoeCombine` (where `a` holds `experts` outputs of n per row and `b` the shared expert's).
+pub struct EwArgs<'a> {
+    pub a: &'a GpuBuffer,
+    pub b: Option<&'a GpuBuffer>,
+    pub out: &'a GpuBuffer,
+    pub weights: Option<&'a GpuBuffer>,
+    pub gate: Option<&'a GpuBuffer>,
+}
+
+/// Record one element-wise dispatch (one invocation per output element).
+pub fn record(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    kind: EwKind,
+    p: &EwParams,
+    args: &EwArgs<'_>,
+) -> Result<()> {
+    let op = kind.variant();
+    let missing = |what: &str| QkError::Engine(format!("{op}: needs a {what} buffer"));
+    let a_width = if kind == EwKind::MoeCombine {
+        p.n * p.experts
+    } else {
+        p.n
+    };
+    require_len(op, args.a, rows_extent(p.rows, p.a_offset, p.a_stride, a_width))?;
+    require_len(op, args.out, rows_extent(p.rows, p.out_offset, p.out_stride, p.n))?;
+    let pipe = gpu.pipeline(&FILE, &[("OP", op.to_string())], &[])?;
+    let mut bindings = vec![args.a.all()];
+    if kind != EwKind::CopyRows {
+        let b = args.b.ok_or_else(|| missing("b"))?;
+        require_len(op, b, rows_extent(p.rows, p.b_offset, p.b_stride, p.n))?;
+        bindings.push(b.all());
+    }
+    bindings.push(args.out.all());
+    if kind == EwKind::MoeCombine {
+        let w = args.weights.ok_or_else(|| missing("weights"))?;
+        let g = args.gate.ok_or_else(|| missing("gate"))?;
+        require_len(
+            op,
+            w,
+            rows_extent(p.rows, p.weights_offset, p.weights_stride, p.experts),
+        )?;
+        require_len(op, g, rows_extent(p.rows, p.gate_offset, p.gate_stride, 1))?;
+        bindings.push(w.all());
+        bindings.push(g.all());
+    }
+    rec.dispatch(
+        &pipe,
+        &bindings,
+        bytemuck::bytes_of(p),
+        gpu.grid(p.elements().div_ceil(WORKGROUP)),
+    )
 }
 
 /// Mirrors `EwParams` in elementwise.wgsl; operand X of row r, element i at x_offset + r*x_stride + i.
@@ -53,8 +134,6 @@ pub struct EwParams {
     pub accumulate: u32,
     pub gate_offset: u32,
     pub gate_stride: u32,
-    pub _pad0: u32,
-    pub _pad1: u32,
 }
 
 impl EwParams {

@@ -4,10 +4,11 @@
 
 use bytemuck::{Pod, Zeroable};
 
-pub const SHADER_NAME: &str = "rmsnorm";
-pub const SHADER_SOURCE: &str = include_str!("../../shaders/rmsnorm.wgsl");
-/// Invocations per workgroup in rmsnorm.wgsl (one workgroup per row).
-pub const WORKGROUP: u32 = 64;
+use super::elementwise::require_len;
+use crate::Result;
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+
+pub const FILE: ShaderFile = crate::shader_file!("rmsnorm");
 
 /// Where the rows live: row (token t, head h) starts at `offset + t*token_stride + h*head_stride`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +31,14 @@ impl RowLayout {
     fn start(&self, t: usize, h: usize) -> usize {
         self.offset as usize + t * self.token_stride as usize + h * self.head_stride as usize
     }
+
+    /// Elements a buffer needs to hold `tokens x heads` rows of `n`.
+    pub fn extent(&self, tokens: u32, heads: u32, n: u32) -> u64 {
+        if tokens == 0 || heads == 0 {
+            return 0;
+        }
+        self.start(tokens as usize - 1, heads as usize - 1) as u64 + n as u64
+    }
 }
 
 /// Mirrors `NormParams` in rmsnorm.wgsl.
@@ -39,19 +48,14 @@ pub struct NormParams {
     pub tokens: u32,
     pub heads: u32,
     pub n: u32,
-    pub _pad0: u32,
     pub src_offset: u32,
     pub src_token_stride: u32,
     pub src_head_stride: u32,
-    pub _pad1: u32,
     pub dst_offset: u32,
     pub dst_token_stride: u32,
     pub dst_head_stride: u32,
-    pub _pad2: u32,
     pub eps: f32,
     pub scale: f32,
-    pub _pad3: u32,
-    pub _pad4: u32,
 }
 
 impl NormParams {
@@ -76,7 +80,6 @@ impl NormParams {
             dst_head_stride: dst.head_stride,
             eps,
             scale,
-            ..Zeroable::zeroed()
         }
     }
 
@@ -84,7 +87,7 @@ impl NormParams {
         self.tokens * self.heads
     }
 
-    fn src(&self) -> RowLayout {
+    pub fn src(&self) -> RowLayout {
         RowLayout {
             offset: self.src_offset,
             token_stride: self.src_token_stride,
@@ -92,7 +95,7 @@ impl NormParams {
         }
     }
 
-    fn dst(&self) -> RowLayout {
+    pub fn dst(&self) -> RowLayout {
         RowLayout {
             offset: self.dst_offset,
             token_stride: self.dst_token_stride,
@@ -115,14 +118,63 @@ pub enum NormKind {
 }
 
 impl NormKind {
-    pub fn entry_point(self) -> &'static str {
+    /// The shader's `OP` variant.
+    pub fn variant(self) -> &'static str {
         match self {
-            NormKind::Rms => "rms_norm",
-            NormKind::RmsResidual => "rms_norm_residual",
-            NormKind::RmsGated => "rms_norm_gated",
-            NormKind::L2 => "l2_norm",
+            NormKind::Rms => "rms",
+            NormKind::RmsResidual => "residual",
+            NormKind::RmsGated => "gated",
+            NormKind::L2 => "l2",
         }
     }
+}
+
+/// The operands of one normalisation; which are needed depends on the kind.
+pub struct NormArgs<'a> {
+    pub src: &'a GpuBuffer,
+    pub dst: &'a GpuBuffer,
+    /// Length n, shared by all heads (not for `L2`).
+    pub weight: Option<&'a GpuBuffer>,
+    /// `RmsResidual`: the residual; `RmsGated`: the gate z. Laid out like `src`.
+    pub other: Option<&'a GpuBuffer>,
+    /// `RmsResidual`: receives src + residual, laid out like `src`.
+    pub sum: Option<&'a GpuBuffer>,
+}
+
+fn operand<'a>(kind: NormKind, what: &str, b: Option<&'a GpuBuffer>) -> Result<&'a GpuBuffer> {
+    b.ok_or_else(|| crate::QkError::Engine(format!("{kind:?} norm needs a {what} buffer")))
+}
+
+/// Record one normalisation dispatch (one workgroup per row).
+pub fn record(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    kind: NormKind,
+    p: &NormParams,
+    args: &NormArgs<'_>,
+) -> Result<()> {
+    let op = "norm";
+    require_len(op, args.src, p.src().extent(p.tokens, p.heads, p.n))?;
+    require_len(op, args.dst, p.dst().extent(p.tokens, p.heads, p.n))?;
+    let pipe = gpu.pipeline(&FILE, &[("OP", kind.variant().to_string())], &[])?;
+    let mut bindings = vec![args.src.all()];
+    if kind != NormKind::L2 {
+        let w = operand(kind, "weight", args.weight)?;
+        require_len(op, w, p.n as u64)?;
+        bindings.push(w.all());
+    }
+    bindings.push(args.dst.all());
+    if matches!(kind, NormKind::RmsResidual | NormKind::RmsGated) {
+        let other = operand(kind, "residual/gate", args.other)?;
+        require_len(op, other, p.src().extent(p.tokens, p.heads, p.n))?;
+        bindings.push(other.all());
+    }
+    if kind == NormKind::RmsResidual {
+        let sum = operand(kind, "sum", args.sum)?;
+        require_len(op, sum, p.src().extent(p.tokens, p.heads, p.n))?;
+        bindings.push(sum.all());
+    }
+    rec.dispatch(&pipe, &bindings, bytemuck::bytes_of(p), gpu.grid(p.rows()))
 }
 
 /// Plain-Rust versions of the kernels, in f64 accumulation, for tests.

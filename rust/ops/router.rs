@@ -3,9 +3,10 @@
 
 use bytemuck::{Pod, Zeroable};
 
-pub const SHADER_NAME: &str = "router";
-pub const SHADER_SOURCE: &str = include_str!("../../shaders/router.wgsl");
-pub const ENTRY_POINT: &str = "router_topk";
+use super::elementwise::require_len;
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+
+pub const FILE: ShaderFile = crate::shader_file!("router");
 /// Limits of the shader's workgroup arrays (`MAX_EXPERTS`, `MAX_K`).
 pub const MAX_EXPERTS: u32 = 1024;
 pub const MAX_K: u32 = 32;
@@ -22,9 +23,6 @@ pub struct RouterParams {
     pub k: u32,
     pub logits_offset: u32,
     pub logits_token_stride: u32,
-    pub _pad0: u32,
-    pub _pad1: u32,
-    pub _pad2: u32,
 }
 
 impl RouterParams {
@@ -35,6 +33,32 @@ impl RouterParams {
         );
         Ok(())
     }
+}
+
+/// Record routing of `p.tokens` tokens: `ids` (u32) and `weights` (f32) get k entries per token.
+pub fn record(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &RouterParams,
+    logits: &GpuBuffer,
+    ids: &GpuBuffer,
+    weights: &GpuBuffer,
+) -> crate::Result<()> {
+    p.validate()?;
+    if p.tokens > 0 {
+        let last =
+            p.logits_offset as u64 + (p.tokens as u64 - 1) * p.logits_token_stride as u64 + p.experts as u64;
+        require_len("router logits", logits, last)?;
+    }
+    require_len("router ids", ids, p.tokens as u64 * p.k as u64)?;
+    require_len("router weights", weights, p.tokens as u64 * p.k as u64)?;
+    let pipe = gpu.pipeline(&FILE, &[], &[])?;
+    rec.dispatch(
+        &pipe,
+        &[logits.all(), ids.all(), weights.all()],
+        bytemuck::bytes_of(p),
+        gpu.grid(p.tokens),
+    )
 }
 
 pub mod reference {

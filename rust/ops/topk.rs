@@ -3,10 +3,10 @@
 
 use bytemuck::{Pod, Zeroable};
 
-pub const SHADER_NAME: &str = "topk";
-pub const SHADER_SOURCE: &str = include_str!("../../shaders/topk.wgsl");
-pub const BLOCK_ENTRY: &str = "topk_block";
-pub const MERGE_ENTRY: &str = "topk_merge";
+use super::elementwise::require_len;
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+
+pub const FILE: ShaderFile = crate::shader_file!("topk");
 pub const MAX_K: u32 = 256;
 /// Logits per first-pass workgroup: 16 per invocation of its 256.
 pub const BLOCK_LEN: u32 = 4096;
@@ -28,9 +28,6 @@ pub struct TopkParams {
     pub offset: u32,
     pub block_len: u32,
     pub blocks: u32,
-    pub _pad0: u32,
-    pub _pad1: u32,
-    pub _pad2: u32,
 }
 
 impl TopkParams {
@@ -53,6 +50,35 @@ impl TopkParams {
     pub fn candidates(&self) -> u32 {
         self.blocks * self.k
     }
+}
+
+/// Record both passes: the k best of `logits[offset .. offset + n]` into `result` (k pairs, best
+/// first), using `candidates` (at least `p.candidates()` pairs) in between.
+pub fn record(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &TopkParams,
+    logits: &GpuBuffer,
+    candidates: &GpuBuffer,
+    result: &GpuBuffer,
+) -> crate::Result<()> {
+    require_len("top-k logits", logits, p.offset as u64 + p.n as u64)?;
+    require_len("top-k candidates", candidates, 2 * p.candidates() as u64)?;
+    require_len("top-k result", result, 2 * p.k as u64)?;
+    let block = gpu.pipeline(&FILE, &[("OP", "block".into())], &[])?;
+    rec.dispatch(
+        &block,
+        &[logits.all(), candidates.all()],
+        bytemuck::bytes_of(p),
+        gpu.grid(p.blocks),
+    )?;
+    let merge = gpu.pipeline(&FILE, &[("OP", "merge".into())], &[])?;
+    rec.dispatch(
+        &merge,
+        &[candidates.all(), result.all()],
+        bytemuck::bytes_of(p),
+        [1, 1, 1],
+    )
 }
 
 pub mod reference {
