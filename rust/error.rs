@@ -42,7 +42,10 @@ pub type Result<T> = std::result::Result<T, QkError>;
 
 impl QkError {
     pub fn gguf(file: impl Into<String>, msg: impl Into<String>) -> Self {
-        QkError::Gguf { file: file.into(), msg: msg.into() }
+        QkError::Gguf {
+            file: file.into(),
+            msg: msg.into(),
+        }
     }
 }
 

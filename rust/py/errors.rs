@@ -7,17 +7,57 @@ use pyo3::prelude::*;
 use crate::error::QkError;
 
 mod base {
-    pyo3::create_exception!(qk, QkError, pyo3::exceptions::PyException, "Base class of every error raised by qk.");
+    pyo3::create_exception!(
+        qk,
+        QkError,
+        pyo3::exceptions::PyException,
+        "Base class of every error raised by qk."
+    );
 }
 pub use base::QkError as QkBaseError;
-create_exception!(qk, GgufError, QkBaseError, "A GGUF file that is malformed, truncated or incomplete.");
-create_exception!(qk, UnsupportedTypeError, GgufError, "A tensor type qk does not handle.");
-create_exception!(qk, DeviceError, QkBaseError, "No usable GPU adapter, or the device failed.");
+create_exception!(
+    qk,
+    GgufError,
+    QkBaseError,
+    "A GGUF file that is malformed, truncated or incomplete."
+);
+create_exception!(
+    qk,
+    UnsupportedTypeError,
+    GgufError,
+    "A tensor type qk does not handle."
+);
+create_exception!(
+    qk,
+    DeviceError,
+    QkBaseError,
+    "No usable GPU adapter, or the device failed."
+);
 create_exception!(qk, DeviceLostError, DeviceError, "The GPU device was lost.");
-create_exception!(qk, OutOfMemoryError, DeviceError, "The GPU could not provide an allocation.");
-create_exception!(qk, ShaderError, QkBaseError, "A shader that does not validate or build.");
-create_exception!(qk, EngineError, QkBaseError, "An engine call invalid for its state or arguments.");
-create_exception!(qk, TransportError, QkBaseError, "A stage-transport failure: bad frame, refused hello, dead peer.");
+create_exception!(
+    qk,
+    OutOfMemoryError,
+    DeviceError,
+    "The GPU could not provide an allocation."
+);
+create_exception!(
+    qk,
+    ShaderError,
+    QkBaseError,
+    "A shader that does not validate or build."
+);
+create_exception!(
+    qk,
+    EngineError,
+    QkBaseError,
+    "An engine call invalid for its state or arguments."
+);
+create_exception!(
+    qk,
+    TransportError,
+    QkBaseError,
+    "A stage-transport failure: bad frame, refused hello, dead peer."
+);
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
