@@ -7,6 +7,7 @@
 //! command sequence, one submit and one readback.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
@@ -67,7 +68,7 @@ pub struct EngineOptions {
 }
 
 pub struct Engine {
-    pub gpu: Gpu,
+    pub gpu: Arc<Gpu>,
     model: Model,
     pub layers: (u32, u32),
     slots: Vec<SlotState>,
@@ -90,7 +91,7 @@ impl Engine {
         if opts.device.is_some() {
             gopts.device = opts.device.clone();
         }
-        let gpu = Gpu::new(&gopts)?;
+        let gpu = shared_gpu(&gopts)?;
         progress(&format!(
             "{}: {} layers [{}, {}) of {} ({} MTP skipped) on {}",
             cfg.arch.name(),
@@ -562,6 +563,30 @@ impl Engine {
             .map(|_| ())
             .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))
     }
+}
+
+/// One device per (adapter choice, subgroup setting) per process, shared by every engine on it:
+/// pipelines are compiled once per process (lavapipe compiles slowly) and two stages in one
+/// process (tests of split ≡ unsplit) see the same kernels.
+fn shared_gpu(opts: &GpuOptions) -> Result<Arc<Gpu>> {
+    type Key = (Option<String>, bool);
+    static GPUS: OnceLock<Mutex<Vec<(Key, Weak<Gpu>)>>> = OnceLock::new();
+    let key = (opts.device.clone(), opts.no_subgroups);
+    let mut gpus = GPUS
+        .get_or_init(|| Mutex::new(Vec::new()))
+        .lock()
+        .map_err(|_| QkError::Device("device registry poisoned".into()))?;
+    gpus.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(gpu) = gpus
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, w)| w.upgrade())
+    {
+        return Ok(gpu);
+    }
+    let gpu = Arc::new(Gpu::new(opts)?);
+    gpus.push((key, Arc::downgrade(&gpu)));
+    Ok(gpu)
 }
 
 fn mib(b: u64) -> f64 {
