@@ -13,7 +13,7 @@ use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
 use crate::model::forward::{Batch, LayerState, Model, Scratch, SlotState};
-use crate::model::weights::Weights;
+use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
 use crate::ops::deltanet::CHUNK;
 use crate::ops::rope::freq_table;
@@ -87,6 +87,7 @@ impl Engine {
             QkError::Engine("slots must be at least 1".into())
         );
         crate::ensure!(opts.ctx >= 1, QkError::Engine("ctx must be at least 1".into()));
+        Weights::check_types(&file, layers)?;
         let mut gopts = GpuOptions::from_env();
         if opts.device.is_some() {
             gopts.device = opts.device.clone();
@@ -110,7 +111,10 @@ impl Engine {
         }
         let has_head = weights.output.is_some();
         let rows = CHUNK.max(opts.slots);
-        let scratch = Scratch::new(&gpu, &cfg, rows, opts.ctx, has_head)?;
+        let legacy = weights.layers.iter().any(
+            |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
+        );
+        let scratch = Scratch::new(&gpu, &cfg, rows, opts.ctx, has_head, legacy)?;
         let engine = Engine {
             gpu,
             model: Model {

@@ -242,3 +242,56 @@ def test_position_errors():
         eng.stage_run(0, [1] * 600, 0)
     with pytest.raises(qk.EngineError, match="hidden|tokens"):
         engine(F32[0], (1, 4)).stage_run(0, [1, 2], 0)
+
+
+# --- loading: layout variants, MTP blocks, unsupported types ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arch", "legacy"), [("qwen3next", False), ("qwen3next", True), ("qwen35moe", False)]
+)
+def test_fused_layouts_and_mtp_block(arch, legacy, tmp_path):
+    """Fused expert gate/up, fused attention QKV, the legacy qwen3next `ssm_in` and a stored MTP block
+    (skipped) still match the reference."""
+    pytest.importorskip("gguf")
+    from qk import testmodel
+
+    path = testmodel.write_model(
+        tmp_path / f"{arch}-fused.gguf",
+        arch,
+        seed=3,
+        shape=testmodel.small_shape(arch, n_mtp=1),
+        layout=testmodel.Layout(fused_gate_up_exps=True, fused_attn_qkv=True, legacy_ssm_in=legacy),
+    )
+    qk = _qk()
+    try:
+        eng = qk.Engine(str(path), slots=1, ctx=128)
+    except qk.DeviceError:
+        if require_gpu():
+            raise
+        pytest.skip("no wgpu adapter")
+    info = eng.info()
+    assert info["n_layer"] == 4 and info["n_mtp_skipped"] == 1
+    tokens = prompt(F32[0])[:70]
+    err = llama.nmse(eng.logits(0, tokens, 0).astype(np.float64), Model(path).forward(tokens))
+    print(f"{arch} fused layouts: NMSE max {err.max():.3e}")
+    assert err.max() <= REFERENCE_NMSE
+
+
+def test_unsupported_tensor_type_fails_naming_it(tmp_path):
+    """A tensor of a ggml type qk does not read fails the load with its name and type (I32 has the
+    size of F32, so only the type id changes)."""
+    import struct
+
+    data = bytearray((FIXTURES / "tiny-qwen3next-f32.gguf").read_bytes())
+    name = b"blk.0.ssm_a"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    assert struct.unpack_from("<I", data, type_at)[0] == 0  # F32
+    struct.pack_into("<I", data, type_at, 26)  # I32
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    qk = _qk()
+    with pytest.raises(qk.UnsupportedTypeError, match=r"blk\.0\.ssm_a.*I32|I32.*blk\.0\.ssm_a"):
+        qk.Engine(str(bad), slots=1, ctx=64)

@@ -4,7 +4,9 @@
 //! several slots (rows = one position each).
 
 use super::config::{Arch, LayerKind, ModelConfig};
-use super::weights::{AttnProjection, BetaAlpha, ExpertGateUp, LayerWeights, Mixer, Weights};
+use super::weights::{
+    AttnProjection, BetaAlpha, DeltaNetProjection, ExpertGateUp, LayerWeights, Mixer, Weights,
+};
 use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder};
 use crate::ops::attention::{self, AttnArgs, AttnParams};
@@ -91,6 +93,8 @@ pub struct Scratch {
     mix: GpuBuffer,
     /// DeltaNet: [q‖k‖v pre-conv | beta/alpha logits] per row.
     gproj: GpuBuffer,
+    /// Legacy `ssm_in` output before it is regrouped into gproj and z.
+    legacy: GpuBuffer,
     conv_out: GpuBuffer,
     z: GpuBuffer,
     dn_out: GpuBuffer,
@@ -121,7 +125,14 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig, rows: u32, ctx: u32, has_head: bool) -> Result<Scratch> {
+    pub fn new(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        rows: u32,
+        ctx: u32,
+        has_head: bool,
+        legacy: bool,
+    ) -> Result<Scratch> {
         let mut bytes = 0u64;
         let mut buf = |name: &str, floats: u64| -> Result<GpuBuffer> {
             let b = gpu.buffer_zeroed(name, floats.max(1) * 4)?;
@@ -161,6 +172,14 @@ impl Scratch {
             xn: buf("xn", r * e)?,
             mix: buf("mix", r * e)?,
             gproj: buf("gdn.proj", r * gw)?,
+            legacy: buf(
+                "gdn.legacy_qkvz",
+                if legacy {
+                    r * u64::from(cfg.conv_dim() + cfg.value_dim())
+                } else {
+                    0
+                },
+            )?,
             conv_out: buf("gdn.conv_out", r * u64::from(cfg.conv_dim()))?,
             z: buf("gdn.z", r * u64::from(cfg.value_dim()))?,
             dn_out: buf("gdn.out", r * u64::from(cfg.value_dim()))?,
@@ -386,8 +405,42 @@ impl Model {
         let (cd, vd, nv) = (cfg.conv_dim(), cfg.value_dim(), cfg.v_heads);
         let gw = cd + 2 * nv;
         let xn = Columns::packed(&s.xn, e);
-        mul(gpu, rec, &w.qkv, xn, cols(&s.gproj, 0, gw), t)?;
-        mul(gpu, rec, &w.gate, xn, Columns::packed(&s.z, vd), t)?;
+        match &w.proj {
+            DeltaNetProjection::Split { qkv, gate } => {
+                mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
+                mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
+            }
+            DeltaNetProjection::Legacy(qkvz) => {
+                // One projection, then per k-head group four row copies into the q ‖ k ‖ v and z
+                // layouts the conv and gated norm read (4·nk small dispatches: legacy files only).
+                let lw = cd + vd;
+                mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
+                let (dk, key_dim) = (cfg.dk, cfg.k_heads * cfg.dk);
+                let rv = (nv / cfg.k_heads) * cfg.dv;
+                let group = 2 * dk + 2 * rv;
+                for g in 0..cfg.k_heads {
+                    let src = g * group;
+                    let pieces = [
+                        (src, dk, &s.gproj, g * dk, gw),
+                        (src + dk, dk, &s.gproj, key_dim + g * dk, gw),
+                        (src + 2 * dk, rv, &s.gproj, 2 * key_dim + g * rv, gw),
+                        (src + 2 * dk + rv, rv, &s.z, g * rv, vd),
+                    ];
+                    for (a_offset, n, dst, out_offset, out_stride) in pieces {
+                        let p = EwParams {
+                            rows: t,
+                            n,
+                            a_offset,
+                            a_stride: lw,
+                            out_offset,
+                            out_stride,
+                            ..Default::default()
+                        };
+                        ew(gpu, rec, EwKind::CopyRows, &p, &s.legacy, None, dst)?;
+                    }
+                }
+            }
+        }
         match &w.ba {
             BetaAlpha::Grouped(ba) => mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?,
             BetaAlpha::Split { beta, alpha } => {

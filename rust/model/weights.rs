@@ -16,9 +16,17 @@ pub enum BetaAlpha {
     Split { beta: WeightTensor, alpha: WeightTensor },
 }
 
+/// The q‖k‖v and z projections of a DeltaNet layer.
+pub enum DeltaNetProjection {
+    /// `attn_qkv` (rows q ‖ k ‖ v) and `attn_gate` (z).
+    Split { qkv: WeightTensor, gate: WeightTensor },
+    /// Legacy qwen3next `ssm_in` (HF in_proj_qkvz): per k-head g the rows
+    /// [q_g (dk) ‖ k_g (dk) ‖ v of its r v-heads ‖ z of the same] (spec §2.2).
+    Legacy(WeightTensor),
+}
+
 pub struct DeltaNetWeights {
-    pub qkv: WeightTensor,
-    pub gate: WeightTensor,
+    pub proj: DeltaNetProjection,
     pub ba: BetaAlpha,
     /// [channel][tap], tap 0 oldest (GGUF ne {K, C}).
     pub conv: GpuBuffer,
@@ -157,14 +165,15 @@ impl Loader<'_> {
         let e = cfg.n_embd;
         let mixer = match cfg.kinds[il as usize] {
             LayerKind::DeltaNet => {
-                if self.file.tensor(&p("ssm_in.weight")).is_some()
-                    && self.file.tensor(&p("attn_qkv.weight")).is_none()
-                {
-                    return Err(QkError::UnsupportedType {
-                        tensor: p("ssm_in.weight"),
-                        ty: "legacy fused qkvz layout (re-convert with a current llama.cpp)".into(),
-                    });
-                }
+                let proj = if self.file.tensor(&p("attn_qkv.weight")).is_some() {
+                    DeltaNetProjection::Split {
+                        qkv: self.matrix(&p("attn_qkv.weight"), e, cfg.conv_dim(), 1)?,
+                        gate: self.matrix(&p("attn_gate.weight"), e, cfg.value_dim(), 1)?,
+                    }
+                } else {
+                    let rows = cfg.conv_dim() + cfg.value_dim();
+                    DeltaNetProjection::Legacy(self.matrix(&p("ssm_in.weight"), e, rows, 1)?)
+                };
                 let nv = cfg.v_heads;
                 let ba = match cfg.arch {
                     Arch::Qwen3Next => BetaAlpha::Grouped(self.matrix(&p("ssm_ba.weight"), e, 2 * nv, 1)?),
@@ -174,8 +183,7 @@ impl Loader<'_> {
                     },
                 };
                 Mixer::DeltaNet(DeltaNetWeights {
-                    qkv: self.matrix(&p("attn_qkv.weight"), e, cfg.conv_dim(), 1)?,
-                    gate: self.matrix(&p("attn_gate.weight"), e, cfg.value_dim(), 1)?,
+                    proj,
                     ba,
                     conv: self.vector(&p("ssm_conv1d.weight"), cfg.conv_taps * cfg.conv_dim())?,
                     ssm_a: self.vector(&p("ssm_a"), nv)?,
@@ -234,6 +242,26 @@ impl Loader<'_> {
 }
 
 impl Weights {
+    /// Every tensor of layers [a, b) (and every global tensor) must have a type qk reads; the error
+    /// names the tensor and its type. Checked before any device work so a bad file fails fast.
+    pub fn check_types(file: &GgufFile, layers: (u32, u32)) -> Result<()> {
+        let (a, b) = layers;
+        for t in file.tensors() {
+            let in_range = match t.name.strip_prefix("blk.") {
+                Some(rest) => rest
+                    .split('.')
+                    .next()
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .is_some_and(|il| il >= a && il < b),
+                None => true,
+            };
+            if in_range {
+                t.ggml_type()?;
+            }
+        }
+        Ok(())
+    }
+
     /// Upload layers [a, b) and the global tensors the range needs; `progress` gets a line per step.
     pub fn load(
         gpu: &Gpu,
@@ -250,21 +278,7 @@ impl Weights {
                 cfg.n_layer
             ))
         );
-        // Every tensor of the range must have a type qk reads, named in the error (checked up front
-        // so a bad file fails before anything is uploaded).
-        for t in file.tensors() {
-            let in_range = match t.name.strip_prefix("blk.") {
-                Some(rest) => rest
-                    .split('.')
-                    .next()
-                    .and_then(|n| n.parse::<u32>().ok())
-                    .is_some_and(|il| il >= a && il < b),
-                None => true,
-            };
-            if in_range {
-                t.ggml_type()?;
-            }
-        }
+        Self::check_types(file, layers)?;
         let mut ld = Loader { gpu, file, bytes: 0 };
         let has_output = file.tensor("output.weight").is_some();
         let embed = if a == 0 || (b == cfg.n_layer && !has_output) {
