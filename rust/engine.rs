@@ -574,7 +574,8 @@ impl Engine {
 /// process (tests of split ≡ unsplit) see the same kernels.
 fn shared_gpu(opts: &GpuOptions) -> Result<Arc<Gpu>> {
     type Key = (Option<String>, bool);
-    static GPUS: OnceLock<Mutex<Vec<(Key, Weak<Gpu>)>>> = OnceLock::new();
+    type Registry = Mutex<Vec<(Key, Weak<Gpu>)>>;
+    static GPUS: OnceLock<Registry> = OnceLock::new();
     let key = (opts.device.clone(), opts.no_subgroups);
     let mut gpus = GPUS
         .get_or_init(|| Mutex::new(Vec::new()))

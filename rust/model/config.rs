@@ -157,7 +157,7 @@ impl ModelConfig {
             k_heads: req("ssm.group_count")?,
             v_heads,
             dk,
-            dv: if v_heads > 0 { inner / v_heads } else { 0 },
+            dv: inner.checked_div(v_heads).unwrap_or(0),
             kinds,
         };
         cfg.check().map_err(bad)?;
@@ -188,13 +188,13 @@ impl ModelConfig {
                 self.dk, self.dv
             ));
         }
-        if self.heads % self.kv_heads != 0 || self.v_heads % self.k_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) || !self.v_heads.is_multiple_of(self.k_heads) {
             return Err("head counts do not divide".into());
         }
         if self.experts_used > self.experts {
             return Err(format!("{} experts used of {}", self.experts_used, self.experts));
         }
-        if self.n_rot > self.head_dim || self.n_rot % 2 != 0 {
+        if self.n_rot > self.head_dim || !self.n_rot.is_multiple_of(2) {
             return Err(format!(
                 "rope dimension {} does not fit head dim {}",
                 self.n_rot, self.head_dim

@@ -54,8 +54,8 @@ pub struct AttentionWeights {
 }
 
 pub enum Mixer {
-    DeltaNet(DeltaNetWeights),
-    Attention(AttentionWeights),
+    DeltaNet(Box<DeltaNetWeights>),
+    Attention(Box<AttentionWeights>),
 }
 
 pub enum ExpertGateUp {
@@ -182,7 +182,7 @@ impl Loader<'_> {
                         alpha: self.matrix(&p("ssm_alpha.weight"), e, nv, 1)?,
                     },
                 };
-                Mixer::DeltaNet(DeltaNetWeights {
+                Mixer::DeltaNet(Box::new(DeltaNetWeights {
                     proj,
                     ba,
                     conv: self.vector(&p("ssm_conv1d.weight"), cfg.conv_taps * cfg.conv_dim())?,
@@ -190,7 +190,7 @@ impl Loader<'_> {
                     dt_bias: self.vector(&p("ssm_dt.bias"), nv)?,
                     norm: self.vector(&p("ssm_norm.weight"), cfg.dv)?,
                     out: self.matrix(&p("ssm_out.weight"), cfg.value_dim(), e, 1)?,
-                })
+                }))
             }
             LayerKind::Attention => {
                 let hd = cfg.head_dim;
@@ -205,12 +205,12 @@ impl Loader<'_> {
                 } else {
                     AttnProjection::Fused(self.matrix(&p("attn_qkv.weight"), e, q_rows + 2 * kv_rows, 1)?)
                 };
-                Mixer::Attention(AttentionWeights {
+                Mixer::Attention(Box::new(AttentionWeights {
                     proj,
                     q_norm: self.vector(&p("attn_q_norm.weight"), hd)?,
                     k_norm: self.vector(&p("attn_k_norm.weight"), hd)?,
                     out: self.matrix(&p("attn_output.weight"), cfg.heads * hd, e, 1)?,
-                })
+                }))
             }
         };
         let (ne, ff) = (cfg.experts, cfg.expert_ff);
