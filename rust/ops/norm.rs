@@ -209,7 +209,7 @@ pub mod reference {
                     .collect();
                 if kind == NormKind::RmsResidual {
                     for i in 0..n {
-                        sum_out[s + i] = (src[s + i] + other[s + i]) as f32;
+                        sum_out[s + i] = src[s + i] + other[s + i];
                     }
                 }
                 let sq: f64 = row.iter().map(|v| v * v).sum();
