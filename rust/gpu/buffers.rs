@@ -175,6 +175,22 @@ impl Gpu {
         experts: u64,
         bytes: &[u8],
     ) -> Result<WeightTensor> {
+        self.upload_weight_windowed(name, ty, cols, rows, experts, bytes, u64::MAX)
+    }
+
+    /// As [`Gpu::upload_weight`] with windows of at most `max_window_bytes` (tests use this to
+    /// exercise windowing without 128 MiB tensors).
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload_weight_windowed(
+        &self,
+        name: &str,
+        ty: GgmlType,
+        cols: u64,
+        rows: u64,
+        experts: u64,
+        bytes: &[u8],
+        max_window_bytes: u64,
+    ) -> Result<WeightTensor> {
         let unsupported = || QkError::UnsupportedType {
             tensor: name.into(),
             ty: ty.name().into(),
@@ -194,7 +210,11 @@ impl Gpu {
                 total_rows * row_bytes
             )));
         }
-        let cap = self.caps.max_binding_size.min(self.caps.max_buffer_size);
+        let cap = self
+            .caps
+            .max_binding_size
+            .min(self.caps.max_buffer_size)
+            .min(max_window_bytes);
         let max_rows = cap / row_bytes;
         if max_rows == 0 {
             return Err(QkError::Engine(format!(

@@ -3,3 +3,4 @@ mod gguf_tests;
 mod gpu_tests;
 mod ops_tests;
 mod shaders_valid;
+mod matmul_tests;
