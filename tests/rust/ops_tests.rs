@@ -241,6 +241,7 @@ fn gpu_norms_match_reference() {
             for kind in [
                 NormKind::Rms,
                 NormKind::RmsResidual,
+                NormKind::RmsResidualInPlace,
                 NormKind::RmsGated,
                 NormKind::L2,
             ] {
@@ -248,9 +249,12 @@ fn gpu_norms_match_reference() {
                 let p = NormParams::new(tokens, heads, n, src, dst, 1e-6, scale);
                 let db = gpu.buffer_zeroed("dst", dst_len as u64 * 4).unwrap();
                 let sb = gpu.buffer_zeroed("sum", src_len as u64 * 4).unwrap();
+                // The in-place form overwrites its source: give it its own copy.
+                let in_place = kind == NormKind::RmsResidualInPlace;
+                let xb_own = upload(gpu, "x in place", &x);
                 let mut rec = gpu.recorder();
                 let args = NormArgs {
-                    src: &xb,
+                    src: if in_place { &xb_own } else { &xb },
                     dst: &db,
                     weight: Some(&wb),
                     other: Some(&ob),
@@ -269,9 +273,9 @@ fn gpu_norms_match_reference() {
                     "{kind:?} n={n} subgroups={}: nmse {e}",
                     gpu.caps.subgroups
                 );
-                if kind == NormKind::RmsResidual {
+                if matches!(kind, NormKind::RmsResidual | NormKind::RmsResidualInPlace) {
                     // Only the rows' elements are written; x + r is one f32 add on both sides.
-                    let got_sum = download(gpu, &sb, src_len);
+                    let got_sum = download(gpu, if in_place { &xb_own } else { &sb }, src_len);
                     for t in 0..tokens as usize {
                         for h in 0..heads as usize {
                             let at = t * src.token_stride as usize + h * src.head_stride as usize;
