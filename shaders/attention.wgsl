@@ -118,14 +118,15 @@ fn main(ids: ComputeIds) {
         group_q[i] = Q[q_index(t, kvh * group + i / hd, i % hd)] * P.scale;
     }
     workgroupBarrier();
-    for (var p = lid; p < count; p += {{WG}}u) {
-        for (var g = 0u; g < group; g++) {
-            var acc = 0.0;
-            for (var d = 0u; d < hd; d++) {
-                acc += group_q[g * hd + d] * K_CACHE[kv_index(start + p, kvh, d)];
-            }
-            scores[g * P.split_len + p] = acc;
+    // One (position, head) score per step; neighbouring invocations share the K row in cache.
+    for (var item = lid; item < count * group; item += {{WG}}u) {
+        let p = item / group;
+        let g = item % group;
+        var acc = 0.0;
+        for (var d = 0u; d < hd; d++) {
+            acc += group_q[g * hd + d] * K_CACHE[kv_index(start + p, kvh, d)];
         }
+        scores[g * P.split_len + p] = acc;
     }
     workgroupBarrier();
     if lid < group {
@@ -143,21 +144,17 @@ fn main(ids: ComputeIds) {
         group_sum[lid] = l;
     }
     workgroupBarrier();
-    for (var d = lid; d < hd; d += {{WG}}u) {
-        var acc: array<f32, MAX_GROUP>;
-        for (var g = 0u; g < group; g++) {
-            acc[g] = 0.0;
-        }
+    // One (head, dim) output per step: a scalar accumulator, no dynamically indexed private array
+    // (compilers keep those in memory).
+    for (var item = lid; item < group * hd; item += {{WG}}u) {
+        let g = item / hd;
+        let d = item % hd;
+        var acc = 0.0;
         for (var p = 0u; p < count; p++) {
-            let v = V_CACHE[kv_index(start + p, kvh, d)];
-            for (var g = 0u; g < group; g++) {
-                acc[g] += scores[g * P.split_len + p] * v;
-            }
+            acc += scores[g * P.split_len + p] * V_CACHE[kv_index(start + p, kvh, d)];
         }
-        for (var g = 0u; g < group; g++) {
-            let slot = (t * P.heads + kvh * group + g) * P.splits + split;
-            PART_O[slot * hd + d] = acc[g];
-        }
+        let slot = (t * P.heads + kvh * group + g) * P.splits + split;
+        PART_O[slot * hd + d] = acc;
     }
     if lid < group {
         let slot = (t * P.heads + kvh * group + lid) * P.splits + split;
@@ -203,11 +200,12 @@ fn main(ids: ComputeIds) {
     let lane = lid % LANES;
     let t = ids.wid.x * BQ + row;
     let row_valid = t < P.tokens;
-    let dims = (hd + LANES - 1u) / LANES;
 
     var q_reg: array<f32, MAX_DIMS_PER_LANE>;
     var o_reg: array<f32, MAX_DIMS_PER_LANE>;
-    for (var i = 0u; i < dims; i++) {
+    // Loops over the register arrays run a constant MAX_DIMS_PER_LANE times so compilers can
+    // unroll them and keep the arrays in registers.
+    for (var i = 0u; i < MAX_DIMS_PER_LANE; i++) {
         let d = lane + i * LANES;
         q_reg[i] = 0.0;
         o_reg[i] = 0.0;
@@ -230,7 +228,7 @@ fn main(ids: ComputeIds) {
         workgroupBarrier();
         for (var j = 0u; j < BK; j++) {
             var acc = 0.0;
-            for (var i = 0u; i < dims; i++) {
+            for (var i = 0u; i < MAX_DIMS_PER_LANE; i++) {
                 let d = lane + i * LANES;
                 if d < hd {
                     acc += q_reg[i] * group_q[j * hd + d];
@@ -268,7 +266,7 @@ fn main(ids: ComputeIds) {
             group_q[i] = select(0.0, V_CACHE[kv_index(min(p, kv_end - 1u), kvh, i % hd)], p < kv_end);
         }
         workgroupBarrier();
-        for (var i = 0u; i < dims; i++) {
+        for (var i = 0u; i < MAX_DIMS_PER_LANE; i++) {
             let d = lane + i * LANES;
             if d < hd {
                 var acc = o_reg[i] * correction;
@@ -281,7 +279,7 @@ fn main(ids: ComputeIds) {
         workgroupBarrier();
     }
     if row_valid {
-        for (var i = 0u; i < dims; i++) {
+        for (var i = 0u; i < MAX_DIMS_PER_LANE; i++) {
             let d = lane + i * LANES;
             if d < hd {
                 OUT[P.out_offset + t * P.out_token_stride + h * hd + d] = o_reg[i] / l * gate_factor(t, h, d);

@@ -4,7 +4,7 @@
 // kernel and the state update needs no synchronisation.
 //
 // Layouts: WEIGHT[c*K + j] is tap j of channel c (tap 0 = oldest input, tap K-1 = current token);
-// STATE[j*channels + c] is the j-th oldest of the last K-1 pre-conv inputs of channel c.
+// STATE[state_offset + j*channels + c] is the j-th oldest of the last K-1 pre-conv inputs of channel c.
 #include "common.wgsl"
 #define WG 64
 
@@ -16,6 +16,8 @@ struct ConvParams {
     src_token_stride: u32,
     dst_offset: u32,
     dst_token_stride: u32,
+    // Where this sequence's state starts (slots may share one state buffer).
+    state_offset: u32,
 }
 
 // Largest K supported (the models use 4).
@@ -41,7 +43,7 @@ fn main(ids: ComputeIds) {
     var window: array<f32, MAX_TAPS>;
     var taps: array<f32, MAX_TAPS>;
     for (var j = 0u; j < hist; j++) {
-        window[j] = STATE[j * P.channels + c];
+        window[j] = STATE[P.state_offset + j * P.channels + c];
     }
     for (var j = 0u; j < P.taps; j++) {
         taps[j] = WEIGHT[c * P.taps + j];
@@ -61,6 +63,6 @@ fn main(ids: ComputeIds) {
         }
     }
     for (var j = 0u; j < hist; j++) {
-        STATE[j * P.channels + c] = window[j];
+        STATE[P.state_offset + j * P.channels + c] = window[j];
     }
 }

@@ -166,10 +166,11 @@ fn main(ids: ComputeIds) {
     let j = wid.x * COLS + col;
     let col_valid = j < P.dv;
     let dk = P.dk;
-    let rows = (dk + LANES - 1u) / LANES;
 
+    // Loops over s run a constant MAX_ROWS_PER_LANE times (rows past dk are skipped) so compilers
+    // can unroll them and keep s in registers.
     var s: array<f32, MAX_ROWS_PER_LANE>;
-    for (var r = 0u; r < rows; r++) {
+    for (var r = 0u; r < MAX_ROWS_PER_LANE; r++) {
         let i = lane + r * LANES;
         s[r] = 0.0;
         if col_valid && i < dk {
@@ -196,7 +197,7 @@ fn main(ids: ComputeIds) {
         let beta = beta_of(t, n);
 
         var kv = 0.0;
-        for (var r = 0u; r < rows; r++) {
+        for (var r = 0u; r < MAX_ROWS_PER_LANE; r++) {
             let i = lane + r * LANES;
             if i < dk {
                 s[r] *= decay;
@@ -215,7 +216,7 @@ fn main(ids: ComputeIds) {
         }
         let delta = beta * (v - kv_total);
         var o = 0.0;
-        for (var r = 0u; r < rows; r++) {
+        for (var r = 0u; r < MAX_ROWS_PER_LANE; r++) {
             let i = lane + r * LANES;
             if i < dk {
                 s[r] += rec_k[i] * inv_k * delta;
@@ -233,7 +234,7 @@ fn main(ids: ComputeIds) {
         }
         workgroupBarrier();
     }
-    for (var r = 0u; r < rows; r++) {
+    for (var r = 0u; r < MAX_ROWS_PER_LANE; r++) {
         let i = lane + r * LANES;
         if col_valid && i < dk {
             STATE[state_index(n, j, i)] = s[r];

@@ -1,5 +1,6 @@
 // Row normalisations of f32 activations (variant OP): rms = RMSNorm; residual = RMSNorm of x + r,
-// also writing x + r; gated = RMSNorm times SiLU(z); l2 = x / max(|x|, eps). One workgroup per
+// also writing x + r to SUM; residual_inplace = the same with x + r written back into x (the
+// residual stream update; wgpu cannot bind one buffer as both SRC and SUM); gated = RMSNorm times SiLU(z); l2 = x / max(|x|, eps). One workgroup per
 // row; a row is (token t, head h) at offset + t*token_stride + h*head_stride, so per-head norms over
 // interleaved layouts (q/gate of full attention, q/k of the DeltaNet conv output) need no copy. The
 // weight (length n) is shared by every head. The result is multiplied by `scale`.
@@ -8,6 +9,7 @@
 #define WG 64
 #define OP rms
 #variants OP=residual
+#variants OP=residual_inplace
 #variants OP=gated
 #variants OP=l2
 
@@ -26,7 +28,11 @@ struct NormParams {
 }
 
 var<immediate> P: NormParams;
+#if OP == residual_inplace
+@group(0) @binding(0) var<storage, read_write> SRC: array<f32>;
+#else
 @group(0) @binding(0) var<storage, read> SRC: array<f32>;
+#endif
 #if OP == l2
 @group(0) @binding(1) var<storage, read_write> DST: array<f32>;
 #else
@@ -37,6 +43,9 @@ var<immediate> P: NormParams;
 // The residual added to SRC (same layout), and where SRC + RESIDUAL goes (same layout).
 @group(0) @binding(3) var<storage, read> RESIDUAL: array<f32>;
 @group(0) @binding(4) var<storage, read_write> SUM: array<f32>;
+#endif
+#if OP == residual_inplace
+@group(0) @binding(3) var<storage, read> RESIDUAL: array<f32>;
 #endif
 #if OP == gated
 // The gate z, laid out like SRC.
@@ -51,7 +60,11 @@ fn input_at(i: u32) -> f32 {
 #if OP == residual
     return SRC[i] + RESIDUAL[i];
 #else
+#if OP == residual_inplace
+    return SRC[i] + RESIDUAL[i];
+#else
     return SRC[i];
+#endif
 #endif
 }
 
@@ -71,6 +84,10 @@ fn main(ids: ComputeIds) {
 #if OP == residual
         SUM[s + i] = v;
 #endif
+#if OP == residual_inplace
+        // Element i is read and written by this invocation only, here and in the loop below.
+        SRC[s + i] = v;
+#endif
         sq += v * v;
     }
     let total = wg_sum(sq, ids);
@@ -81,8 +98,12 @@ fn main(ids: ComputeIds) {
     let inv = inverseSqrt(total / f32(P.n) + P.eps) * P.scale;
 #endif
     for (var i = ids.lid; i < P.n; i += {{WG}}u) {
-        // Recomputed rather than read back from SUM: another invocation wrote most of it.
+#if OP == residual_inplace
+        let v = SRC[s + i] * inv;
+#else
+        // Recomputed rather than read back from SUM (written by other invocations).
         let v = input_at(s + i) * inv;
+#endif
 #if OP == l2
         DST[d + i] = v;
 #else

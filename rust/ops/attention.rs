@@ -59,11 +59,7 @@ impl AttnParams {
     /// Checks the shapes against the shader's fixed-size arrays.
     pub fn validate(&self) -> crate::Result<()> {
         use crate::QkError;
-        let group = if self.kv_heads == 0 {
-            0
-        } else {
-            self.heads / self.kv_heads
-        };
+        let group = self.heads.checked_div(self.kv_heads).unwrap_or(0);
         crate::ensure!(
             self.kv_heads > 0 && group * self.kv_heads == self.heads && group <= MAX_GROUP,
             QkError::Engine(format!(

@@ -24,6 +24,7 @@ pub struct ConvParams {
     pub src_token_stride: u32,
     pub dst_offset: u32,
     pub dst_token_stride: u32,
+    pub state_offset: u32,
 }
 
 /// Record conv + SiLU of `p.tokens` tokens of `src` into `dst`, advancing `state` (decode: 1 token).
@@ -50,7 +51,11 @@ pub fn record(
     require_len("conv src", src, rows(p.src_offset, p.src_token_stride))?;
     require_len("conv dst", dst, rows(p.dst_offset, p.dst_token_stride))?;
     require_len("conv weight", weight, p.channels as u64 * p.taps as u64)?;
-    require_len("conv state", state, p.channels as u64 * (p.taps as u64 - 1))?;
+    require_len(
+        "conv state",
+        state,
+        p.state_offset as u64 + p.channels as u64 * (p.taps as u64 - 1),
+    )?;
     let pipe = gpu.pipeline(&FILE, &[], &[])?;
     rec.dispatch(
         &pipe,
@@ -67,11 +72,13 @@ pub mod reference {
         x / (1.0 + (-x).exp())
     }
 
-    /// `weight[c*K + j]`, `state[j*C + c]` (j-th oldest of the last K-1 inputs), updated in place.
+    /// `weight[c*K + j]`, `state[state_offset + j*C + c]` (j-th oldest of the last K-1 inputs), updated in place.
     pub fn conv_silu(p: &ConvParams, src: &[f32], weight: &[f32], state: &mut [f32], dst: &mut [f32]) {
         let (k, ch) = (p.taps as usize, p.channels as usize);
         for c in 0..ch {
-            let mut window: Vec<f32> = (0..k - 1).map(|j| state[j * ch + c]).collect();
+            let mut window: Vec<f32> = (0..k - 1)
+                .map(|j| state[p.state_offset as usize + j * ch + c])
+                .collect();
             for t in 0..p.tokens as usize {
                 let current = src[p.src_offset as usize + t * p.src_token_stride as usize + c];
                 let mut acc = weight[c * k + k - 1] as f64 * current as f64;
@@ -85,7 +92,7 @@ pub mod reference {
                 }
             }
             for (j, w) in window.iter().enumerate() {
-                state[j * ch + c] = *w;
+                state[p.state_offset as usize + j * ch + c] = *w;
             }
         }
     }

@@ -78,7 +78,7 @@ impl DeltaParams {
     pub fn validate(&self) -> crate::Result<()> {
         use crate::QkError;
         crate::ensure!(
-            self.k_heads > 0 && self.v_heads % self.k_heads == 0,
+            self.k_heads > 0 && self.v_heads.is_multiple_of(self.k_heads),
             QkError::Engine(format!(
                 "deltanet: {} v-heads over {} k-heads",
                 self.v_heads, self.k_heads
@@ -337,6 +337,8 @@ pub mod reference {
         }
     }
 
+    // Index loops read like the matrix formulas of the spec, which is the point of a reference.
+    #[allow(clippy::needless_range_loop)]
     /// The chunked WY/UT form of spec §3.4 with chunks of `chunk` tokens starting at first_token,
     /// written independently of the shader as a second derivation of the same numbers.
     #[allow(clippy::too_many_arguments)]

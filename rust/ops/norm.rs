@@ -111,6 +111,8 @@ pub enum NormKind {
     Rms,
     /// sum = x + r; dst = rms_norm(sum)
     RmsResidual,
+    /// x = x + r (in place); dst = rms_norm(x)
+    RmsResidualInPlace,
     /// dst = rms_norm(x) * SiLU(z)
     RmsGated,
     /// dst = x / max(|x|, eps) * scale (no weight)
@@ -123,6 +125,7 @@ impl NormKind {
         match self {
             NormKind::Rms => "rms",
             NormKind::RmsResidual => "residual",
+            NormKind::RmsResidualInPlace => "residual_inplace",
             NormKind::RmsGated => "gated",
             NormKind::L2 => "l2",
         }
@@ -135,7 +138,7 @@ pub struct NormArgs<'a> {
     pub dst: &'a GpuBuffer,
     /// Length n, shared by all heads (not for `L2`).
     pub weight: Option<&'a GpuBuffer>,
-    /// `RmsResidual`: the residual; `RmsGated`: the gate z. Laid out like `src`.
+    /// `RmsResidual*`: the residual; `RmsGated`: the gate z. Laid out like `src`.
     pub other: Option<&'a GpuBuffer>,
     /// `RmsResidual`: receives src + residual, laid out like `src`.
     pub sum: Option<&'a GpuBuffer>,
@@ -164,7 +167,10 @@ pub fn record(
         bindings.push(w.all());
     }
     bindings.push(args.dst.all());
-    if matches!(kind, NormKind::RmsResidual | NormKind::RmsGated) {
+    if matches!(
+        kind,
+        NormKind::RmsResidual | NormKind::RmsResidualInPlace | NormKind::RmsGated
+    ) {
         let other = operand(kind, "residual/gate", args.other)?;
         require_len(op, other, p.src().extent(p.tokens, p.heads, p.n))?;
         bindings.push(other.all());
@@ -185,8 +191,8 @@ pub mod reference {
         x / (1.0 + (-x).exp())
     }
 
-    /// Runs `kind` over `src` into `dst` (and `sum_out` for `RmsResidual`). `other` is the
-    /// residual (`RmsResidual`) or the gate z (`RmsGated`), laid out like `src`.
+    /// Runs `kind` over `src` into `dst` (and `sum_out` for `RmsResidual*`: the new x of the
+    /// in-place form). `other` is the residual or the gate z, laid out like `src`.
     pub fn norm(
         kind: NormKind,
         p: &NormParams,
@@ -203,13 +209,15 @@ pub mod reference {
                 let d = p.dst().start(t, h);
                 let row: Vec<f64> = (0..n)
                     .map(|i| match kind {
-                        NormKind::RmsResidual => src[s + i] as f64 + other[s + i] as f64,
+                        NormKind::RmsResidual | NormKind::RmsResidualInPlace => {
+                            src[s + i] as f64 + other[s + i] as f64
+                        }
                         _ => src[s + i] as f64,
                     })
                     .collect();
-                if kind == NormKind::RmsResidual {
+                if matches!(kind, NormKind::RmsResidual | NormKind::RmsResidualInPlace) {
                     for i in 0..n {
-                        sum_out[s + i] = (src[s + i] + other[s + i]) as f32;
+                        sum_out[s + i] = src[s + i] + other[s + i];
                     }
                 }
                 let sq: f64 = row.iter().map(|v| v * v).sum();

@@ -52,7 +52,7 @@ pub fn record(
     positions: Option<&GpuBuffer>,
 ) -> Result<()> {
     crate::ensure!(
-        p.n_rot % 2 == 0 && p.n_rot > 0 && (p.n_rot <= p.head_stride || p.heads == 1),
+        p.n_rot.is_multiple_of(2) && p.n_rot > 0 && (p.n_rot <= p.head_stride || p.heads == 1),
         QkError::Engine(format!("rope: n_rot {} must be even and fit a head", p.n_rot))
     );
     if p.tokens > 0 && p.heads > 0 {

@@ -33,7 +33,7 @@ pub struct TopkParams {
 impl TopkParams {
     pub fn new(n: u32, k: u32, offset: u32) -> crate::Result<Self> {
         crate::ensure!(
-            k >= 1 && k <= MAX_K && k <= n,
+            (1..=MAX_K).contains(&k) && k <= n,
             crate::QkError::Engine(format!("top-k: k = {k} over {n} logits (1 <= k <= {MAX_K})"))
         );
         Ok(TopkParams {
@@ -42,7 +42,6 @@ impl TopkParams {
             offset,
             block_len: BLOCK_LEN,
             blocks: n.div_ceil(BLOCK_LEN),
-            ..Zeroable::zeroed()
         })
     }
 
