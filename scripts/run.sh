@@ -8,5 +8,5 @@ qk_system_packages
 qk_python_env
 qk_build
 phase "qk.info"
-model="${1:-$ROOT/tests/fixtures/qwen3next-tiny-f32.gguf}"
+model="${1:-$ROOT/tests/fixtures/tiny-qwen3next-f32.gguf}"
 python -m qk.info "$model"

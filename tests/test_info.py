@@ -128,3 +128,19 @@ def test_module_entry_point(tmp_path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "layers: 6 blocks = 5 main + 1 MTP" in proc.stdout
+
+
+def test_lists_types_qk_cannot_dequantise(tmp_path, capsys) -> None:
+    w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
+    w.add_block_count(1)
+    x = np.random.default_rng(2).standard_normal((4, 64)).astype(np.float32)
+    w.add_tensor("blk.0.w", gguf.quants.quantize(x, Q.Q4_1), raw_dtype=Q.Q4_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = run_info(capsys, tmp_path / "q.gguf")
+    _, block_bytes = GGML_QUANT_SIZES[Q.Q4_1]
+    assert "Q4_1         1 tensors             256 weights" in out
+    assert f"total: 1 tensors, 256 weights, {4 * 2 * block_bytes:,} bytes" in out
+    assert "layers: 1 blocks = 1 main + 0 MTP" in out

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference.model import CHUNK, Model, delta_rule_chunked, delta_rule_recurrent, l2_norm
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -37,6 +39,16 @@ def rel(a, b) -> float:
 @pytest.mark.parametrize("pos0", [0, 5, 63])
 def test_chunked_equals_recurrent(n, pos0):
     q, k, v, beta, g, S0 = random_inputs(n, seed=n * 1000 + pos0)
+    o_r, S_r = delta_rule_recurrent(q, k, v, beta, g, S0)
+    o_c, S_c = delta_rule_chunked(q, k, v, beta, g, S0, pos0=pos0)
+    assert rel(o_c, o_r) < SELF_TOL
+    assert rel(S_c, S_r) < SELF_TOL
+
+
+@settings(max_examples=25)
+@given(n=st.integers(1, 300), pos0=st.integers(0, 200), seed=st.integers(0, 2**32 - 1))
+def test_chunked_equals_recurrent_anywhere(n, pos0, seed):
+    q, k, v, beta, g, S0 = random_inputs(n, seed=seed, heads=2, dk=8, dv=8)
     o_r, S_r = delta_rule_recurrent(q, k, v, beta, g, S0)
     o_c, S_c = delta_rule_chunked(q, k, v, beta, g, S0, pos0=pos0)
     assert rel(o_c, o_r) < SELF_TOL
@@ -102,3 +114,18 @@ def test_state_snapshot_restores(small_model):
     first = small_model.forward(b, st)
     again = small_model.forward(b, snap)
     assert np.array_equal(first, again)
+
+
+def test_layer_ranges_compose(small_model):
+    """Stages owning layers [0, a) and [a, n) with their own states give the whole model's logits."""
+    tokens = np.random.default_rng(9).integers(0, small_model.vocab_size, 70)
+    whole = small_model.forward(tokens)
+    a = 2
+    first, second = small_model.new_state(), small_model.new_state()
+    x = small_model.run_layers(small_model.embed(tokens[:64]), first, 0, a)
+    top = [small_model.head(small_model.run_layers(x, second, a))]
+    for t in tokens[64:]:
+        x = small_model.run_layers(small_model.embed([t]), first, 0, a)
+        top.append(small_model.head(small_model.run_layers(x, second, a)))
+    assert first.pos == second.pos == len(tokens)
+    assert rel(np.concatenate(top), whole) < SELF_TOL

@@ -237,3 +237,49 @@ def test_header_reader_agrees_with_gguf_py():
     assert set(kv) == {k for k in r.fields if not k.startswith("GGUF.")}
     assert kv["tokenizer.ggml.tokens"] == testmodel.make_vocab().tokens
     assert kv["qwen3next.ssm.time_step_rank"] == 4
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    {"role": "tool", "content": "sunny"},
+    {"role": "tool", "content": "20C"},
+    {"role": "assistant", "content": "Sunny, 20C."},
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("arch", testmodel.ARCHES)
+def test_chat_template_renders_chatml_with_tools(arch):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = read(FIXTURES / f"tiny-{arch}-f32.gguf").fields["tokenizer.chat_template"]
+    text = bytes(template.parts[-1]).decode()
+    render = ImmutableSandboxedEnvironment().from_string(text).render
+    out = render(messages=CONVERSATION, tools=TOOLS, add_generation_prompt=True)
+    assert out.startswith("<|im_start|>system\n") and out.count("Be brief.") == 1
+    assert '"name": "get_weather"' in out  # the tool schema is listed
+    # consecutive tool results merge into one user turn
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n20C\n" in out
+    assert "<|im_start|>assistant\nSunny, 20C.<|im_end|>\n" in out
+    if arch == "qwen3next":  # Qwen3: Hermes JSON calls, no think block in the prompt
+        assert (
+            '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            in out
+        )
+        assert out.endswith("<|im_start|>assistant\n")
+    else:  # Qwen3.5: XML calls, thinking on unless disabled
+        assert "<|im_start|>assistant\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n" in out
+        assert out.endswith("<|im_start|>assistant\n<think>\n")
+        plain = render(messages=CONVERSATION[1:2], add_generation_prompt=True, enable_thinking=False)
+        assert (
+            plain
+            == "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +50,8 @@ class Shape:
     head_dim: int = 64
     n_rot: int = 16
     rope_base: float = 5_000_000.0
-    # Qwen3.5 M-RoPE sections; text positions make IMROPE equal NeoX as long as every rotary pair
-    # lands in the t/h/w sections (sum ≤ head_dim required by ggml; 3·min(section) ≥ n_rot/2 here).
+    # Qwen3.5 M-RoPE sections (qwen35moe only; ggml requires sum ≤ head_dim). For text IMROPE equals
+    # NeoX when rotary pair i's sector (i mod sum) falls in the t/h/w sections, as with [11, 11, 10, 0].
     rope_sections: tuple[int, int, int, int] = (11, 11, 10, 0)
     ssm_nk: int = 2
     ssm_nv: int = 4
@@ -112,7 +112,6 @@ class Vocab:
     bos_id: int
     eos_id: int
     pad_id: int
-    extra_ids: dict[str, int] = field(default_factory=dict)
 
     def id_of(self, text: str) -> int:
         return self.tokens.index(text)
@@ -359,7 +358,8 @@ CHAT_TEMPLATE_QWEN35 = """{%- if tools %}
 {{- message.content or '' }}
 {%- for tool_call in message.tool_calls or [] %}
 {%- set call = tool_call.function if tool_call.function is defined else tool_call %}
-{{- '\\n<tool_call>\\n<function=' + call.name + '>\\n' }}
+{%- if loop.first and message.content %}{{- '\\n\\n' }}{%- elif not loop.first %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n<function=' + call.name + '>\\n' }}
 {%- set args = call.arguments if call.arguments is mapping else {} %}
 {%- for name, value in args.items() %}
 {{- '<parameter=' + name + '>\\n' }}

@@ -1,7 +1,8 @@
 //! Parsing one GGUF file (a whole model or one split shard) from its bytes: header, metadata,
 //! tensor table and data-section layout. Every count and length read from the file is checked
-//! against the bytes left before anything is allocated for it, so a hostile or truncated file
-//! costs at most a small multiple of its own size in memory.
+//! against the bytes left before anything is allocated for it, and up-front reservations are
+//! capped (RESERVE_CAP), so memory grows only with the bytes actually parsed: a hostile or
+//! truncated file costs at most a small multiple of its own size.
 
 use std::collections::HashMap;
 
@@ -22,6 +23,10 @@ pub const MAX_ARRAY_DEPTH: u32 = 8;
 const MIN_KV_BYTES: u64 = 8 + 4 + 1;
 /// Smallest encoding of one tensor info: u64 name length + u32 n_dims (0 dims) + u32 type + u64 offset.
 const MIN_TENSOR_INFO_BYTES: u64 = 8 + 4 + 4 + 8;
+/// Most elements reserved up front for any table or array. Counts are checked against the bytes
+/// left, but in a multi-GiB model file a corrupted count can still pass that check; beyond this
+/// the vectors grow only as entries are actually parsed, each consuming bytes of the file.
+const RESERVE_CAP: u64 = 1 << 16;
 /// Bytes of magic + version + tensor count + kv count (versions 2 and 3).
 pub const FIXED_HEADER_BYTES: usize = 4 + 4 + 8 + 8;
 
@@ -131,8 +136,8 @@ pub fn parse_header(buf: &[u8], file: &str, shard: usize, check_data: bool) -> R
         )));
     }
 
-    let mut metadata = Vec::with_capacity(n_kv as usize);
-    let mut metadata_index = HashMap::with_capacity(n_kv as usize);
+    let mut metadata = Vec::with_capacity(reserve(n_kv));
+    let mut metadata_index = HashMap::with_capacity(reserve(n_kv));
     for i in 0..n_kv {
         let key = c
             .string_utf8()
@@ -160,8 +165,8 @@ pub fn parse_header(buf: &[u8], file: &str, shard: usize, check_data: bool) -> R
         }
     };
 
-    let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors as usize);
-    let mut names = HashMap::with_capacity(n_tensors as usize);
+    let mut tensors: Vec<TensorInfo> = Vec::with_capacity(reserve(n_tensors));
+    let mut names = HashMap::with_capacity(reserve(n_tensors));
     for i in 0..n_tensors {
         let name = c
             .string_utf8()
@@ -284,6 +289,11 @@ fn check_no_overlap(tensors: &[TensorInfo]) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// How many elements to reserve for a table or array of `count` entries.
+fn reserve(count: u64) -> usize {
+    count.min(RESERVE_CAP) as usize
+}
+
 fn align_up(x: u64, alignment: u64) -> Option<u64> {
     Some(x.checked_add(alignment - 1)? / alignment * alignment)
 }
@@ -367,7 +377,7 @@ fn read_array(c: &mut Cursor<'_>, depth: u32) -> Result<Array> {
         type_id::I64 => Array::I64(fixed(c, n, i64::from_le_bytes)?),
         type_id::F64 => Array::F64(fixed(c, n, f64::from_le_bytes)?),
         type_id::STRING => {
-            let mut v = Vec::with_capacity(n);
+            let mut v = Vec::with_capacity(reserve(count));
             for _ in 0..n {
                 v.push(c.string_lossy()?);
             }

@@ -410,14 +410,17 @@ class Model:
     def new_state(self) -> State:
         return State()
 
-    def forward(self, tokens, state: State | None = None, *, chunked: bool = True) -> np.ndarray:
-        """Run `tokens` from the state's position on; returns logits (n, vocab) and advances the state.
-        chunked selects the DeltaNet form (chunked prefill vs token recurrence); both are exact."""
-        st = state if state is not None else State()
+    def embed(self, tokens) -> np.ndarray:
+        """Token rows of token_embd (no scaling): the hidden rows a first pipeline stage starts from."""
+        return self.w["token_embd.weight"][np.asarray(tokens, dtype=np.int64)]
+
+    def run_layers(self, x: np.ndarray, st: State, start: int = 0, end: int | None = None, *, chunked=True):
+        """Hidden rows through layers [start, end) from the state's position on; advances the state.
+        A pipeline stage owning those layers keeps its own State (DESIGN.md split serving)."""
         hp, w = self.hp, self.w
-        self.route_margin = np.full(len(tokens), np.inf)
-        x = w["token_embd.weight"][np.asarray(tokens, dtype=np.int64)]
-        for il in range(hp.n_layer):
+        end = hp.n_layer if end is None else end
+        self.route_margin = np.full(x.shape[0], np.inf)
+        for il in range(start, end):
             p = f"blk.{il}."
             u = rms_norm(x, w[p + "attn_norm.weight"], hp.eps)
             if hp.is_recurrent(il):
@@ -425,6 +428,16 @@ class Model:
             else:
                 x = x + self.attention(il, u, st)
             x = x + self.moe(il, rms_norm(x, w[p + "post_attention_norm.weight"], hp.eps))
-        st.pos += len(tokens)
-        h = rms_norm(x, w["output_norm.weight"], hp.eps)
-        return self.mm(h, "output.weight" if "output.weight" in w else "token_embd.weight")
+        st.pos += x.shape[0]
+        return x
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """Final RMSNorm and LM head (token_embd when output.weight is absent)."""
+        h = rms_norm(x, self.w["output_norm.weight"], self.hp.eps)
+        return self.mm(h, "output.weight" if "output.weight" in self.w else "token_embd.weight")
+
+    def forward(self, tokens, state: State | None = None, *, chunked: bool = True) -> np.ndarray:
+        """Run `tokens` from the state's position on; returns logits (n, vocab) and advances the state.
+        chunked selects the DeltaNet form (chunked prefill vs token recurrence); both are exact."""
+        st = state if state is not None else State()
+        return self.head(self.run_layers(self.embed(tokens), st, chunked=chunked))
