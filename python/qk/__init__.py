@@ -24,6 +24,7 @@ _NATIVE = {
     "TransportError",
 }
 _PYTHON = {
+    "Engine": "qk.engine",
     "Gguf": "qk.gguf",
     "Tokenizer": "qk.tokenizer",
     "TokenizerError": "qk.tokenizer",
