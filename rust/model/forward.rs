@@ -467,6 +467,7 @@ impl Model {
                     src_token_stride: gw,
                     dst_offset: first * cd,
                     dst_token_stride: cd,
+                    state_offset: 0,
                 };
                 conv::record(gpu, rec, &cp, &s.gproj, &w.conv, conv_state, &s.conv_out)?;
                 let args = DeltaArgs {
