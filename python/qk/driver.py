@@ -39,6 +39,9 @@ class EngineLike(Protocol):
     * ``step(slots, tokens, topk=0)`` runs one position for several slots in one pass and returns,
       per slot, a result in ``stage_run``'s shape: ``([greedy_id], topk)``.
     * ``info()`` describes the model and the engine (``arch``, ``vocab``, ``slots``, ``ctx``, …).
+
+    Engines that also have ``state_save(slot, idx)`` / ``state_load(slot, idx)`` / ``state_drop(idx)``
+    (snapshots of a slot's whole state) make cross-turn reuse possible (qk.reuse).
     """
 
     def stage_run(self, slot: int, tokens: Sequence[int], base: int, topk: int = 0) -> Any: ...
@@ -56,6 +59,15 @@ class Driver(Protocol):
     def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]: ...
 
     def info(self) -> Mapping[str, Any]: ...
+
+    #: Whether ``save_state``/``load_state``/``drop_state`` work (cross-turn reuse needs them).
+    supports_snapshots: bool
+
+    def save_state(self, slot: int, idx: int) -> None: ...
+
+    def load_state(self, slot: int, idx: int) -> None: ...
+
+    def drop_state(self, idx: int) -> None: ...
 
 
 def _pairs(topk: Any) -> list[tuple[int, float]]:
@@ -90,6 +102,9 @@ class LocalDriver:
 
     def __init__(self, engine: EngineLike) -> None:
         self.engine = engine
+        self.supports_snapshots = all(
+            callable(getattr(engine, name, None)) for name in ("state_save", "state_load", "state_drop")
+        )
 
     def prefill(self, slot: int, tokens: Sequence[int], base: int, topk: int) -> Next:
         ids, top = self.engine.stage_run(slot, list(tokens), base, topk=topk)
@@ -106,3 +121,12 @@ class LocalDriver:
 
     def info(self) -> Mapping[str, Any]:
         return dict(self.engine.info())
+
+    def save_state(self, slot: int, idx: int) -> None:
+        self.engine.state_save(slot, idx)  # type: ignore[attr-defined]
+
+    def load_state(self, slot: int, idx: int) -> None:
+        self.engine.state_load(slot, idx)  # type: ignore[attr-defined]
+
+    def drop_state(self, idx: int) -> None:
+        self.engine.state_drop(idx)  # type: ignore[attr-defined]

@@ -10,6 +10,10 @@ The async side submits a ``Job`` and reads its events (``Token``, ``Finished``, 
 ``asyncio.Queue``; ``Job.cancel()`` (client gone, stop string seen) frees the slot before the next
 step. Every job ends with exactly one ``Finished`` or ``Failed``.
 
+Cross-turn reuse (qk.reuse): a request says where its conversation history ends; prefill is cut
+there (at the last multiple of 64 before it) and the slot's state saved, and a later request whose
+prompt starts with a saved prefix loads that state and prefills only the rest.
+
 Example::
 
     scheduler = Scheduler(load=lambda: LocalDriver(engine), slots=4, ctx=32768)
@@ -30,6 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from qk.driver import Driver
+from qk.reuse import ReuseTable, snapshot_position, state_bytes_from_info
 from qk.sampler import Sampler, SamplingParams
 
 __all__ = [
@@ -41,6 +46,7 @@ __all__ = [
     "Job",
     "PromptTooLongError",
     "QueueFullError",
+    "ReuseSettings",
     "Scheduler",
     "ShuttingDownError",
     "Token",
@@ -87,6 +93,17 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     #: Ids that end generation (the model's end-of-generation set; empty for ignore_eos).
     stop_ids: frozenset[int] = frozenset()
+    #: Tokens of the prompt that the next turn's prompt will start with (the rendered conversation
+    #: before the new assistant cue); the state there is saved for reuse. 0: none.
+    history: int = 0
+
+
+@dataclass(frozen=True)
+class ReuseSettings:
+    """Bounds of the cross-turn reuse table: snapshot entries and the GPU bytes they may hold."""
+
+    max_entries: int = 16
+    max_bytes: int = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -124,6 +141,9 @@ class Job:
         self.position = 0
         self.generated = 0
         self.pending: int | None = None
+        #: Prompt tokens restored from a snapshot rather than prefilled.
+        self.cached = 0
+        self.looked_up = False
         self.sampler = Sampler(request.params)
         self.done = False
         self._cancelled = threading.Event()
@@ -169,6 +189,8 @@ class SchedulerStats:
     #: Sum over decode steps of the slots each one advanced (÷ decode_steps = mean batch).
     decode_slot_steps: int = 0
     finished: collections.Counter[str] = field(default_factory=collections.Counter)
+    #: Snapshot saves or loads that failed (the request went on without reuse).
+    reuse_errors: int = 0
 
 
 class Scheduler:
@@ -182,6 +204,7 @@ class Scheduler:
         ctx: int,
         max_queue: int = 64,
         device_lost_errors: Iterable[type[BaseException]] = (),
+        reuse: ReuseSettings | None = None,
     ) -> None:
         if slots < 1 or ctx < 2:
             raise ValueError("need at least one slot and a context of at least 2")
@@ -195,6 +218,10 @@ class Scheduler:
         self.state = "loading"
         self.load_error: BaseException | None = None
         self.stats = SchedulerStats()
+        self._reuse_settings = reuse
+        #: Built once the driver is loaded (its sizes bound the table); None: reuse is off.
+        self.reuse: ReuseTable | None = None
+        self._invalidate = threading.Event()
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._slots: list[Job | None] = [None] * slots
@@ -260,6 +287,12 @@ class Scheduler:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def invalidate_reuse(self) -> None:
+        """Void the reuse table (thread-safe): the engine thread drops every snapshot before its
+        next step, so later requests prefill in full. For a restarted engine or worker."""
+        self._invalidate.set()
+        self.wake()
+
     def unavailable_reason(self) -> str:
         if self.state == "loading":
             return "the model is still loading"
@@ -279,6 +312,18 @@ class Scheduler:
             self.load_error = exc
             self.state = "failed"
             return
+        settings = self._reuse_settings
+        if settings is not None and getattr(self.driver, "supports_snapshots", False):
+            self.reuse = ReuseTable(
+                max_entries=settings.max_entries,
+                max_bytes=settings.max_bytes,
+                state_bytes=state_bytes_from_info(self.driver.info()),
+            )
+            log.info(
+                "cross-turn reuse on: %d snapshots, %.2f GiB",
+                settings.max_entries,
+                settings.max_bytes / 2**30,
+            )
         self.state = "ready"
         log.info("engine ready: %d slots × %d context", self.n_slots, self.ctx)
         while True:
@@ -291,6 +336,8 @@ class Scheduler:
                     continue
             self._reap_cancelled()
             try:
+                if self._invalidate.is_set():
+                    self._void_reuse()
                 self._turn()
             except BaseException as exc:
                 # Every job must end, whatever broke.
@@ -344,11 +391,75 @@ class Scheduler:
         if decoding:
             self._decode_step(driver, decoding)
 
+    def _void_reuse(self) -> None:
+        self._invalidate.clear()
+        if self.reuse is None or self.driver is None:
+            return
+        for idx in self.reuse.invalidate():
+            try:
+                self.driver.drop_state(idx)
+            except Exception as exc:
+                if isinstance(exc, self._device_lost_errors):
+                    raise
+                # A restarted engine no longer has it: nothing to free.
+                log.debug("dropping snapshot %d: %s", idx, exc)
+        log.info("reuse table voided")
+
+    def _restore(self, driver: Driver, job: Job) -> None:
+        """Start the job from the longest saved prefix of its prompt, if any."""
+        job.looked_up = True
+        if self.reuse is None:
+            return
+        entry = self.reuse.lookup(job.request.prompt)
+        if entry is None:
+            return
+        try:
+            driver.load_state(job.slot or 0, entry.idx)
+        except Exception as exc:
+            if isinstance(exc, self._device_lost_errors):
+                raise
+            # Never a wrong answer: the slot is reset by a prefill from position 0.
+            log.warning("job %d: loading snapshot %d failed (%s); full prefill", job.id, entry.idx, exc)
+            self.stats.reuse_errors += 1
+            return
+        job.position = job.cached = len(entry.tokens)
+
+    def _snapshot_at(self, job: Job) -> int:
+        if self.reuse is None:
+            return 0
+        return snapshot_position(job.request.history, len(job.request.prompt))
+
+    def _save(self, driver: Driver, job: Job) -> None:
+        """The slot sits at the job's snapshot position: keep its state for a later turn."""
+        assert self.reuse is not None
+        prefix = job.request.prompt[: job.position]
+        reservation = self.reuse.reserve(prefix)
+        if reservation is None:
+            return
+        try:
+            for idx in reservation.evict:
+                driver.drop_state(idx)
+            driver.save_state(job.slot or 0, reservation.idx)
+        except Exception as exc:
+            if isinstance(exc, self._device_lost_errors):
+                raise
+            log.warning("job %d: saving a snapshot failed (%s); no reuse of this prefix", job.id, exc)
+            self.stats.reuse_errors += 1
+            return
+        self.reuse.commit(reservation, prefix)
+
     def _prefill_chunk(self, driver: Driver, job: Job) -> None:
         prompt = job.request.prompt
         if job.prefill_started_at is None:
             job.prefill_started_at = time.monotonic()
-        chunk = prompt[job.position : job.position + PREFILL_CHUNK]
+        if not job.looked_up:
+            self._restore(driver, job)
+        end = job.position + PREFILL_CHUNK
+        snapshot_at = self._snapshot_at(job)
+        if snapshot_at > job.position:
+            # Cut at the snapshot position (a multiple of 64, so the cut changes no result).
+            end = min(end, snapshot_at)
+        chunk = prompt[job.position : end]
         last = job.position + len(chunk) == len(prompt)
         started = time.perf_counter()
         try:
@@ -363,6 +474,8 @@ class Scheduler:
         self.stats.prompt_seconds += time.perf_counter() - started
         self.stats.prompt_tokens += len(chunk)
         job.position += len(chunk)
+        if snapshot_at and job.position == snapshot_at:
+            self._save(driver, job)
         if not last:
             return
         job.prefill_done_at = time.monotonic()

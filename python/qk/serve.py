@@ -76,11 +76,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--api-key", default=os.environ.get("QK_API_KEY"), help="required on every route but /health"
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 529/429")
+    p.add_argument(
+        "--snapshots", type=int, default=16, help="saved conversation states kept for cross-turn reuse"
+    )
+    p.add_argument(
+        "--snapshot-gib", type=float, default=4.0, help="GPU memory the saved states may hold (GiB)"
+    )
+    p.add_argument("--no-reuse", action="store_true", help="prefill every prompt in full")
     p.add_argument("--alias", help="model name reported by the API (default: the file name)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.slots < 1 or args.ctx < 2 or args.max_queue < 0:
         p.error("--slots must be ≥ 1, --ctx ≥ 2, --max-queue ≥ 0")
+    if not args.no_reuse and (args.snapshots < 1 or args.snapshot_gib <= 0):
+        p.error("--snapshots must be ≥ 1 and --snapshot-gib > 0 (or pass --no-reuse)")
     return args
 
 
@@ -92,6 +101,7 @@ def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None
     )
     import uvicorn
 
+    from qk.scheduler import ReuseSettings
     from qk.server import create_app
 
     if load is not None:
@@ -119,6 +129,9 @@ def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None
         ctx=args.ctx,
         api_key=args.api_key,
         max_queue=args.max_queue,
+        reuse=None
+        if args.no_reuse
+        else ReuseSettings(max_entries=args.snapshots, max_bytes=int(args.snapshot_gib * 2**30)),
     )
     # uvicorn's own SIGTERM handling is the drain: it stops accepting, lets open responses finish,
     # then runs the lifespan shutdown (which waits for the engine thread).

@@ -194,7 +194,7 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
     )
     v.boolean(body, "stream", False)
     chat = render(model, body)
-    return Prepared(chat.ids, max_tokens, params, stops, chat.parser, chat.forced_text)
+    return Prepared(chat.ids, max_tokens, params, stops, chat.parser, chat.forced_text, history=chat.history)
 
 
 def stop_reason(done: Done, used_tools: bool) -> str:
@@ -302,13 +302,14 @@ def fold(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return blocks
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
-    # No prefix cache yet: every prompt token is computed, none read from a cache.
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, int]:
+    # Anthropic counts cache reads apart: input_tokens are only the prompt tokens computed anew.
+    # Saving a snapshot is not billed as cache creation (it costs nothing extra to compute).
     return {
-        "input_tokens": input_tokens,
+        "input_tokens": prompt_tokens - cached_tokens,
         "output_tokens": output_tokens,
         "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
     }
 
 
@@ -341,7 +342,7 @@ async def collect(model: ServedModel, outputs: AsyncIterator[Any], prompt_tokens
     message["content"] = fold(events)
     message["stop_reason"] = stop_reason(done, assembler.used_tools)
     message["stop_sequence"] = done.stop_sequence
-    message["usage"] = usage(done.prompt_tokens, done.output_tokens)
+    message["usage"] = usage(done.prompt_tokens, done.output_tokens, done.cached_tokens)
     return message
 
 
@@ -368,7 +369,7 @@ async def stream(
                     "stop_reason": stop_reason(out, assembler.used_tools),
                     "stop_sequence": out.stop_sequence,
                 },
-                "usage": usage(out.prompt_tokens, out.output_tokens),
+                "usage": usage(out.prompt_tokens, out.output_tokens, out.cached_tokens),
             }
             yield {"type": "message_stop"}
         else:

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from qk.scheduler import DeviceUnavailableError, Scheduler, ShuttingDownError
+from qk.scheduler import DeviceUnavailableError, ReuseSettings, Scheduler, ShuttingDownError
 from qk.server import anthropic, llamacpp, openai
 from qk.server import validate as v
 from qk.server.errors import ApiStyle, AuthError, NotFoundError, error_body
@@ -112,9 +112,11 @@ def create_app(
     max_queue: int = 64,
     keepalive_s: float = 10.0,
     device_lost_errors: tuple[type[BaseException], ...] = (),
+    reuse: ReuseSettings | None = None,
 ) -> Starlette:
     """The whole server. ``loader`` runs on the engine thread at start-up (``/health`` answers 503
-    until it returns) and yields the driver and tokenizer."""
+    until it returns) and yields the driver and tokenizer. ``reuse`` bounds cross-turn state
+    reuse (None: off; it is also off when the driver cannot snapshot)."""
     lost = list(device_lost_errors)
     try:
         from qk import _qk
@@ -130,7 +132,9 @@ def create_app(
         served.attach(loaded)
         return loaded.driver
 
-    scheduler = Scheduler(load, slots=slots, ctx=ctx, max_queue=max_queue, device_lost_errors=tuple(lost))
+    scheduler = Scheduler(
+        load, slots=slots, ctx=ctx, max_queue=max_queue, device_lost_errors=tuple(lost), reuse=reuse
+    )
     served = ServedModel(scheduler)
     metrics = Metrics(scheduler)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from qk.chat import ChatTemplate
 from qk.driver import Driver
+from qk.reuse import normalise_billing_header
 from qk.sampler import SamplingParams, resolve_temperature
 from qk.scheduler import Failed, Finished, GenerationRequest, Job, Scheduler, Token
 from qk.server.errors import RequestError
@@ -105,6 +106,8 @@ class Prepared:
     #: Text the prompt already holds of the reply (a forced tool-call prefix): parsed, not shown.
     forced_text: str = ""
     ignore_eos: bool = False
+    #: Prompt tokens the next turn's prompt will start with (snapshotted for reuse); 0: none.
+    history: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,8 @@ class Done:
     output_ids: list[int]
     prompt_ms: float
     decode_ms: float
+    #: Prompt tokens restored from a saved state instead of prefilled (cross-turn reuse).
+    cached_tokens: int = 0
 
 
 Output = Event | Keepalive | Done
@@ -132,7 +137,9 @@ def submit(model: ServedModel, prepared: Prepared) -> Job:
     full, prompt too long, engine unavailable)."""
     stop_ids = frozenset() if prepared.ignore_eos else model.tokenizer.eog_ids
     return model.scheduler.submit(
-        GenerationRequest(prepared.prompt, prepared.max_tokens, prepared.params, stop_ids)
+        GenerationRequest(
+            prepared.prompt, prepared.max_tokens, prepared.params, stop_ids, history=prepared.history
+        )
     )
 
 
@@ -209,6 +216,7 @@ async def generate(
             output_ids=output_ids,
             prompt_ms=prompt_ms,
             decode_ms=decode_ms,
+            cached_tokens=job.cached,
         )
     finally:
         if not job.done:
@@ -236,6 +244,35 @@ class ChatPrompt:
     ids: list[int]
     parser: ReplyParser
     forced_text: str
+    #: Length of the longest prefix of ``ids`` that the conversation's next turn will also render.
+    history: int = 0
+
+
+def _normalised(message: dict[str, Any]) -> dict[str, Any]:
+    """A system message with Claude Code's per-request billing stamp fixed (qk.reuse)."""
+    if message.get("role") != "system":
+        return message
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": normalise_billing_header(content)}
+    if isinstance(content, list):
+        parts = [
+            {**p, "text": normalise_billing_header(p["text"])}
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+            else p
+            for p in content
+        ]
+        return {**message, "content": parts}
+    return message
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def render_chat(
@@ -264,6 +301,7 @@ def render_chat(
     if forced and not tools:
         raise RequestError("tool_choice forces a tool call but no tools were given")
     prompt_tools = tools if tools and tool_choice != "none" else None
+    messages = [_normalised(m) for m in messages]
     last = messages[-1] if messages else {}
     if (
         last.get("role") == "assistant"
@@ -289,4 +327,11 @@ def render_chat(
         starts_in_reasoning=rendered.starts_in_reasoning and not forced,
         new_call_id=new_call_id,
     )
-    return ChatPrompt(model.tokenizer.encode(text, special=True), parser, forced_text)
+    ids = model.tokenizer.encode(text, special=True)
+    # The conversation without the new assistant cue is what the next turn's prompt starts with
+    # (up to templates that rewrite earlier turns; reuse verifies tokens, so that only costs a miss).
+    history = template.render(
+        messages, tools=prompt_tools, enable_thinking=enable_thinking, add_generation_prompt=False
+    )
+    history_ids = model.tokenizer.encode(history.text, special=True)
+    return ChatPrompt(ids, parser, forced_text, _common_prefix(ids, history_ids))

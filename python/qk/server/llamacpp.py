@@ -47,13 +47,17 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
         v.seed_value(body),
     )
     v.boolean(body, "stream", False)
+    prompt = _prompt_ids(model, body["prompt"])
+    # A raw prompt has no conversation structure: the whole of it is the prefix a follow-up may share.
+    cache_prompt = v.boolean(body, "cache_prompt", True)
     return Prepared(
-        _prompt_ids(model, body["prompt"]),
+        prompt,
         None if n_predict < 0 else n_predict,
         params,
         stops,
         parser=None,
         ignore_eos=bool(v.boolean(body, "ignore_eos", False)),
+        history=len(prompt) if cache_prompt else 0,
     )
 
 
@@ -73,7 +77,7 @@ def final_fields(model: ServedModel, prepared: Prepared, done: Done, content: st
         "model": model.name,
         "tokens_predicted": done.output_tokens,
         "tokens_evaluated": done.prompt_tokens,
-        "tokens_cached": 0,
+        "tokens_cached": done.cached_tokens,
         "truncated": False,
         "generation_settings": {
             "n_predict": -1 if prepared.max_tokens is None else prepared.max_tokens,
@@ -92,11 +96,14 @@ def timings(done: Done) -> dict[str, float]:
     def per_second(n: int, ms: float) -> float:
         return n * 1000.0 / ms if ms > 0 else 0.0
 
+    # As llama-server: prompt_n counts the tokens prefilled, cache_n those restored from a cache.
+    prefilled = done.prompt_tokens - done.cached_tokens
     return {
-        "prompt_n": done.prompt_tokens,
+        "cache_n": done.cached_tokens,
+        "prompt_n": prefilled,
         "prompt_ms": done.prompt_ms,
-        "prompt_per_token_ms": done.prompt_ms / done.prompt_tokens if done.prompt_tokens else 0.0,
-        "prompt_per_second": per_second(done.prompt_tokens, done.prompt_ms),
+        "prompt_per_token_ms": done.prompt_ms / prefilled if prefilled else 0.0,
+        "prompt_per_second": per_second(prefilled, done.prompt_ms),
         "predicted_n": done.output_tokens,
         "predicted_ms": done.decode_ms,
         "predicted_per_token_ms": done.decode_ms / done.output_tokens if done.output_tokens else 0.0,

@@ -61,6 +61,17 @@ class Metrics(Collector):
             "Mean slots advanced per decode step",
             st.decode_slot_steps / st.decode_steps if st.decode_steps else 0.0,
         )
+        table = s.reuse
+        if table is not None:
+            rs = table.stats
+            yield gauge("qk_reuse_entries", "State snapshots held for cross-turn reuse", table.entries)
+            yield gauge("qk_reuse_bytes", "GPU bytes the reuse snapshots hold", table.bytes)
+            yield counter("qk_reuse_hits", "Prompts that started from a saved state", rs.hits)
+            yield counter("qk_reuse_misses", "Prompts with no saved prefix", rs.misses)
+            yield counter("qk_reuse_tokens", "Prompt tokens restored instead of prefilled", rs.reused_tokens)
+            yield counter("qk_reuse_saves", "State snapshots saved", rs.saved)
+            yield counter("qk_reuse_evictions", "Snapshots evicted to stay within bounds", rs.evicted)
+        yield counter("qk_reuse_errors", "Snapshot saves or loads that failed", st.reuse_errors)
         yield gauge("qk_requests_queued", "Requests waiting for a slot", s.queued)
         yield gauge("qk_slots_busy", "Slots generating or prefilling", s.busy_slots)
         yield gauge("qk_slots_total", "Slots the engine holds", s.n_slots)

@@ -147,7 +147,7 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
         enable_thinking=thinking,
         new_call_id=_call_id,
     )
-    return Prepared(chat.ids, max_tokens, params, stops, chat.parser, chat.forced_text)
+    return Prepared(chat.ids, max_tokens, params, stops, chat.parser, chat.forced_text, history=chat.history)
 
 
 def include_usage(body: dict[str, Any]) -> bool:
@@ -166,6 +166,7 @@ def usage(done: Done) -> dict[str, Any]:
         "prompt_tokens": done.prompt_tokens,
         "completion_tokens": done.output_tokens,
         "total_tokens": done.prompt_tokens + done.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
     }
 
 
