@@ -421,6 +421,8 @@ class Scheduler:
             # Never a wrong answer: the slot is reset by a prefill from position 0.
             log.warning("job %d: loading snapshot %d failed (%s); full prefill", job.id, entry.idx, exc)
             self.stats.reuse_errors += 1
+            # An engine that lost one entry (restarted) lost them all: start the table afresh.
+            self.reuse.invalidate()
             return
         job.position = job.cached = len(entry.tokens)
 
