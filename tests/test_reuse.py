@@ -235,3 +235,13 @@ def test_short_histories_save_nothing(history):
     asyncio.run(run(scheduler, list(range(100)), history=history))
     scheduler.drain(5)
     assert engine.snapshots == {}
+
+
+def test_serve_flags():
+    from qk.serve import parse_args
+
+    args = parse_args(["--snapshots", "4", "--snapshot-gib", "0.5"])
+    assert (args.snapshots, args.snapshot_gib, args.no_reuse) == (4, 0.5, False)
+    assert parse_args(["--no-reuse", "--snapshots", "0"]).no_reuse
+    with pytest.raises(SystemExit):
+        parse_args(["--snapshots", "0"])
