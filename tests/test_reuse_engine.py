@@ -209,3 +209,32 @@ def test_openai_tool_loop_prefills_prompt_minus_longest_snapshot(live, tokenizer
             full, n = counted(server, lambda conv=conv: send(conv))
             assert full["choices"] == response["choices"]
             assert full["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 and n == len(ids(conv, True))
+
+    # The table's byte account is what the engine really holds for the snapshots.
+    memory = scheduler.driver.engine.info()["memory"]
+    assert scheduler.reuse.bytes == memory["snapshots"] > 0
+    metrics = server.http.get("/metrics").text
+    assert f"qk_reuse_entries {float(scheduler.reuse.entries)}" in metrics
+    assert re.search(r"^qk_reuse_hits_total [1-9]", metrics, re.M)
+
+
+def test_completion_reports_cached_tokens(live, tokenizer):
+    server, scheduler = live
+    scheduler.invalidate_reuse()
+    prompt = tokenizer.encode("The weather desk keeps notes on every city it covers. " * 3)
+    assert len(prompt) > 64
+
+    def send(ids, cache=True):
+        r = server.http.post("/completion", json={"prompt": ids, "n_predict": 4, "cache_prompt": cache})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = send(prompt)
+    follow = prompt + tokenizer.encode(" Next:")
+    reused = send(follow)
+    full = send(follow, cache=False)
+    at = (len(prompt) - 1) // 64 * 64
+    assert first["tokens_cached"] == 0
+    assert reused["tokens_cached"] == reused["timings"]["cache_n"] == at
+    assert reused["timings"]["prompt_n"] == len(follow) - at
+    assert full["tokens_cached"] == 0 and reused["tokens"] == full["tokens"]

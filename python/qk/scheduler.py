@@ -96,6 +96,8 @@ class GenerationRequest:
     #: Tokens of the prompt that the next turn's prompt will start with (the rendered conversation
     #: before the new assistant cue); the state there is saved for reuse. 0: none.
     history: int = 0
+    #: Whether the prompt may start from a saved state (llama.cpp's cache_prompt=false says no).
+    use_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -408,7 +410,7 @@ class Scheduler:
     def _restore(self, driver: Driver, job: Job) -> None:
         """Start the job from the longest saved prefix of its prompt, if any."""
         job.looked_up = True
-        if self.reuse is None:
+        if self.reuse is None or not job.request.use_cache:
             return
         entry = self.reuse.lookup(job.request.prompt)
         if entry is None:

@@ -108,6 +108,8 @@ class Prepared:
     ignore_eos: bool = False
     #: Prompt tokens the next turn's prompt will start with (snapshotted for reuse); 0: none.
     history: int = 0
+    #: False: prefill the whole prompt even where a saved state covers part of it.
+    use_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,12 @@ def submit(model: ServedModel, prepared: Prepared) -> Job:
     stop_ids = frozenset() if prepared.ignore_eos else model.tokenizer.eog_ids
     return model.scheduler.submit(
         GenerationRequest(
-            prepared.prompt, prepared.max_tokens, prepared.params, stop_ids, history=prepared.history
+            prepared.prompt,
+            prepared.max_tokens,
+            prepared.params,
+            stop_ids,
+            history=prepared.history,
+            use_cache=prepared.use_cache,
         )
     )
 

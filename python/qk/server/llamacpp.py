@@ -58,6 +58,7 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
         parser=None,
         ignore_eos=bool(v.boolean(body, "ignore_eos", False)),
         history=len(prompt) if cache_prompt else 0,
+        use_cache=bool(cache_prompt),
     )
 
 
