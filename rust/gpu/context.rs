@@ -168,6 +168,16 @@ fn choose(found: Vec<wgpu::Adapter>, selector: Option<&str>) -> Result<wgpu::Ada
     Ok(found.remove(0))
 }
 
+/// The adapter `Gpu::new(opts)` would open, without opening it.
+pub fn select_adapter(opts: &GpuOptions) -> Result<AdapterSummary> {
+    let instance = instance();
+    let found = enumerate(&instance);
+    let names: Vec<String> = found.iter().map(|a| a.get_info().name).collect();
+    let chosen = choose(found, opts.device.as_deref())?.get_info();
+    let index = names.iter().position(|n| *n == chosen.name).unwrap_or(0);
+    Ok(summary(index, &chosen))
+}
+
 /// The opened device plus the caches of the runtime (see `pipelines.rs`, `buffers.rs`).
 pub struct Gpu {
     pub device: wgpu::Device,

@@ -40,3 +40,43 @@ pub fn scale_add(
         gpu.grid(groups),
     )
 }
+
+pub const COPY: ShaderFile = crate::shader_file!("common_copy");
+const COPY_WG: u32 = 256;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
+struct CopyParams {
+    n: u32,
+    stride: u32,
+}
+
+/// Record a copy of the first `bytes` (a multiple of 16) of `src` to `dst` as a compute dispatch
+/// (stays inside the current compute pass, unlike `Recorder::copy`).
+pub fn copy_kernel(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    src: &GpuBuffer,
+    dst: &GpuBuffer,
+    bytes: u64,
+) -> Result<()> {
+    if !bytes.is_multiple_of(16) || bytes > src.size.min(dst.size) {
+        return Err(QkError::Engine(format!(
+            "copy_kernel: {bytes} bytes is not a multiple of 16 or too large"
+        )));
+    }
+    let n = u32::try_from(bytes / 16).map_err(|_| QkError::Engine("copy_kernel: too large".into()))?;
+    // Enough workgroups to fill any GPU (a few per SM on the largest), each looping grid-stride.
+    let groups = n.div_ceil(COPY_WG).clamp(1, 4096);
+    let pipe = gpu.pipeline(&COPY, &[("WG", COPY_WG.to_string())], &[])?;
+    let p = CopyParams {
+        n,
+        stride: groups * COPY_WG,
+    };
+    rec.dispatch(
+        &pipe,
+        &[src.range(0, bytes), dst.range(0, bytes)],
+        bytemuck::bytes_of(&p),
+        [groups, 1, 1],
+    )
+}

@@ -17,7 +17,7 @@ pub mod record;
 pub mod shaders;
 
 pub use buffers::{Binding, GpuBuffer, WeightTensor, WeightWindow};
-pub use context::{AdapterSummary, Caps, CounterSnapshot, Gpu, GpuOptions, adapters};
+pub use context::{AdapterSummary, Caps, CounterSnapshot, Gpu, GpuOptions, adapters, select_adapter};
 pub use pipelines::{BindingKind, Pipeline};
 pub use record::Recorder;
 pub use shaders::ShaderFile;

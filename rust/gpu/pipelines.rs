@@ -130,6 +130,15 @@ impl Gpu {
         let wgsl = shaders::expand(file, &defs)?;
         let (module, _info) = shaders::validate(&label, &wgsl)?;
         let (bindings, immediate_size) = reflect(&module, &label)?;
+        if immediate_size > self.caps.max_immediate_size.min(256) {
+            return Err(QkError::Shader {
+                name: label,
+                msg: format!(
+                    "{immediate_size} bytes of immediates exceed the device's {} (keep params ≤ 128 bytes)",
+                    self.caps.max_immediate_size
+                ),
+            });
+        }
         let ep = module
             .entry_points
             .iter()

@@ -81,9 +81,16 @@ struct MatmulParams {
 }
 
 /// Rows per workgroup and workgroup size of the mat-vec (kernels-perf.md §2.1: ggml uses 1–4 rows
-/// per workgroup and one to four subgroups).
+/// per workgroup and one to four subgroups). `QK_MATVEC_NR` / `QK_MATVEC_WG` override them for
+/// tuning runs (benches/kernels.rs); WG must be a power of two ≥ the subgroup size.
 fn matvec_shape(_gpu: &Gpu) -> (u32, u32) {
-    (2, 64)
+    static SHAPE: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    *SHAPE.get_or_init(|| {
+        let env = |k: &str, d: u32| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+        let nr = env("QK_MATVEC_NR", 2).clamp(1, 8);
+        let wg = env("QK_MATVEC_WG", 64).clamp(8, 1024).next_power_of_two();
+        (nr, wg)
+    })
 }
 
 fn matvec_pipeline(
