@@ -17,14 +17,14 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::error::{QkError, Result};
 use crate::transport::conn::Timeouts;
-use crate::transport::head::{HeadConfig, HeadLink};
-use crate::transport::stage::{Stage, StageInfo};
-use crate::transport::worker::{WorkerConfig, WorkerControl, serve_worker};
 use crate::transport::frame::{self, ErrorCode, Limits, Op};
+use crate::transport::head::{HeadConfig, HeadLink};
 use crate::transport::hello::{Challenge, ClientHello, HelloReply, Proof, StageDesc};
 use crate::transport::messages::{
     Ack, ErrorMsg, HiddenRows, Message, Rows, Run, RunOut, RunReply, Step, StepEntry, StepOut, StepReply,
 };
+use crate::transport::stage::{Stage, StageInfo};
+use crate::transport::worker::{WorkerConfig, WorkerControl, serve_worker};
 
 fn transport(msg: String) -> PyErr {
     QkError::Transport(msg).into()
@@ -435,6 +435,8 @@ fn qkp_decode_header<'py>(py: Python<'py>, header: &[u8]) -> PyResult<Bound<'py,
     Ok(d)
 }
 
+/// (id, logit) pairs of one position, best first.
+type TopK = Vec<(u32, f32)>;
 
 /// A shared secret given as str (UTF-8) or bytes.
 fn secret_bytes(secret: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
@@ -448,7 +450,8 @@ fn secret_bytes(secret: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> 
 }
 
 fn seconds(what: &str, s: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(s).map_err(|_| PyValueError::new_err(format!("{what}: {s} is not a duration in seconds")))
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| PyValueError::new_err(format!("{what}: {s} is not a duration in seconds")))
 }
 
 fn timeouts_from(connect: f64, hello: f64, base: f64, per_row: f64) -> PyResult<Timeouts> {
@@ -547,7 +550,7 @@ impl PyHeadLink {
         tokens: Option<Vec<u32>>,
         hidden: Option<PyReadonlyArray2<'_, f32>>,
         topk: u32,
-    ) -> PyResult<(Vec<u32>, Vec<(u32, f32)>)> {
+    ) -> PyResult<(Vec<u32>, TopK)> {
         let rows = rows_arg(tokens, hidden)?;
         let result = py.detach(|| lock(&self.link).run(slot, base, rows, topk))?;
         Ok((result.ids, result.topk))
@@ -562,7 +565,7 @@ impl PyHeadLink {
         tokens: Option<Vec<u32>>,
         hidden: Option<PyReadonlyArray2<'_, f32>>,
         topk: u32,
-    ) -> PyResult<(Vec<u32>, Vec<Vec<(u32, f32)>>)> {
+    ) -> PyResult<(Vec<u32>, Vec<TopK>)> {
         let rows = rows_arg(tokens, hidden)?;
         let entries = entries
             .into_iter()
@@ -661,7 +664,12 @@ fn stage_error(py: Python<'_>, method: &str, e: PyErr) -> QkError {
         .value(py)
         .str()
         .map_or_else(|_| "an exception".to_string(), |s| s.to_string());
-    QkError::Engine(format!("{method}: {}: {detail}", e.get_type(py).name().map_or_else(|_| "?".into(), |n| n.to_string())))
+    QkError::Engine(format!(
+        "{method}: {}: {detail}",
+        e.get_type(py)
+            .name()
+            .map_or_else(|_| "?".into(), |n| n.to_string())
+    ))
 }
 
 impl PyStage {
@@ -805,7 +813,9 @@ fn stage_of(obj: &Bound<'_, PyAny>) -> PyResult<Box<dyn Stage + Send>> {
             )));
         }
     }
-    Ok(Box::new(PyStage { obj: obj.clone().unbind() }))
+    Ok(Box::new(PyStage {
+        obj: obj.clone().unbind(),
+    }))
 }
 
 /// A stage's qkp server (``python -m qk.worker`` runs one): binds ``host:port`` at once (``port=0``
