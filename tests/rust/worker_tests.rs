@@ -628,6 +628,7 @@ fn a_malformed_frame_closes_only_its_connection() {
         .expect("timeout");
     let mut reply = Vec::new();
     let _ = junk.read_to_end(&mut reply);
+    drop(junk);
     link.ping().expect("the live session is untouched");
     link.close();
 
@@ -664,6 +665,7 @@ fn a_malformed_frame_closes_only_its_connection() {
         0,
         "then the worker closes"
     );
+    drop(raw);
 
     let mut link = head(&addr, &own);
     let rows = head_rows(&mut own, 0, 0, &[9]);
