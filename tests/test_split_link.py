@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -42,6 +43,7 @@ class DoubleStage:
         self.slots: dict[int, tuple[int, np.ndarray]] = {}
         self.snapshots: dict[int, tuple[int, np.ndarray]] = {}
         self.fail_next: str | None = None
+        self.delay = 0.0
 
     def describe(self) -> dict:
         return dict(self.info)
@@ -61,6 +63,7 @@ class DoubleStage:
         return np.array(hidden, dtype=np.float32)
 
     def _advance(self, slot: int, base: int, rows: np.ndarray) -> np.ndarray:
+        time.sleep(self.delay)
         if self.fail_next is not None:
             message, self.fail_next = self.fail_next, None
             raise ValueError(message)
@@ -211,6 +214,26 @@ def test_save_load_and_stage_errors(chain3):
     assert link.is_up
     with pytest.raises(ValueError, match="exactly one of"):
         link.run(0, 0)
+    link.close()
+
+
+@pytest.mark.timeout(30)
+def test_reading_the_link_during_a_call_does_not_hold_the_gil(chain3):
+    # The call in flight holds the link; a getter waiting for it must not hold the GIL, which the
+    # Python stages of the workers in this process need to finish that very call.
+    w1, w2 = chain3
+    own = DoubleStage(0, 2)
+    link = link_to(w1.addr, own)
+    link.connect()
+    w2.stage.delay = 0.3
+    hidden = own.run(0, 0, [1, 2], None, 0)
+    results = []
+    call = threading.Thread(target=lambda: results.append(link.run(0, 0, hidden=hidden)))
+    call.start()
+    time.sleep(0.05)
+    assert link.sessions == 1 and link.is_up
+    call.join(20)
+    assert len(results) == 1
     link.close()
 
 

@@ -78,7 +78,8 @@ def load_engine(args: argparse.Namespace) -> Any:
             "so there is nothing to serve"
         )
     a, b = args.layers
-    return engine_class(args.model, layers=(a, b), slots=args.slots, ctx=args.ctx, device=args.device)
+    device = int(args.device) if args.device is not None and args.device.isdigit() else args.device
+    return engine_class(args.model, layers=(a, b), slots=args.slots, ctx=args.ctx, device=device)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

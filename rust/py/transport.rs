@@ -498,7 +498,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// snapshots, and ``take_restarted()`` names the stages whose boot id changed. Failures raise
 /// ``qk.TransportError`` with the failing stage's name. Calls release the GIL while they wait.
 ///
-/// ``own`` is the head's stage description (the dict keys of a hello_reply stage).
+/// ``own`` is the head's stage description (the dict keys of a hello_reply stage). One call runs at
+/// a time; the others (getters included) wait for it without holding the GIL.
 #[pyclass(name = "HeadLink", module = "qk._qk", frozen)]
 struct PyHeadLink {
     link: Mutex<HeadLink>,
@@ -608,43 +609,43 @@ impl PyHeadLink {
     }
 
     /// Names of the stages that restarted (changed boot id) at a reconnect since the last call.
-    fn take_restarted(&self) -> Vec<String> {
-        lock(&self.link).take_restarted()
+    fn take_restarted(&self, py: Python<'_>) -> Vec<String> {
+        py.detach(|| lock(&self.link).take_restarted())
     }
 
     #[getter]
-    fn is_up(&self) -> bool {
-        lock(&self.link).is_up()
+    fn is_up(&self, py: Python<'_>) -> bool {
+        py.detach(|| lock(&self.link).is_up())
     }
 
     /// The chain after the head as of the latest session.
     #[getter]
     fn chain<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let chain = lock(&self.link).chain().to_vec();
+        let chain = py.detach(|| lock(&self.link).chain().to_vec());
         chain.iter().map(|s| stage_dict(py, s)).collect()
     }
 
     /// Sessions established so far.
     #[getter]
-    fn sessions(&self) -> u64 {
-        lock(&self.link).sessions()
+    fn sessions(&self, py: Python<'_>) -> u64 {
+        py.detach(|| lock(&self.link).sessions())
     }
 
     /// Snapshot entries usable on every stage, the head included.
     #[getter]
-    fn snapshot_entries(&self) -> u32 {
-        lock(&self.link).snapshot_entries()
+    fn snapshot_entries(&self, py: Python<'_>) -> u32 {
+        py.detach(|| lock(&self.link).snapshot_entries())
     }
 
     #[getter]
-    fn last_error(&self) -> Option<String> {
-        lock(&self.link).last_error().map(str::to_string)
+    fn last_error(&self, py: Python<'_>) -> Option<String> {
+        py.detach(|| lock(&self.link).last_error().map(str::to_string))
     }
 
     /// Seconds until a background retry is due, while the link is down.
     #[getter]
-    fn retry_in(&self) -> Option<f64> {
-        lock(&self.link).retry_in().map(|d| d.as_secs_f64())
+    fn retry_in(&self, py: Python<'_>) -> Option<f64> {
+        py.detach(|| lock(&self.link).retry_in().map(|d| d.as_secs_f64()))
     }
 }
 
