@@ -394,7 +394,8 @@ fn three_stage_chain_equals_in_process_composition() {
 #[test]
 fn save_and_load_apply_on_every_stage() {
     let mut own = Double::new(0, 2);
-    let workers = chain(vec![("w1", Double::new(2, 4)), ("w2", Double::new(4, N_LAYER))]);
+    let w2 = Double::with(4, N_LAYER, |i| i.snap_entries = 3);
+    let workers = chain(vec![("w1", Double::new(2, 4)), ("w2", w2)]);
     let mut link = head(&workers[0].addr, &own);
     let rows = head_rows(&mut own, 0, 0, &[3, 4, 5]);
     link.run(0, 0, rows, 0).expect("prefix");
@@ -427,7 +428,16 @@ fn save_and_load_apply_on_every_stage() {
         "{err}"
     );
 
-    // A failure on the last stage reaches the head with that stage's name.
+    // A failure on the last stage (w1 saved entry 3, w2 has only 3 entries) is relayed with its name.
+    let err = link.save(0, 3).expect_err("w2 has no entry 3");
+    let text = err.to_string();
+    assert!(
+        text.contains("stage 'w2'") && text.contains("snapshot 3 out of range"),
+        "{text}"
+    );
+    assert!(link.is_up());
+
+    // A failure on the first worker names it.
     let mut scratch = Double::new(0, 2);
     let rows = head_rows(&mut scratch, 1, 0, &[1]);
     let err = link.run(1, 9, rows, 0).expect_err("base 9 on a fresh slot");
@@ -504,6 +514,28 @@ fn hello_refusals_reach_the_head_with_their_reason() {
         Some(b"head secret"),
         &["authentication failed"],
     );
+}
+
+#[test]
+fn a_worker_refuses_a_configuration_its_layers_contradict() {
+    let middle = spawn_on(listener(), Double::new(2, 4), worker_cfg("w1", None));
+    let err = middle
+        .thread
+        .join()
+        .expect("no panic")
+        .expect_err("no next stage");
+    assert!(err.to_string().contains("needs a next stage"), "{err}");
+    let last = spawn_on(
+        listener(),
+        Double::new(2, N_LAYER),
+        worker_cfg("w1", Some("127.0.0.1:1")),
+    );
+    let err = last
+        .thread
+        .join()
+        .expect("no panic")
+        .expect_err("a next stage after the last");
+    assert!(err.to_string().contains("yet a next stage"), "{err}");
 }
 
 #[test]
