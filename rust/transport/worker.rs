@@ -329,7 +329,7 @@ impl Server<'_> {
             mut conn,
             handshake,
             ticket,
-            _tracked,
+            _tracked: tracked,
         } = admitted;
         let head = handshake.hello().name.clone();
         // The previous session's hop, if it is still open, belongs to that session.
@@ -417,7 +417,12 @@ impl Server<'_> {
         drop(ticket);
         self.close_downstream();
         if let Ending::Refuse(err) = ending {
-            conn.refuse(&err);
+            // The refusal waits (boundedly) for the peer to close; a peer that never does must not
+            // hold up the next session, so it waits on a thread of its own (still stoppable).
+            thread::spawn(move || {
+                conn.refuse(&err);
+                drop(tracked);
+            });
         }
     }
 
