@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_PORT = 18100
+# What qk._qk.Worker calls on a Python stage object (rust/py/transport.rs, PyStage).
+STAGE_METHODS = ("describe", "run", "step", "save", "load", "drop", "reset")
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -76,6 +78,12 @@ def load_engine(args: argparse.Namespace) -> Any:
         sys.exit(
             "qk.worker: this build of qk has no qk.Engine yet (the native engine is not part of it), "
             "so there is nothing to serve"
+        )
+    missing = [m for m in STAGE_METHODS if not hasattr(engine_class, m)]
+    if missing:
+        sys.exit(
+            "qk.worker: this build's qk.Engine cannot be served by a worker yet (the worker binding does "
+            f"not know the native engine, and it has no {', '.join(missing)} stage methods)"
         )
     a, b = args.layers
     device = int(args.device) if args.device is not None and args.device.isdigit() else args.device
