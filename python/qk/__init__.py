@@ -25,6 +25,7 @@ _NATIVE = {
 }
 _PYTHON = {
     "Gguf": "qk.gguf",
+    "Engine": "qk.engine",
     "Tokenizer": "qk.tokenizer",
     "TokenizerError": "qk.tokenizer",
     "IncrementalDecoder": "qk.tokenizer",

@@ -2,6 +2,7 @@
 
 use pyo3::prelude::*;
 
+mod engine;
 mod errors;
 mod gguf;
 mod gpu;
@@ -12,6 +13,7 @@ mod transport;
 fn qk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(m)?;
+    engine::register(m)?;
     gguf::register(m)?;
     gpu::register(m)?;
     transport::register(m)?;

@@ -1,0 +1,108 @@
+"""The scheduler's view of a forward pass: ``Driver`` (what it calls) and ``LocalDriver`` (one
+whole-model engine on this box, DESIGN.md "Engine contract").
+
+``EngineLike`` states exactly what the driver uses of ``qk.Engine``, so the native engine and the
+test suite's fake plug in unchanged. Results come back normalised to ``Next``: the greedy id of the
+last position plus its top-k ``(id, logit)`` pairs (empty unless asked for).
+
+Example::
+
+    driver = LocalDriver(qk.Engine("M.gguf", slots=4, ctx=32768))
+    first = driver.prefill(slot=0, tokens=prompt_ids, base=0, topk=0)
+    nexts = driver.decode([0, 1], [first.token, other_token], topk=40)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Driver", "EngineLike", "LocalDriver", "Next"]
+
+
+@dataclass(frozen=True)
+class Next:
+    """What one position produced: the greedy id and, when asked, the top-k (id, logit) pairs."""
+
+    token: int
+    candidates: list[tuple[int, float]] = field(default_factory=list)
+
+
+@runtime_checkable
+class EngineLike(Protocol):
+    """The part of ``qk.Engine`` (a whole-model engine: layers 0..n_layer) that serving uses.
+
+    * ``stage_run(slot, tokens, base, topk=0)`` runs positions ``[base, base + len(tokens))`` of
+      ``slot`` (``base == 0`` resets it, any other base must equal the slot's position) and returns
+      ``(ids, topk)``: the greedy id of every position, and the final position's top-k pairs.
+    * ``step(slots, tokens, topk=0)`` runs one position for several slots in one pass and returns,
+      per slot, a result in ``stage_run``'s shape: ``([greedy_id], topk)``.
+    * ``info()`` describes the model and the engine (``arch``, ``vocab``, ``slots``, ``ctx``, …).
+    """
+
+    def stage_run(self, slot: int, tokens: Sequence[int], base: int, topk: int = 0) -> Any: ...
+
+    def step(self, slots: Sequence[int], tokens: Sequence[int], topk: int = 0) -> Any: ...
+
+    def info(self) -> Mapping[str, Any]: ...
+
+
+class Driver(Protocol):
+    """What the scheduler drives: prefill one slot, decode many at once."""
+
+    def prefill(self, slot: int, tokens: Sequence[int], base: int, topk: int) -> Next: ...
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]: ...
+
+    def info(self) -> Mapping[str, Any]: ...
+
+
+def _pairs(topk: Any) -> list[tuple[int, float]]:
+    """Top-k as a list of (id, logit): accepts a sequence of pairs or an ``(ids, logits)`` pair of
+    arrays (NumPy in and out is the engine's Python face)."""
+    if topk is None:
+        return []
+    if (
+        isinstance(topk, tuple)
+        and len(topk) == 2
+        and hasattr(topk[0], "__len__")
+        and hasattr(topk[1], "__len__")
+    ):
+        ids, logits = topk
+        return [(int(i), float(x)) for i, x in zip(list(ids), list(logits), strict=True)]
+    return [(int(i), float(x)) for i, x in topk]
+
+
+def _last_id(ids: Any) -> int:
+    """A step result's greedy id: qk.Engine returns each slot's result in stage_run's shape (a list
+    of one id); a bare int is accepted too."""
+    if isinstance(ids, int):
+        return ids
+    ids = list(ids)
+    if len(ids) != 1:
+        raise RuntimeError(f"step returned {len(ids)} ids for one position")
+    return int(ids[0])
+
+
+class LocalDriver:
+    """One engine holding every layer: prefill is ``stage_run``, decode is ``step``."""
+
+    def __init__(self, engine: EngineLike) -> None:
+        self.engine = engine
+
+    def prefill(self, slot: int, tokens: Sequence[int], base: int, topk: int) -> Next:
+        ids, top = self.engine.stage_run(slot, list(tokens), base, topk=topk)
+        ids = list(ids)
+        if len(ids) != len(tokens):
+            raise RuntimeError(f"stage_run returned {len(ids)} ids for {len(tokens)} positions")
+        return Next(int(ids[-1]), _pairs(top) if topk else [])
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]:
+        results = list(self.engine.step(list(slots), list(tokens), topk=topk))
+        if len(results) != len(slots):
+            raise RuntimeError(f"step returned {len(results)} results for {len(slots)} slots")
+        return [Next(_last_id(ids), _pairs(top) if topk else []) for ids, top in results]
+
+    def info(self) -> Mapping[str, Any]:
+        return dict(self.engine.info())

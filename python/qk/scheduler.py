@@ -1,0 +1,424 @@
+"""Admission and continuous batching of generation requests over N engine slots.
+
+One dedicated engine thread owns the driver (it loads the model, then runs every forward pass):
+that thread and its queue are the single door between asyncio code and the blocking engine
+(STYLE.md §2). Each loop turn it admits waiting jobs into free slots in FIFO order, runs one
+prefill chunk of one admitted job, then one multi-slot decode step for every job already decoding
+(so the weights are read once per step for all of them). Sampling happens here, on the head.
+
+The async side submits a ``Job`` and reads its events (``Token``, ``Finished``, ``Failed``) from an
+``asyncio.Queue``; ``Job.cancel()`` (client gone, stop string seen) frees the slot before the next
+step. Every job ends with exactly one ``Finished`` or ``Failed``.
+
+Example::
+
+    scheduler = Scheduler(load=lambda: LocalDriver(engine), slots=4, ctx=32768)
+    scheduler.start()
+    job = scheduler.submit(GenerationRequest(prompt_ids, max_tokens=64, stop_ids=eog_ids))
+    while not isinstance(event := await job.next_event(), (Finished, Failed)):
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from qk.driver import Driver
+from qk.sampler import Sampler, SamplingParams
+
+__all__ = [
+    "DeviceUnavailableError",
+    "EmptyPromptError",
+    "Failed",
+    "Finished",
+    "GenerationRequest",
+    "Job",
+    "PromptTooLongError",
+    "QueueFullError",
+    "Scheduler",
+    "ShuttingDownError",
+    "Token",
+]
+
+log = logging.getLogger("qk.scheduler")
+
+#: Prefill chunk (positions per stage_run call). A multiple of 64 so chunk boundaries sit where the
+#: chunked DeltaNet puts its own (DESIGN.md "Determinism"); small enough that decode steps of other
+#: slots and SSE keep-alives interleave with a long prompt.
+PREFILL_CHUNK = 512
+
+
+class QueueFullError(Exception):
+    """More requests wait for a slot than the queue admits."""
+
+
+class ShuttingDownError(Exception):
+    """The server is draining: in-flight requests finish, new ones are refused."""
+
+
+class DeviceUnavailableError(Exception):
+    """The model is not loaded (still loading, failed to load, or the device was lost)."""
+
+
+class EmptyPromptError(ValueError):
+    """A request with no prompt tokens (nothing to continue from)."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit a slot's context (Claude Code compacts on exactly this message)."""
+
+    def __init__(self, n_tokens: int, maximum: int) -> None:
+        super().__init__(f"prompt is too long: {n_tokens} tokens > {maximum} maximum")
+        self.n_tokens = n_tokens
+        self.maximum = maximum
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: list[int]
+    #: Tokens to generate at most; None: until the slot's context is full.
+    max_tokens: int | None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    #: Ids that end generation (the model's end-of-generation set; empty for ignore_eos).
+    stop_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    #: "stop" (a stop id), "length" (max_tokens or context full), "cancelled".
+    reason: str
+    #: The stop id that ended generation, for "stop".
+    stop_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+Event = Token | Finished | Failed
+
+
+class Job:
+    """One request's life in the scheduler; its events are read on the event loop."""
+
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.id = next(Job._ids)
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.slot: int | None = None
+        self.position = 0
+        self.generated = 0
+        self.pending: int | None = None
+        self.sampler = Sampler(request.params)
+        self.done = False
+        self._cancelled = threading.Event()
+        self.submitted_at = time.monotonic()
+        self.prefill_started_at: float | None = None
+        self.prefill_done_at: float | None = None
+        self.finished_at: float | None = None
+
+    def cancel(self) -> None:
+        """Stop generating (thread-safe, idempotent); the slot is freed before the next step."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    async def next_event(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None when ``timeout`` seconds pass without one."""
+        if timeout is None:
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    def _emit(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:
+            # The event loop is closed: nobody is left to read this job.
+            pass
+
+
+@dataclass
+class SchedulerStats:
+    """Running totals for /metrics (read without a lock: each is written by the engine thread only)."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    #: Sum over decode steps of the slots each one advanced (÷ decode_steps = mean batch).
+    decode_slot_steps: int = 0
+    finished: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class Scheduler:
+    """N slots, a FIFO of waiting jobs, one engine thread."""
+
+    def __init__(
+        self,
+        load: Callable[[], Driver],
+        *,
+        slots: int,
+        ctx: int,
+        max_queue: int = 64,
+        device_lost_errors: Iterable[type[BaseException]] = (),
+    ) -> None:
+        if slots < 1 or ctx < 2:
+            raise ValueError("need at least one slot and a context of at least 2")
+        self._load = load
+        self.n_slots = slots
+        self.ctx = ctx
+        self.max_queue = max_queue
+        self._device_lost_errors = tuple(device_lost_errors)
+        self.driver: Driver | None = None
+        #: "loading" → "ready"; "failed" (load raised), "device_lost", "stopped" are terminal.
+        self.state = "loading"
+        self.load_error: BaseException | None = None
+        self.stats = SchedulerStats()
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._slots: list[Job | None] = [None] * slots
+        self._draining = False
+        self._thread = threading.Thread(target=self._run, name="qk-engine", daemon=True)
+
+    # -- event-loop side ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and not self._draining
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def busy_slots(self) -> int:
+        return sum(job is not None for job in self._slots)
+
+    def slot_jobs(self) -> list[Job | None]:
+        return list(self._slots)
+
+    def check_prompt(self, n_tokens: int) -> None:
+        # At least one position must remain for the reply.
+        if n_tokens >= self.ctx:
+            raise PromptTooLongError(n_tokens, self.ctx - 1)
+
+    def submit(self, request: GenerationRequest) -> Job:
+        """Queue a request (call on the event loop). Raises instead of queueing what cannot run."""
+        if not request.prompt:
+            raise EmptyPromptError("the prompt is empty")
+        self.check_prompt(len(request.prompt))
+        with self._cond:
+            if self._draining:
+                raise ShuttingDownError("the server is shutting down")
+            if self.state != "ready":
+                raise DeviceUnavailableError(self.unavailable_reason())
+            # Jobs in the deque that a free slot is about to take are not queued behind anyone.
+            free = sum(job is None for job in self._slots)
+            if len(self._waiting) - free >= self.max_queue:
+                raise QueueFullError(
+                    f"all {self.n_slots} slots are busy and {self.max_queue} requests already wait"
+                )
+            job = Job(request, asyncio.get_running_loop())
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    def wake(self) -> None:
+        """Make the engine thread notice a cancellation now rather than after its next step."""
+        with self._cond:
+            self._cond.notify()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Stop admitting, let admitted and queued jobs finish, stop the thread. True if it ended."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def unavailable_reason(self) -> str:
+        if self.state == "loading":
+            return "the model is still loading"
+        if self.state == "failed":
+            return f"the model failed to load: {self.load_error}"
+        if self.state == "device_lost":
+            return f"the GPU device was lost: {self.load_error}"
+        return "the engine has stopped"
+
+    # -- engine thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.driver = self._load()
+        except BaseException as exc:
+            log.exception("loading the model failed")
+            self.load_error = exc
+            self.state = "failed"
+            return
+        self.state = "ready"
+        log.info("engine ready: %d slots × %d context", self.n_slots, self.ctx)
+        while True:
+            with self._cond:
+                self._admit()
+                if not any(self._slots):
+                    if self._draining:
+                        break
+                    self._cond.wait()
+                    continue
+            self._reap_cancelled()
+            try:
+                self._turn()
+            except BaseException as exc:
+                # Every job must end, whatever broke.
+                lost = isinstance(exc, self._device_lost_errors)
+                if lost:
+                    # Before the jobs hear of it, so no new request slips in after their failure.
+                    self.load_error = exc
+                    self.state = "device_lost"
+                    log.error("GPU device lost: %s; /health now answers 503", exc)
+                self._fail_everything(exc)
+                if lost:
+                    return
+        self.state = "stopped"
+
+    def _admit(self) -> None:
+        for slot, occupant in enumerate(self._slots):
+            if occupant is not None:
+                continue
+            while self._waiting:
+                job = self._waiting.popleft()
+                if job.cancelled:
+                    self._finish(job, Finished("cancelled"))
+                    continue
+                job.slot = slot
+                self._slots[slot] = job
+                params = job.request.params
+                if not params.greedy:
+                    log.info(
+                        "job %d slot %d: temperature %g top_p %g top_k %d seed %d",
+                        job.id,
+                        slot,
+                        params.temperature,
+                        params.top_p,
+                        params.top_k,
+                        params.seed,
+                    )
+                break
+
+    def _reap_cancelled(self) -> None:
+        for job in self._slots:
+            if job is not None and job.cancelled:
+                self._finish(job, Finished("cancelled"))
+
+    def _turn(self) -> None:
+        driver = self.driver
+        assert driver is not None
+        prefilling = [j for j in self._slots if j is not None and j.pending is None]
+        if prefilling:
+            self._prefill_chunk(driver, min(prefilling, key=lambda j: j.id))
+        decoding = [j for j in self._slots if j is not None and j.pending is not None and not j.done]
+        if decoding:
+            self._decode_step(driver, decoding)
+
+    def _prefill_chunk(self, driver: Driver, job: Job) -> None:
+        prompt = job.request.prompt
+        if job.prefill_started_at is None:
+            job.prefill_started_at = time.monotonic()
+        chunk = prompt[job.position : job.position + PREFILL_CHUNK]
+        last = job.position + len(chunk) == len(prompt)
+        started = time.perf_counter()
+        try:
+            nxt = driver.prefill(
+                job.slot or 0, chunk, job.position, job.request.params.candidates_needed if last else 0
+            )
+        except BaseException as exc:
+            if isinstance(exc, self._device_lost_errors):
+                raise
+            self._finish(job, Failed(exc))
+            return
+        self.stats.prompt_seconds += time.perf_counter() - started
+        self.stats.prompt_tokens += len(chunk)
+        job.position += len(chunk)
+        if not last:
+            return
+        job.prefill_done_at = time.monotonic()
+        if job.request.max_tokens is not None and job.request.max_tokens <= 0:
+            self._finish(job, Finished("length"))
+            return
+        self._accept(job, job.sampler.pick(nxt.token, nxt.candidates))
+
+    def _decode_step(self, driver: Driver, jobs: list[Job]) -> None:
+        topk = max(j.request.params.candidates_needed for j in jobs)
+        started = time.perf_counter()
+        results = driver.decode([j.slot or 0 for j in jobs], [j.pending or 0 for j in jobs], topk)
+        self.stats.decode_seconds += time.perf_counter() - started
+        self.stats.decode_steps += 1
+        self.stats.decode_slot_steps += len(jobs)
+        for job, nxt in zip(jobs, results, strict=True):
+            job.position += 1
+            try:
+                token = job.sampler.pick(nxt.token, nxt.candidates)
+            except Exception as exc:
+                self._finish(job, Failed(exc))
+                continue
+            self._accept(job, token)
+
+    def _accept(self, job: Job, token: int) -> None:
+        """A sampled token: end the job, or emit it and keep it to feed the next step."""
+        if token in job.request.stop_ids:
+            self._finish(job, Finished("stop", token))
+            return
+        job.generated += 1
+        self.stats.generated_tokens += 1
+        job._emit(Token(token))
+        limit = job.request.max_tokens
+        # The token just emitted would sit at `position`; the slot must hold it to go on.
+        if (limit is not None and job.generated >= limit) or job.position + 1 >= self.ctx:
+            self._finish(job, Finished("length"))
+            return
+        job.pending = token
+
+    def _finish(self, job: Job, event: Finished | Failed) -> None:
+        if job.done:
+            return
+        job.done = True
+        job.finished_at = time.monotonic()
+        if job.slot is not None and self._slots[job.slot] is job:
+            self._slots[job.slot] = None
+        reason = event.reason if isinstance(event, Finished) else "error"
+        self.stats.finished[reason] += 1
+        job._emit(event)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        log.error("engine step failed: %r", exc)
+        with self._cond:
+            victims = [j for j in self._slots if j is not None]
+            if isinstance(exc, self._device_lost_errors):
+                victims += list(self._waiting)
+                self._waiting.clear()
+        for job in victims:
+            self._finish(job, Failed(exc))

@@ -1,0 +1,599 @@
+//! The engine: a model's layer range on one GPU with independent slots (KV, conv and DeltaNet
+//! state each), `stage_run` for positions of one slot, `step` for one decode position of several
+//! slots in one pass, state snapshots, and counters. No I/O beyond loading, no Python.
+//!
+//! Prefill is cut internally at absolute multiples of 64 (the DeltaNet chunk), so a prompt gives
+//! the same bytes however it is cut into calls at multiples of 64; each piece is one recorded
+//! command sequence, one submit and one readback.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use crate::error::{QkError, Result};
+use crate::gguf::GgufFile;
+use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
+use crate::model::forward::{Batch, LayerState, Model, Scratch, SlotState};
+use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
+use crate::model::{LayerKind, ModelConfig};
+use crate::ops::deltanet::CHUNK;
+use crate::ops::rope::freq_table;
+use crate::ops::topk::{IdLogit, MAX_K};
+
+/// Input rows of a call: token ids (first stage) or hidden rows of n_embd f32 (later stages).
+pub enum StageInput<'a> {
+    Tokens(&'a [u32]),
+    Hidden(&'a [f32]),
+}
+
+impl StageInput<'_> {
+    fn len(&self, n_embd: u32) -> usize {
+        match self {
+            StageInput::Tokens(t) => t.len(),
+            StageInput::Hidden(h) => h.len() / n_embd as usize,
+        }
+    }
+}
+
+/// What a stage returns for its rows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StageOutput {
+    /// Hidden rows [n, n_embd] (a stage that does not own the LM head).
+    Hidden(Vec<f32>),
+    /// Greedy id of every position, and the top-k (id, logit) of the final position.
+    Ids { ids: Vec<u32>, topk: Vec<(u32, f32)> },
+}
+
+/// A saved slot state (KV rows up to `pos`, conv rows, S).
+struct Snapshot {
+    pos: u32,
+    layers: Vec<Vec<GpuBuffer>>,
+}
+
+/// Device memory held, in bytes.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Memory {
+    pub weights: u64,
+    pub kv_per_slot: u64,
+    pub deltanet_per_slot: u64,
+    pub scratch: u64,
+    pub snapshots: u64,
+    pub total: u64,
+}
+
+pub struct EngineOptions {
+    pub layers: Option<(u32, u32)>,
+    pub slots: u32,
+    pub ctx: u32,
+    pub device: Option<String>,
+}
+
+pub struct Engine {
+    pub gpu: Arc<Gpu>,
+    model: Model,
+    pub layers: (u32, u32),
+    slots: Vec<SlotState>,
+    scratch: Scratch,
+    snapshots: HashMap<u64, Snapshot>,
+}
+
+impl Engine {
+    /// Load layers [a, b) of the GGUF at `path`; `progress` gets one line per loading step.
+    pub fn load(path: &str, opts: &EngineOptions, progress: &mut dyn FnMut(&str)) -> Result<Engine> {
+        let file = GgufFile::open(path)?;
+        let cfg = ModelConfig::from_gguf(&file)?;
+        let layers = opts.layers.unwrap_or((0, cfg.n_layer));
+        crate::ensure!(
+            opts.slots >= 1,
+            QkError::Engine("slots must be at least 1".into())
+        );
+        crate::ensure!(opts.ctx >= 1, QkError::Engine("ctx must be at least 1".into()));
+        Weights::check_types(&file, layers)?;
+        let mut gopts = GpuOptions::from_env();
+        if opts.device.is_some() {
+            gopts.device = opts.device.clone();
+        }
+        let gpu = shared_gpu(&gopts)?;
+        progress(&format!(
+            "{}: {} layers [{}, {}) of {} ({} MTP skipped) on {}",
+            cfg.arch.name(),
+            layers.1.saturating_sub(layers.0),
+            layers.0,
+            layers.1,
+            cfg.n_layer,
+            cfg.n_mtp,
+            gpu.adapter.name
+        ));
+        let weights = Weights::load(&gpu, &file, &cfg, layers, progress)?;
+        let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
+        let mut slots = Vec::new();
+        for i in 0..opts.slots {
+            slots.push(SlotState::new(&gpu, &cfg, &weights.layers, opts.ctx, i as usize)?);
+        }
+        let has_head = weights.output.is_some();
+        let rows = CHUNK.max(opts.slots);
+        let legacy = weights.layers.iter().any(
+            |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
+        );
+        let scratch = Scratch::new(&gpu, &cfg, rows, opts.ctx, has_head, legacy)?;
+        let engine = Engine {
+            gpu,
+            model: Model {
+                cfg,
+                weights,
+                freqs,
+                ctx: opts.ctx,
+            },
+            layers,
+            slots,
+            scratch,
+            snapshots: HashMap::new(),
+        };
+        let m = engine.memory();
+        progress(&format!(
+            "loaded: weights {:.1} MiB, KV {:.1} MiB + DeltaNet state {:.1} MiB per slot, scratch {:.1} MiB, total {:.1} MiB",
+            mib(m.weights),
+            mib(m.kv_per_slot),
+            mib(m.deltanet_per_slot),
+            mib(m.scratch),
+            mib(m.total)
+        ));
+        Ok(engine)
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.cfg
+    }
+
+    pub fn ctx(&self) -> u32 {
+        self.model.ctx
+    }
+
+    pub fn n_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn position(&self, slot: usize) -> Result<u32> {
+        Ok(self.slot(slot)?.pos)
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.layers.0 == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.layers.1 == self.model.cfg.n_layer
+    }
+
+    pub fn counters(&self) -> CounterSnapshot {
+        self.gpu.counters()
+    }
+
+    pub fn memory(&self) -> Memory {
+        let cfg = &self.model.cfg;
+        let local = &self.model.cfg.kinds[self.layers.0 as usize..self.layers.1 as usize];
+        let n_attn = local.iter().filter(|k| **k == LayerKind::Attention).count() as u64;
+        let n_dn = local.len() as u64 - n_attn;
+        let kv = n_attn * 2 * u64::from(self.model.ctx) * u64::from(cfg.kv_row()) * 4;
+        let dn = n_dn * (crate::model::forward::conv_bytes(cfg) + crate::model::forward::ssm_bytes(cfg));
+        let snaps: u64 = self
+            .snapshots
+            .values()
+            .flat_map(|s| s.layers.iter().flatten())
+            .map(|b| b.size)
+            .sum();
+        let weights = self.model.weights.bytes;
+        let scratch = self.scratch.bytes;
+        let slots = self.slots.len() as u64;
+        Memory {
+            weights,
+            kv_per_slot: kv,
+            deltanet_per_slot: dn,
+            scratch,
+            snapshots: snaps,
+            total: weights + slots * (kv + dn) + scratch + snaps,
+        }
+    }
+
+    fn slot(&self, slot: usize) -> Result<&SlotState> {
+        self.slots.get(slot).ok_or_else(|| {
+            QkError::Engine(format!(
+                "slot {slot} out of range (engine has {})",
+                self.slots.len()
+            ))
+        })
+    }
+
+    /// Check `base` against the slot (0 resets it) and that `n` more positions fit the context.
+    fn begin(&mut self, slot: usize, base: u32, n: usize) -> Result<()> {
+        let ctx = self.model.ctx;
+        let pos = self.slot(slot)?.pos;
+        if base != 0 && base != pos {
+            return Err(QkError::Engine(format!(
+                "slot {slot}: base {base} does not continue the slot's position {pos} (use 0 to restart)"
+            )));
+        }
+        let end = u64::from(base) + n as u64;
+        if end > u64::from(ctx) {
+            return Err(QkError::Engine(format!(
+                "slot {slot}: positions up to {end} exceed the context of {ctx}"
+            )));
+        }
+        if base == 0 {
+            let gpu = &self.gpu;
+            self.slots[slot].reset(gpu)?;
+        }
+        Ok(())
+    }
+
+    fn check_input(&self, input: &StageInput<'_>) -> Result<()> {
+        let cfg = &self.model.cfg;
+        match input {
+            StageInput::Tokens(t) => {
+                crate::ensure!(
+                    self.is_first(),
+                    QkError::Engine(format!(
+                        "layers start at {}: this stage takes hidden rows, not tokens",
+                        self.layers.0
+                    ))
+                );
+                if let Some(bad) = t.iter().find(|&&id| id >= cfg.vocab) {
+                    return Err(QkError::Engine(format!(
+                        "token id {bad} outside the vocabulary of {}",
+                        cfg.vocab
+                    )));
+                }
+            }
+            StageInput::Hidden(h) => {
+                crate::ensure!(
+                    !self.is_first(),
+                    QkError::Engine("this stage owns the embedding: pass token ids".into())
+                );
+                crate::ensure!(
+                    h.len() % cfg.n_embd as usize == 0,
+                    QkError::Engine(format!(
+                        "hidden input of {} floats is not whole rows of {}",
+                        h.len(),
+                        cfg.n_embd
+                    ))
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Write rows [lo, hi) of the input where the first layer reads them.
+    fn write_input(&self, input: &StageInput<'_>, lo: usize, hi: usize) -> Result<()> {
+        let e = self.model.cfg.n_embd as usize;
+        match input {
+            StageInput::Tokens(t) => {
+                self.gpu
+                    .write(&self.scratch.tokens, 0, bytemuck::cast_slice(&t[lo..hi]))
+            }
+            StageInput::Hidden(h) => {
+                self.gpu
+                    .write(&self.scratch.x[0], 0, bytemuck::cast_slice(&h[lo * e..hi * e]))
+            }
+        }
+    }
+
+    /// Run positions [base, base + n) of `slot`; `topk` pairs of the final position (last stage).
+    pub fn stage_run(
+        &mut self,
+        slot: usize,
+        input: StageInput<'_>,
+        base: u32,
+        topk: u32,
+    ) -> Result<StageOutput> {
+        let (out, _) = self.run(slot, input, base, topk, false)?;
+        Ok(out)
+    }
+
+    /// Logits [n, vocab] of every position (tests; last stage only).
+    pub fn logits(&mut self, slot: usize, tokens: &[u32], base: u32) -> Result<Vec<f32>> {
+        crate::ensure!(
+            self.is_last(),
+            QkError::Engine("logits need the LM head (last stage)".into())
+        );
+        let (_, logits) = self.run(slot, StageInput::Tokens(tokens), base, 1, true)?;
+        Ok(logits)
+    }
+
+    fn run(
+        &mut self,
+        slot: usize,
+        input: StageInput<'_>,
+        base: u32,
+        topk: u32,
+        want_logits: bool,
+    ) -> Result<(StageOutput, Vec<f32>)> {
+        self.check_input(&input)?;
+        let n = input.len(self.model.cfg.n_embd);
+        crate::ensure!(n > 0, QkError::Engine("stage_run with no rows".into()));
+        crate::ensure!(
+            topk <= MAX_K,
+            QkError::Engine(format!("top-k of {topk} exceeds {MAX_K}"))
+        );
+        self.begin(slot, base, n)?;
+        let e = self.model.cfg.n_embd as usize;
+        let vocab = self.model.cfg.vocab as usize;
+        let last = self.is_last();
+        let mut hidden = Vec::new();
+        let mut ids = Vec::with_capacity(n);
+        let mut top = Vec::new();
+        let mut logits = Vec::new();
+        let mut done = 0usize;
+        while done < n {
+            let pos = base + done as u32;
+            // Pieces end on absolute multiples of the DeltaNet chunk (and the scratch size).
+            let to_boundary = (CHUNK - pos % CHUNK) as usize;
+            let len = (n - done).min(to_boundary).min(self.scratch.rows as usize);
+            let final_piece = done + len == n;
+            self.write_input(&input, done, done + len)?;
+            let model = &self.model;
+            let s = &self.scratch;
+            let gpu = &self.gpu;
+            let st = &self.slots[slot];
+            let t = len as u32;
+            let mut rec = gpu.recorder();
+            if matches!(input, StageInput::Tokens(_)) {
+                model.record_embed(gpu, &mut rec, s, t)?;
+            }
+            let cur = if len == 1 {
+                model.record_layers(gpu, &mut rec, s, &[st], Batch::Decode { positions: &[pos] })?
+            } else {
+                model.record_layers(gpu, &mut rec, s, &[st], Batch::Prefill { base: pos, n: t })?
+            };
+            let mut tickets = Vec::new();
+            let mut hidden_ticket = None;
+            let mut logits_ticket = None;
+            if last {
+                model.record_head(gpu, &mut rec, s, cur, t)?;
+                for row in 0..t {
+                    let k = if final_piece && row == t - 1 {
+                        topk.max(1)
+                    } else {
+                        1
+                    };
+                    model.record_topk(gpu, &mut rec, s, row, k)?;
+                    tickets.push((rec.read(&s.results[row as usize], 0, u64::from(k) * 8)?, k));
+                }
+                if want_logits {
+                    logits_ticket = Some(rec.read(&s.logits, 0, (len * vocab * 4) as u64)?);
+                }
+            } else {
+                hidden_ticket = Some(rec.read(&s.x[cur], 0, (len * e * 4) as u64)?);
+            }
+            let out = rec.finish_and_read()?;
+            for (i, (ticket, k)) in tickets.iter().enumerate() {
+                let pairs: &[IdLogit] = bytemuck::cast_slice(&out[*ticket]);
+                ids.push(pairs[0].id);
+                if final_piece && i + 1 == tickets.len() && topk > 0 {
+                    top = pairs[..*k as usize].iter().map(|p| (p.id, p.logit)).collect();
+                }
+            }
+            if let Some(tk) = hidden_ticket {
+                hidden.extend_from_slice(bytemuck::cast_slice::<u8, f32>(&out[tk]));
+            }
+            if let Some(tk) = logits_ticket {
+                logits.extend_from_slice(bytemuck::cast_slice::<u8, f32>(&out[tk]));
+            }
+            self.slots[slot].pos = pos + t;
+            done += len;
+        }
+        let result = if last {
+            StageOutput::Ids { ids, topk: top }
+        } else {
+            StageOutput::Hidden(hidden)
+        };
+        Ok((result, logits))
+    }
+
+    /// One decode position for each of `slots` (distinct) in one recorded pass: token i (or hidden
+    /// row i) goes to slots[i] at its current position. Returns one output per slot.
+    pub fn step(&mut self, slots: &[usize], input: StageInput<'_>, topk: u32) -> Result<Vec<StageOutput>> {
+        self.check_input(&input)?;
+        let n = slots.len();
+        crate::ensure!(n > 0, QkError::Engine("step with no slots".into()));
+        crate::ensure!(
+            input.len(self.model.cfg.n_embd) == n,
+            QkError::Engine(format!(
+                "step: {} input rows for {n} slots",
+                input.len(self.model.cfg.n_embd)
+            ))
+        );
+        crate::ensure!(
+            topk <= MAX_K,
+            QkError::Engine(format!("top-k of {topk} exceeds {MAX_K}"))
+        );
+        crate::ensure!(
+            n <= self.scratch.rows as usize,
+            QkError::Engine(format!(
+                "step over {n} slots exceeds the scratch of {} rows",
+                self.scratch.rows
+            ))
+        );
+        for (i, &s) in slots.iter().enumerate() {
+            crate::ensure!(
+                !slots[..i].contains(&s),
+                QkError::Engine(format!("step: slot {s} given twice"))
+            );
+            let pos = self.slot(s)?.pos;
+            self.begin(s, pos, 1)?;
+        }
+        let positions: Vec<u32> = slots.iter().map(|&s| self.slots[s].pos).collect();
+        self.write_input(&input, 0, n)?;
+        let e = self.model.cfg.n_embd as usize;
+        let model = &self.model;
+        let s = &self.scratch;
+        let gpu = &self.gpu;
+        let states: Vec<&SlotState> = slots.iter().map(|&i| &self.slots[i]).collect();
+        let mut rec = gpu.recorder();
+        if matches!(input, StageInput::Tokens(_)) {
+            model.record_embed(gpu, &mut rec, s, n as u32)?;
+        }
+        let cur = model.record_layers(
+            gpu,
+            &mut rec,
+            s,
+            &states,
+            Batch::Decode {
+                positions: &positions,
+            },
+        )?;
+        let last = self.is_last();
+        let k = topk.max(1);
+        let mut tickets = Vec::new();
+        if last {
+            model.record_head(gpu, &mut rec, s, cur, n as u32)?;
+            for row in 0..n as u32 {
+                model.record_topk(gpu, &mut rec, s, row, k)?;
+                tickets.push(rec.read(&s.results[row as usize], 0, u64::from(k) * 8)?);
+            }
+        } else {
+            tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);
+        }
+        let out = rec.finish_and_read()?;
+        let mut results = Vec::with_capacity(n);
+        if last {
+            for t in &tickets {
+                let pairs: &[IdLogit] = bytemuck::cast_slice(&out[*t]);
+                let top = if topk > 0 {
+                    pairs.iter().map(|p| (p.id, p.logit)).collect()
+                } else {
+                    Vec::new()
+                };
+                results.push(StageOutput::Ids {
+                    ids: vec![pairs[0].id],
+                    topk: top,
+                });
+            }
+        } else {
+            let rows: &[f32] = bytemuck::cast_slice(&out[tickets[0]]);
+            for i in 0..n {
+                results.push(StageOutput::Hidden(rows[i * e..(i + 1) * e].to_vec()));
+            }
+        }
+        for (&sl, &p) in slots.iter().zip(&positions) {
+            self.slots[sl].pos = p + 1;
+        }
+        Ok(results)
+    }
+
+    /// Greedy generation on one slot from position 0: the prompt, then `max_new` tokens.
+    pub fn generate(&mut self, slot: usize, prompt: &[u32], max_new: usize) -> Result<Vec<u32>> {
+        crate::ensure!(
+            self.is_first() && self.is_last(),
+            QkError::Engine("generate needs the whole model on this engine".into())
+        );
+        let mut out = Vec::with_capacity(max_new);
+        if max_new == 0 {
+            return Ok(out);
+        }
+        let StageOutput::Ids { ids, .. } = self.stage_run(slot, StageInput::Tokens(prompt), 0, 0)? else {
+            return Err(QkError::Engine("last stage returned hidden rows".into()));
+        };
+        let mut next = *ids.last().ok_or_else(|| QkError::Engine("empty prompt".into()))?;
+        out.push(next);
+        while out.len() < max_new {
+            let r = self.step(&[slot], StageInput::Tokens(&[next]), 0)?;
+            let Some(StageOutput::Ids { ids, .. }) = r.into_iter().next() else {
+                return Err(QkError::Engine("last stage returned hidden rows".into()));
+            };
+            next = ids[0];
+            out.push(next);
+        }
+        Ok(out)
+    }
+
+    /// Copy the slot's state (KV rows up to its position, conv rows, S) into snapshot `idx`.
+    pub fn state_save(&mut self, slot: usize, idx: u64) -> Result<()> {
+        let st = self.slot(slot)?;
+        let pos = st.pos;
+        let row = u64::from(self.model.cfg.kv_row()) * 4;
+        let gpu = &self.gpu;
+        let mut rec = gpu.recorder();
+        let mut layers = Vec::new();
+        for (li, l) in st.layers.iter().enumerate() {
+            let srcs: Vec<(&GpuBuffer, u64)> = match l {
+                LayerState::Attention { k, v } => vec![(k, u64::from(pos) * row), (v, u64::from(pos) * row)],
+                LayerState::DeltaNet { conv, s } => vec![(conv, conv.size), (s, s.size)],
+            };
+            let mut bufs = Vec::new();
+            for (j, (src, bytes)) in srcs.into_iter().enumerate() {
+                let dst = gpu.buffer_zeroed(&format!("snapshot{idx}.{li}.{j}"), bytes.max(4))?;
+                if bytes > 0 {
+                    rec.copy(src, 0, &dst, 0, bytes)?;
+                }
+                bufs.push(dst);
+            }
+            layers.push(bufs);
+        }
+        rec.submit()?;
+        self.snapshots.insert(idx, Snapshot { pos, layers });
+        Ok(())
+    }
+
+    /// Restore snapshot `idx` into `slot` (its position becomes the snapshot's).
+    pub fn state_load(&mut self, slot: usize, idx: u64) -> Result<()> {
+        self.slot(slot)?;
+        let snap = self
+            .snapshots
+            .get(&idx)
+            .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))?;
+        let row = u64::from(self.model.cfg.kv_row()) * 4;
+        let gpu = &self.gpu;
+        let mut rec = gpu.recorder();
+        for (l, bufs) in self.slots[slot].layers.iter().zip(&snap.layers) {
+            let dsts: Vec<(&GpuBuffer, u64)> = match l {
+                LayerState::Attention { k, v } => {
+                    vec![(k, u64::from(snap.pos) * row), (v, u64::from(snap.pos) * row)]
+                }
+                LayerState::DeltaNet { conv, s } => vec![(conv, conv.size), (s, s.size)],
+            };
+            for ((dst, bytes), src) in dsts.into_iter().zip(bufs) {
+                if bytes > 0 {
+                    rec.copy(src, 0, dst, 0, bytes)?;
+                }
+            }
+        }
+        rec.submit()?;
+        self.slots[slot].pos = snap.pos;
+        Ok(())
+    }
+
+    pub fn state_drop(&mut self, idx: u64) -> Result<()> {
+        self.snapshots
+            .remove(&idx)
+            .map(|_| ())
+            .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))
+    }
+}
+
+/// One device per (adapter choice, subgroup setting) per process, shared by every engine on it:
+/// pipelines are compiled once per process (lavapipe compiles slowly) and two stages in one
+/// process (tests of split ≡ unsplit) see the same kernels.
+fn shared_gpu(opts: &GpuOptions) -> Result<Arc<Gpu>> {
+    type Key = (Option<String>, bool);
+    type Registry = Mutex<Vec<(Key, Weak<Gpu>)>>;
+    static GPUS: OnceLock<Registry> = OnceLock::new();
+    let key = (opts.device.clone(), opts.no_subgroups);
+    let mut gpus = GPUS
+        .get_or_init(|| Mutex::new(Vec::new()))
+        .lock()
+        .map_err(|_| QkError::Device("device registry poisoned".into()))?;
+    gpus.retain(|(_, w)| w.strong_count() > 0);
+    if let Some(gpu) = gpus
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, w)| w.upgrade())
+    {
+        return Ok(gpu);
+    }
+    let gpu = Arc::new(Gpu::new(opts)?);
+    gpus.push((key, Arc::downgrade(&gpu)));
+    Ok(gpu)
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1024.0 * 1024.0)
+}

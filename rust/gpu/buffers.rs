@@ -1,0 +1,308 @@
+//! Device buffers: activations/scratch, weights uploaded once (cut into binding-sized windows on
+//! row boundaries), and readback to the host.
+
+use std::sync::Arc;
+
+use super::context::{Counters, Gpu};
+use crate::error::{QkError, Result};
+use crate::gguf::GgmlType;
+
+/// A device buffer with a runtime-unique id (the bind-group cache key). Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct GpuBuffer {
+    pub buffer: wgpu::Buffer,
+    pub id: u64,
+    pub size: u64,
+    pub label: Arc<str>,
+}
+
+/// A range of a buffer bound to one kernel binding.
+#[derive(Clone, Copy, Debug)]
+pub struct Binding<'a> {
+    pub buffer: &'a GpuBuffer,
+    pub offset: u64,
+    pub size: u64,
+}
+
+impl GpuBuffer {
+    /// Bind the whole buffer.
+    pub fn all(&self) -> Binding<'_> {
+        Binding {
+            buffer: self,
+            offset: 0,
+            size: self.size,
+        }
+    }
+
+    /// Bind `size` bytes from `offset` (offset must meet `caps.storage_offset_alignment`).
+    pub fn range(&self, offset: u64, size: u64) -> Binding<'_> {
+        Binding {
+            buffer: self,
+            offset,
+            size,
+        }
+    }
+}
+
+const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
+    .union(wgpu::BufferUsages::COPY_SRC)
+    .union(wgpu::BufferUsages::COPY_DST);
+
+/// One binding-sized piece of a weight tensor: rows `first_row .. first_row + n_rows` (counted
+/// over all experts for a 3-D tensor), starting at byte 0 of `buffer`.
+#[derive(Clone, Debug)]
+pub struct WeightWindow {
+    pub buffer: GpuBuffer,
+    pub first_row: u64,
+    pub n_rows: u64,
+}
+
+/// A weight matrix (or stack of expert matrices) resident on the device in its GGUF block layout.
+/// Row r of expert e is global row `e * rows + r`; a window never splits an expert unless one
+/// expert alone exceeds a binding.
+#[derive(Clone, Debug)]
+pub struct WeightTensor {
+    pub name: String,
+    pub ty: GgmlType,
+    /// Inner dimension K (weights per row).
+    pub cols: u64,
+    /// Rows per expert (the output dimension M).
+    pub rows: u64,
+    /// 1 for a dense matrix.
+    pub experts: u64,
+    pub row_bytes: u64,
+    pub windows: Vec<WeightWindow>,
+}
+
+impl WeightTensor {
+    /// The window holding global row `row`.
+    pub fn window_of(&self, row: u64) -> Option<&WeightWindow> {
+        self.windows
+            .iter()
+            .find(|w| row >= w.first_row && row < w.first_row + w.n_rows)
+    }
+}
+
+impl Gpu {
+    fn create_buffer(
+        &self,
+        label: &str,
+        size: u64,
+        usage: wgpu::BufferUsages,
+        mapped: bool,
+    ) -> Result<GpuBuffer> {
+        if size > self.caps.max_buffer_size {
+            return Err(QkError::OutOfMemory(format!(
+                "{label}: {size} bytes exceeds the device's largest buffer ({} bytes)",
+                self.caps.max_buffer_size
+            )));
+        }
+        // Storage bindings and copies work in whole u32s.
+        let padded = size.max(4).div_ceil(4) * 4;
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: padded,
+            usage,
+            mapped_at_creation: mapped,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(QkError::OutOfMemory(format!("{label}: {padded} bytes: {e}")));
+        }
+        Counters::bump(&self.counters.buffers);
+        Ok(GpuBuffer {
+            buffer,
+            id: self.fresh_id(),
+            size: padded,
+            label: label.into(),
+        })
+    }
+
+    /// A zero-filled storage buffer (activations, scratch, outputs).
+    pub fn buffer_zeroed(&self, label: &str, size: u64) -> Result<GpuBuffer> {
+        self.create_buffer(label, size, STORAGE, false)
+    }
+
+    /// A storage buffer holding `bytes` (padded with zeros to a multiple of 4).
+    pub fn buffer_from_bytes(&self, label: &str, bytes: &[u8]) -> Result<GpuBuffer> {
+        let buf = self.create_buffer(label, bytes.len() as u64, STORAGE, true)?;
+        {
+            let mut view = buf
+                .buffer
+                .get_mapped_range_mut(..)
+                .map_err(|e| QkError::Engine(format!("{label}: map at creation failed: {e}")))?;
+            let mut dst = view.slice(..bytes.len());
+            dst.copy_from_slice(bytes);
+        }
+        buf.buffer.unmap();
+        Ok(buf)
+    }
+
+    pub fn buffer_from_f32(&self, label: &str, data: &[f32]) -> Result<GpuBuffer> {
+        self.buffer_from_bytes(label, bytemuck::cast_slice(data))
+    }
+
+    pub fn buffer_from_u32(&self, label: &str, data: &[u32]) -> Result<GpuBuffer> {
+        self.buffer_from_bytes(label, bytemuck::cast_slice(data))
+    }
+
+    /// Overwrite part of a buffer (queued; ordered before the next submit).
+    pub fn write(&self, buf: &GpuBuffer, offset: u64, bytes: &[u8]) -> Result<()> {
+        if !offset.is_multiple_of(4)
+            || !bytes.len().is_multiple_of(4)
+            || offset + bytes.len() as u64 > buf.size
+        {
+            return Err(QkError::Engine(format!(
+                "{}: write of {} bytes at {offset} is unaligned or out of range ({} bytes)",
+                buf.label,
+                bytes.len(),
+                buf.size
+            )));
+        }
+        self.queue.write_buffer(&buf.buffer, offset, bytes);
+        Ok(())
+    }
+
+    /// Upload a weight tensor given in GGUF layout: `experts` matrices of `rows` × `cols` of
+    /// type `ty`, back to back. Windows hold whole rows (whole experts where one fits) and each
+    /// fits one binding.
+    pub fn upload_weight(
+        &self,
+        name: &str,
+        ty: GgmlType,
+        cols: u64,
+        rows: u64,
+        experts: u64,
+        bytes: &[u8],
+    ) -> Result<WeightTensor> {
+        self.upload_weight_windowed(name, ty, cols, rows, experts, bytes, u64::MAX)
+    }
+
+    /// As [`Gpu::upload_weight`] with windows of at most `max_window_bytes` (tests use this to
+    /// exercise windowing without 128 MiB tensors).
+    #[allow(clippy::too_many_arguments)]
+    pub fn upload_weight_windowed(
+        &self,
+        name: &str,
+        ty: GgmlType,
+        cols: u64,
+        rows: u64,
+        experts: u64,
+        bytes: &[u8],
+        max_window_bytes: u64,
+    ) -> Result<WeightTensor> {
+        let unsupported = || QkError::UnsupportedType {
+            tensor: name.into(),
+            ty: ty.name().into(),
+        };
+        let row_bytes = ty.bytes_for(cols).ok_or_else(unsupported)?;
+        if !cols.is_multiple_of(8) {
+            // Kernels consume 8 weights per step and 4-byte words of F16/BF16 rows.
+            return Err(QkError::Engine(format!(
+                "{name}: inner dimension {cols} is not a multiple of 8"
+            )));
+        }
+        let total_rows = rows * experts;
+        if total_rows * row_bytes != bytes.len() as u64 {
+            return Err(QkError::Engine(format!(
+                "{name}: {} bytes given, {experts}×{rows}×{cols} {ty} needs {}",
+                bytes.len(),
+                total_rows * row_bytes
+            )));
+        }
+        let cap = self
+            .caps
+            .max_binding_size
+            .min(self.caps.max_buffer_size)
+            .min(max_window_bytes);
+        let max_rows = cap / row_bytes;
+        if max_rows == 0 {
+            return Err(QkError::Engine(format!(
+                "{name}: one row of {row_bytes} bytes exceeds a binding ({cap})"
+            )));
+        }
+        // Cut on expert boundaries when an expert fits, so an expert's rows share one binding.
+        let rows_per_window = if experts > 1 && rows <= max_rows {
+            (max_rows / rows) * rows
+        } else {
+            max_rows
+        };
+        let mut windows = Vec::new();
+        let mut first = 0u64;
+        while first < total_rows {
+            let n = rows_per_window.min(total_rows - first);
+            let lo = (first * row_bytes) as usize;
+            let hi = ((first + n) * row_bytes) as usize;
+            let label = format!("{name}[{first}..{}]", first + n);
+            let buffer = self.buffer_from_bytes(&label, &bytes[lo..hi])?;
+            windows.push(WeightWindow {
+                buffer,
+                first_row: first,
+                n_rows: n,
+            });
+            first += n;
+        }
+        Ok(WeightTensor {
+            name: name.into(),
+            ty,
+            cols,
+            rows,
+            experts,
+            row_bytes,
+            windows,
+        })
+    }
+
+    /// Read `size` bytes from `offset` of `buf` (one submit and one map; waits for the GPU).
+    pub fn read_bytes(&self, buf: &GpuBuffer, offset: u64, size: u64) -> Result<Vec<u8>> {
+        let mut rec = self.recorder();
+        let ticket = rec.read(buf, offset, size)?;
+        let mut out = rec.finish_and_read()?;
+        Ok(std::mem::take(&mut out[ticket]))
+    }
+
+    pub fn read_f32(&self, buf: &GpuBuffer, offset: u64, count: usize) -> Result<Vec<f32>> {
+        let bytes = self.read_bytes(buf, offset, count as u64 * 4)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    pub fn read_u32(&self, buf: &GpuBuffer, offset: u64, count: usize) -> Result<Vec<u32>> {
+        let bytes = self.read_bytes(buf, offset, count as u64 * 4)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// A mappable buffer of at least `size` bytes, reused across readbacks so a steady step
+    /// creates none.
+    pub(crate) fn staging_buffer(&self, size: u64) -> Result<GpuBuffer> {
+        if let Ok(mut slot) = self.cache.staging.lock()
+            && let Some(buf) = slot.take()
+            && buf.size >= size
+        {
+            return Ok(buf);
+        }
+        // Grow geometrically so a slowly growing read does not allocate each time.
+        let size = size
+            .max(1 << 16)
+            .next_power_of_two()
+            .min(self.caps.max_buffer_size)
+            .max(size);
+        self.create_buffer(
+            "readback",
+            size,
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            false,
+        )
+    }
+
+    pub(crate) fn return_staging(&self, buf: GpuBuffer) {
+        if let Ok(mut slot) = self.cache.staging.lock() {
+            *slot = Some(buf);
+        }
+    }
+}

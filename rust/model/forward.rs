@@ -1,0 +1,898 @@
+//! The per-layer forward graph (spec model.md §3) recorded into one command sequence: scratch
+//! activations sized for a batch of rows, per-slot recurrent state (KV, conv, DeltaNet S), and the
+//! recording of a prefill piece of one slot (rows = consecutive positions) or a decode step of
+//! several slots (rows = one position each).
+
+use super::config::{Arch, LayerKind, ModelConfig};
+use super::weights::{
+    AttnProjection, BetaAlpha, DeltaNetProjection, ExpertGateUp, LayerWeights, Mixer, Weights,
+};
+use crate::error::{QkError, Result};
+use crate::gpu::{Gpu, GpuBuffer, Recorder};
+use crate::ops::attention::{self, AttnArgs, AttnParams};
+use crate::ops::conv::{self, ConvParams};
+use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
+use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
+use crate::ops::embed::embed;
+use crate::ops::matmul::{Columns, ExpertIds, MoeInput, matvec_id, mul};
+use crate::ops::norm::{self, NormArgs, NormKind, NormParams, RowLayout};
+use crate::ops::rope::{self, RopeParams};
+use crate::ops::router::{self, RouterParams};
+use crate::ops::topk::{self, MAX_K, TopkParams};
+
+/// Recurrent state of one local layer for one slot.
+pub enum LayerState {
+    /// K and V rows of `ctx` positions (layout of attention.wgsl).
+    Attention { k: GpuBuffer, v: GpuBuffer },
+    /// Conv rows (K−1 pre-conv inputs) and the DeltaNet matrices S of every v-head.
+    DeltaNet { conv: GpuBuffer, s: GpuBuffer },
+}
+
+/// One slot: its position (tokens already run) and its state per local layer.
+pub struct SlotState {
+    pub pos: u32,
+    pub layers: Vec<LayerState>,
+}
+
+impl SlotState {
+    pub fn new(gpu: &Gpu, cfg: &ModelConfig, layers: &[LayerWeights], ctx: u32, slot: usize) -> Result<Self> {
+        let mut out = Vec::new();
+        for lw in layers {
+            let il = lw.index;
+            out.push(match cfg.kinds[il as usize] {
+                LayerKind::Attention => {
+                    let bytes = u64::from(ctx) * u64::from(cfg.kv_row()) * 4;
+                    crate::ensure!(
+                        bytes <= gpu.caps.max_binding_size,
+                        QkError::OutOfMemory(format!(
+                            "KV cache of layer {il}: ctx {ctx} needs {bytes} bytes per tensor, more than one binding ({})",
+                            gpu.caps.max_binding_size
+                        ))
+                    );
+                    LayerState::Attention {
+                        k: gpu.buffer_zeroed(&format!("slot{slot}.k{il}"), bytes)?,
+                        v: gpu.buffer_zeroed(&format!("slot{slot}.v{il}"), bytes)?,
+                    }
+                }
+                LayerKind::DeltaNet => LayerState::DeltaNet {
+                    conv: gpu.buffer_zeroed(&format!("slot{slot}.conv{il}"), conv_bytes(cfg))?,
+                    s: gpu.buffer_zeroed(&format!("slot{slot}.s{il}"), ssm_bytes(cfg))?,
+                },
+            });
+        }
+        Ok(SlotState { pos: 0, layers: out })
+    }
+
+    /// Zero the recurrent state (KV rows beyond the position are never read).
+    pub fn reset(&mut self, gpu: &Gpu) -> Result<()> {
+        for l in &self.layers {
+            if let LayerState::DeltaNet { conv, s } = l {
+                gpu.write(conv, 0, &vec![0u8; conv.size as usize])?;
+                gpu.write(s, 0, &vec![0u8; s.size as usize])?;
+            }
+        }
+        self.pos = 0;
+        Ok(())
+    }
+}
+
+pub fn conv_bytes(cfg: &ModelConfig) -> u64 {
+    u64::from(cfg.conv_taps - 1) * u64::from(cfg.conv_dim()) * 4
+}
+
+pub fn ssm_bytes(cfg: &ModelConfig) -> u64 {
+    u64::from(cfg.v_heads) * u64::from(cfg.dk) * u64::from(cfg.dv) * 4
+}
+
+/// Activations for up to `rows` rows, reused by every call (so a steady decode step allocates
+/// nothing and every bind group is cached).
+pub struct Scratch {
+    pub rows: u32,
+    pub x: [GpuBuffer; 2],
+    xn: GpuBuffer,
+    mix: GpuBuffer,
+    /// DeltaNet: [q‖k‖v pre-conv | beta/alpha logits] per row.
+    gproj: GpuBuffer,
+    /// Legacy `ssm_in` output before it is regrouped into gproj and z.
+    legacy: GpuBuffer,
+    conv_out: GpuBuffer,
+    z: GpuBuffer,
+    dn_out: GpuBuffer,
+    gated: GpuBuffer,
+    dn_scratch: GpuBuffer,
+    /// Attention: [q+gate | K | V] per row.
+    aproj: GpuBuffer,
+    q: GpuBuffer,
+    attn_out: GpuBuffer,
+    part_out: GpuBuffer,
+    part_ml: GpuBuffer,
+    router_logits: GpuBuffer,
+    expert_ids: GpuBuffer,
+    expert_w: GpuBuffer,
+    gate_up: GpuBuffer,
+    act: GpuBuffer,
+    down: GpuBuffer,
+    sh_gate_up: GpuBuffer,
+    sh_act: GpuBuffer,
+    sh_down: GpuBuffer,
+    sh_gate: GpuBuffer,
+    pub logits: GpuBuffer,
+    pub tokens: GpuBuffer,
+    topk_candidates: GpuBuffer,
+    /// One top-k result (MAX_K pairs) per row.
+    pub results: Vec<GpuBuffer>,
+    pub bytes: u64,
+}
+
+impl Scratch {
+    pub fn new(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        rows: u32,
+        ctx: u32,
+        has_head: bool,
+        legacy: bool,
+    ) -> Result<Scratch> {
+        let mut bytes = 0u64;
+        let mut buf = |name: &str, floats: u64| -> Result<GpuBuffer> {
+            let b = gpu.buffer_zeroed(name, floats.max(1) * 4)?;
+            bytes += b.size;
+            Ok(b)
+        };
+        let r = u64::from(rows);
+        let e = u64::from(cfg.n_embd);
+        let k = u64::from(cfg.experts_used);
+        let (ff, sff) = (u64::from(cfg.expert_ff), u64::from(cfg.shared_ff));
+        let gw = u64::from(cfg.conv_dim() + 2 * cfg.v_heads);
+        let aw = u64::from(attn_proj_width(cfg));
+        let hd = u64::from(cfg.heads * cfg.head_dim);
+        let dparams = delta_params(cfg);
+        let probe = AttnParams {
+            tokens: 1,
+            heads: cfg.heads,
+            kv_heads: cfg.kv_heads,
+            head_dim: cfg.head_dim,
+            q_pos: ctx.saturating_sub(1),
+            ..bytemuck::Zeroable::zeroed()
+        }
+        .with_decode_splits();
+        let (po, pml) = attention::decode_scratch_len(&probe);
+        let vocab = u64::from(cfg.vocab);
+        let head_rows = if has_head { r } else { 0 };
+        let topk_probe = TopkParams::new(cfg.vocab.max(MAX_K), MAX_K, 0)?;
+        let mut results = Vec::new();
+        if has_head {
+            for i in 0..rows {
+                results.push(buf(&format!("topk.result{i}"), 2 * u64::from(MAX_K))?);
+            }
+        }
+        Ok(Scratch {
+            rows,
+            x: [buf("x0", r * e)?, buf("x1", r * e)?],
+            xn: buf("xn", r * e)?,
+            mix: buf("mix", r * e)?,
+            gproj: buf("gdn.proj", r * gw)?,
+            legacy: buf(
+                "gdn.legacy_qkvz",
+                if legacy {
+                    r * u64::from(cfg.conv_dim() + cfg.value_dim())
+                } else {
+                    0
+                },
+            )?,
+            conv_out: buf("gdn.conv_out", r * u64::from(cfg.conv_dim()))?,
+            z: buf("gdn.z", r * u64::from(cfg.value_dim()))?,
+            dn_out: buf("gdn.out", r * u64::from(cfg.value_dim()))?,
+            gated: buf("gdn.gated", r * u64::from(cfg.value_dim()))?,
+            dn_scratch: buf("gdn.scratch", dparams.scratch_len(rows.max(deltanet::CHUNK)))?,
+            aproj: buf("attn.proj", r * aw)?,
+            q: buf("attn.q", r * hd)?,
+            attn_out: buf("attn.out", r * hd)?,
+            part_out: buf("attn.partial_out", po)?,
+            part_ml: buf("attn.partial_ml", pml)?,
+            router_logits: buf("moe.router", r * u64::from(cfg.experts))?,
+            expert_ids: buf("moe.ids", r * k)?,
+            expert_w: buf("moe.weights", r * k)?,
+            gate_up: buf("moe.gate_up", r * k * 2 * ff)?,
+            act: buf("moe.act", r * k * ff)?,
+            down: buf("moe.down", r * k * e)?,
+            sh_gate_up: buf("shexp.gate_up", r * 2 * sff)?,
+            sh_act: buf("shexp.act", r * sff)?,
+            sh_down: buf("shexp.down", r * e)?,
+            sh_gate: buf("shexp.gate", r)?,
+            logits: buf("logits", head_rows * vocab)?,
+            tokens: buf("tokens", r)?,
+            topk_candidates: buf("topk.candidates", 2 * u64::from(topk_probe.candidates()))?,
+            results,
+            bytes,
+        })
+    }
+}
+
+fn attn_proj_width(cfg: &ModelConfig) -> u32 {
+    2 * cfg.heads * cfg.head_dim + 2 * cfg.kv_row()
+}
+
+fn delta_params(cfg: &ModelConfig) -> DeltaParams {
+    let key_dim = cfg.k_heads * cfg.dk;
+    let nv = cfg.v_heads;
+    let r = nv / cfg.k_heads;
+    let (pairing, ba_group, ba_group_stride, alpha_offset) = match cfg.arch {
+        // ssm_ba: per k-group g rows [g·2r, g·2r+r) = beta, next r = alpha (spec §2.2).
+        Arch::Qwen3Next => (HeadPairing::Grouped, r, 2 * r, r),
+        Arch::Qwen35Moe => (HeadPairing::Tiled, nv, 0, nv),
+    };
+    DeltaParams {
+        tokens: 0,
+        k_heads: cfg.k_heads,
+        v_heads: nv,
+        dk: cfg.dk,
+        dv: cfg.dv,
+        pairing: pairing as u32,
+        first_token: 0,
+        chunks: 0,
+        qkv_token_stride: cfg.conv_dim(),
+        q_offset: 0,
+        k_offset: key_dim,
+        v_offset: 2 * key_dim,
+        ba_token_stride: cfg.conv_dim() + 2 * nv,
+        ba_group,
+        ba_group_stride,
+        beta_offset: cfg.conv_dim(),
+        alpha_offset: cfg.conv_dim() + alpha_offset,
+        out_offset: 0,
+        out_token_stride: cfg.value_dim(),
+        state_offset: 0,
+        eps: cfg.eps,
+        q_scale: 1.0 / (cfg.dk as f32).sqrt(),
+        _pad0: 0,
+        _pad1: 0,
+    }
+}
+
+/// What one recorded batch covers.
+#[derive(Clone, Copy, Debug)]
+pub enum Batch<'a> {
+    /// `n` consecutive positions of one slot starting at `base` (rows 0..n).
+    Prefill { base: u32, n: u32 },
+    /// One position per slot: row i is slot `slots[i]` at `positions[i]`.
+    Decode { positions: &'a [u32] },
+}
+
+impl Batch<'_> {
+    pub fn rows(&self) -> u32 {
+        match self {
+            Batch::Prefill { n, .. } => *n,
+            Batch::Decode { positions } => positions.len() as u32,
+        }
+    }
+}
+
+/// Everything the forward pass reads that is not per call.
+pub struct Model {
+    pub cfg: ModelConfig,
+    pub weights: Weights,
+    pub freqs: GpuBuffer,
+    pub ctx: u32,
+}
+
+fn cols(buf: &GpuBuffer, offset: u32, stride: u32) -> Columns<'_> {
+    Columns { buf, offset, stride }
+}
+
+fn ew(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    kind: EwKind,
+    p: &EwParams,
+    a: &GpuBuffer,
+    b: Option<&GpuBuffer>,
+    out: &GpuBuffer,
+) -> Result<()> {
+    elementwise::record(
+        gpu,
+        rec,
+        kind,
+        p,
+        &EwArgs {
+            a,
+            b,
+            out,
+            weights: None,
+            gate: None,
+        },
+    )
+}
+
+impl Model {
+    /// Token embeddings of `n` ids (already written to `s.tokens`) into x[0].
+    pub fn record_embed(&self, gpu: &Gpu, rec: &mut Recorder<'_>, s: &Scratch, n: u32) -> Result<()> {
+        let table = self.weights.embed.as_ref().ok_or_else(|| {
+            QkError::Engine("this stage has no embedding (layers do not start at 0): pass hidden rows".into())
+        })?;
+        embed(
+            gpu,
+            rec,
+            table,
+            &s.tokens,
+            0,
+            n,
+            Columns::packed(&s.x[0], self.cfg.n_embd),
+        )
+    }
+
+    /// Every local layer over the rows in x[0]; returns the index of the x buffer holding the output.
+    pub fn record_layers(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        states: &[&SlotState],
+        batch: Batch<'_>,
+    ) -> Result<usize> {
+        let mut cur = 0usize;
+        for (li, lw) in self.weights.layers.iter().enumerate() {
+            let layer_states: Vec<&LayerState> = states.iter().map(|st| &st.layers[li]).collect();
+            self.record_layer(gpu, rec, s, lw, &layer_states, batch, cur)?;
+            cur = 1 - cur;
+        }
+        Ok(cur)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record_layer(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        lw: &LayerWeights,
+        states: &[&LayerState],
+        batch: Batch<'_>,
+        cur: usize,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let t = batch.rows();
+        let e = cfg.n_embd;
+        let rows_e = RowLayout::packed(e, 1);
+        let x = &s.x[cur];
+        let x_next = &s.x[1 - cur];
+        norm::record(
+            gpu,
+            rec,
+            NormKind::Rms,
+            &NormParams::new(t, 1, e, rows_e, rows_e, cfg.eps, 1.0),
+            &NormArgs {
+                src: x,
+                dst: &s.xn,
+                weight: Some(&lw.attn_norm),
+                other: None,
+                sum: None,
+            },
+        )?;
+        match &lw.mixer {
+            Mixer::DeltaNet(w) => self.record_deltanet(gpu, rec, s, w, states, batch)?,
+            Mixer::Attention(w) => self.record_attention(gpu, rec, s, w, states, batch)?,
+        }
+        // h = x + mixer; xn = RMSNorm(h) (spec §3.1).
+        norm::record(
+            gpu,
+            rec,
+            NormKind::RmsResidual,
+            &NormParams::new(t, 1, e, rows_e, rows_e, cfg.eps, 1.0),
+            &NormArgs {
+                src: &s.mix,
+                dst: &s.xn,
+                weight: Some(&lw.post_norm),
+                other: Some(x),
+                sum: Some(x_next),
+            },
+        )?;
+        self.record_moe(gpu, rec, s, lw, t, x_next)
+    }
+
+    fn record_deltanet(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        w: &super::weights::DeltaNetWeights,
+        states: &[&LayerState],
+        batch: Batch<'_>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let t = batch.rows();
+        let e = cfg.n_embd;
+        let (cd, vd, nv) = (cfg.conv_dim(), cfg.value_dim(), cfg.v_heads);
+        let gw = cd + 2 * nv;
+        let xn = Columns::packed(&s.xn, e);
+        match &w.proj {
+            DeltaNetProjection::Split { qkv, gate } => {
+                mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
+                mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
+            }
+            DeltaNetProjection::Legacy(qkvz) => {
+                // One projection, then per k-head group four row copies into the q ‖ k ‖ v and z
+                // layouts the conv and gated norm read (4·nk small dispatches: legacy files only).
+                let lw = cd + vd;
+                mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
+                let (dk, key_dim) = (cfg.dk, cfg.k_heads * cfg.dk);
+                let rv = (nv / cfg.k_heads) * cfg.dv;
+                let group = 2 * dk + 2 * rv;
+                for g in 0..cfg.k_heads {
+                    let src = g * group;
+                    let pieces = [
+                        (src, dk, &s.gproj, g * dk, gw),
+                        (src + dk, dk, &s.gproj, key_dim + g * dk, gw),
+                        (src + 2 * dk, rv, &s.gproj, 2 * key_dim + g * rv, gw),
+                        (src + 2 * dk + rv, rv, &s.z, g * rv, vd),
+                    ];
+                    for (a_offset, n, dst, out_offset, out_stride) in pieces {
+                        let p = EwParams {
+                            rows: t,
+                            n,
+                            a_offset,
+                            a_stride: lw,
+                            out_offset,
+                            out_stride,
+                            ..Default::default()
+                        };
+                        ew(gpu, rec, EwKind::CopyRows, &p, &s.legacy, None, dst)?;
+                    }
+                }
+            }
+        }
+        match &w.ba {
+            BetaAlpha::Grouped(ba) => mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?,
+            BetaAlpha::Split { beta, alpha } => {
+                mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
+                mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
+            }
+        }
+        let dp = delta_params(cfg);
+        // Per slot: conv (advancing its rows) then the delta rule (advancing S).
+        let run =
+            |rec: &mut Recorder<'_>, st: &LayerState, first: u32, n: u32, base: Option<u32>| -> Result<()> {
+                let LayerState::DeltaNet {
+                    conv: conv_state,
+                    s: ssm,
+                } = st
+                else {
+                    return Err(QkError::Engine("DeltaNet layer with attention state".into()));
+                };
+                let cp = ConvParams {
+                    tokens: n,
+                    channels: cd,
+                    taps: cfg.conv_taps,
+                    src_offset: first * gw,
+                    src_token_stride: gw,
+                    dst_offset: first * cd,
+                    dst_token_stride: cd,
+                    state_offset: 0,
+                };
+                conv::record(gpu, rec, &cp, &s.gproj, &w.conv, conv_state, &s.conv_out)?;
+                let args = DeltaArgs {
+                    qkv: &s.conv_out,
+                    ba: &s.gproj,
+                    ssm_a: &w.ssm_a,
+                    dt_bias: &w.dt_bias,
+                    state: ssm,
+                    out: &s.dn_out,
+                    scratch: Some(&s.dn_scratch),
+                };
+                let p = DeltaParams {
+                    tokens: n,
+                    first_token: first,
+                    ..dp
+                };
+                match base {
+                    Some(b) => deltanet::record_prefill(gpu, rec, &p, b, &args),
+                    None => deltanet::record_recurrent(gpu, rec, &p, &args),
+                }
+            };
+        match batch {
+            Batch::Prefill { base, n } => run(rec, states[0], 0, n, Some(base))?,
+            Batch::Decode { positions } => {
+                for (i, _) in positions.iter().enumerate() {
+                    run(rec, states[i], i as u32, 1, None)?;
+                }
+            }
+        }
+        // Gated RMSNorm per v-head, then the output projection (spec §3.2 steps 9-10).
+        let heads = RowLayout::packed(cfg.dv, nv);
+        norm::record(
+            gpu,
+            rec,
+            NormKind::RmsGated,
+            &NormParams::new(t, nv, cfg.dv, heads, heads, cfg.eps, 1.0),
+            &NormArgs {
+                src: &s.dn_out,
+                dst: &s.gated,
+                weight: Some(&w.norm),
+                other: Some(&s.z),
+                sum: None,
+            },
+        )?;
+        mul(
+            gpu,
+            rec,
+            &w.out,
+            Columns::packed(&s.gated, vd),
+            Columns::packed(&s.mix, e),
+            t,
+        )
+    }
+
+    fn record_attention(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        w: &super::weights::AttentionWeights,
+        states: &[&LayerState],
+        batch: Batch<'_>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let t = batch.rows();
+        let e = cfg.n_embd;
+        let hd = cfg.head_dim;
+        let (qw, kvw) = (2 * cfg.heads * hd, cfg.kv_row());
+        let aw = attn_proj_width(cfg);
+        let xn = Columns::packed(&s.xn, e);
+        match &w.proj {
+            AttnProjection::Separate { q, k, v } => {
+                mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
+                mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
+                mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
+            }
+            AttnProjection::Fused(qkv) => mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?,
+        }
+        // Per-head RMSNorm of q (the first half of each head's q+gate slice), before RoPE.
+        let q_src = RowLayout {
+            offset: 0,
+            token_stride: aw,
+            head_stride: 2 * hd,
+        };
+        let q_dst = RowLayout::packed(hd, cfg.heads);
+        norm::record(
+            gpu,
+            rec,
+            NormKind::Rms,
+            &NormParams::new(t, cfg.heads, hd, q_src, q_dst, cfg.eps, 1.0),
+            &NormArgs {
+                src: &s.aproj,
+                dst: &s.q,
+                weight: Some(&w.q_norm),
+                other: None,
+                sum: None,
+            },
+        )?;
+        let q_rows = cfg.heads * hd;
+        // Per slot: K (normed, rotated) and V rows into the cache, q rotated, attention.
+        let run = |rec: &mut Recorder<'_>,
+                   st: &LayerState,
+                   first: u32,
+                   n: u32,
+                   pos: u32,
+                   decode: bool|
+         -> Result<()> {
+            let LayerState::Attention { k: kc, v: vc } = st else {
+                return Err(QkError::Engine("attention layer with DeltaNet state".into()));
+            };
+            let k_src = RowLayout {
+                offset: first * aw + qw,
+                token_stride: aw,
+                head_stride: hd,
+            };
+            let k_dst = RowLayout {
+                offset: pos * kvw,
+                token_stride: kvw,
+                head_stride: hd,
+            };
+            norm::record(
+                gpu,
+                rec,
+                NormKind::Rms,
+                &NormParams::new(n, cfg.kv_heads, hd, k_src, k_dst, cfg.eps, 1.0),
+                &NormArgs {
+                    src: &s.aproj,
+                    dst: kc,
+                    weight: Some(&w.k_norm),
+                    other: None,
+                    sum: None,
+                },
+            )?;
+            let rp = RopeParams {
+                tokens: n,
+                heads: cfg.kv_heads,
+                n_rot: cfg.n_rot,
+                offset: pos * kvw,
+                token_stride: kvw,
+                head_stride: hd,
+                pos_base: pos,
+            };
+            rope::record(gpu, rec, &rp, kc, &self.freqs, None)?;
+            let rq = RopeParams {
+                heads: cfg.heads,
+                offset: first * q_rows,
+                token_stride: q_rows,
+                ..rp
+            };
+            rope::record(gpu, rec, &rq, &s.q, &self.freqs, None)?;
+            let vp = EwParams {
+                rows: n,
+                n: kvw,
+                a_offset: first * aw + qw + kvw,
+                a_stride: aw,
+                out_offset: pos * kvw,
+                out_stride: kvw,
+                ..Default::default()
+            };
+            ew(gpu, rec, EwKind::CopyRows, &vp, &s.aproj, None, vc)?;
+            let ap = AttnParams {
+                tokens: n,
+                heads: cfg.heads,
+                kv_heads: cfg.kv_heads,
+                head_dim: hd,
+                q_pos: pos,
+                q_offset: first * q_rows,
+                q_token_stride: q_rows,
+                q_head_stride: hd,
+                gate_offset: first * aw + hd,
+                gate_token_stride: aw,
+                gate_head_stride: 2 * hd,
+                kv_offset: 0,
+                out_offset: first * q_rows,
+                out_token_stride: q_rows,
+                splits: 0,
+                split_len: 0,
+                scale: cfg.attn_scale,
+                gated: 1,
+            };
+            let args = AttnArgs {
+                q: &s.q,
+                gate: &s.aproj,
+                k_cache: kc,
+                v_cache: vc,
+                out: &s.attn_out,
+            };
+            if decode {
+                attention::record_decode(gpu, rec, &ap.with_decode_splits(), &args, &s.part_out, &s.part_ml)
+            } else {
+                attention::record_prefill(gpu, rec, &ap, &args)
+            }
+        };
+        match batch {
+            Batch::Prefill { base, n } => run(rec, states[0], 0, n, base, false)?,
+            Batch::Decode { positions } => {
+                for (i, &p) in positions.iter().enumerate() {
+                    run(rec, states[i], i as u32, 1, p, true)?;
+                }
+            }
+        }
+        mul(
+            gpu,
+            rec,
+            &w.out,
+            Columns::packed(&s.attn_out, q_rows),
+            Columns::packed(&s.mix, e),
+            t,
+        )
+    }
+
+    /// MoE + shared expert of the normed rows in xn, added to `out` (spec §3.6).
+    fn record_moe(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        lw: &LayerWeights,
+        t: u32,
+        out: &GpuBuffer,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let w = &lw.moe;
+        let e = cfg.n_embd;
+        let (k, ff, sff) = (cfg.experts_used, cfg.expert_ff, cfg.shared_ff);
+        let xn = Columns::packed(&s.xn, e);
+        mul(
+            gpu,
+            rec,
+            &w.router,
+            xn,
+            Columns::packed(&s.router_logits, cfg.experts),
+            t,
+        )?;
+        let rp = RouterParams {
+            tokens: t,
+            experts: cfg.experts,
+            k,
+            logits_offset: 0,
+            logits_token_stride: cfg.experts,
+        };
+        router::record(gpu, rec, &rp, &s.router_logits, &s.expert_ids, &s.expert_w)?;
+        let ids = ExpertIds {
+            buf: &s.expert_ids,
+            offset: 0,
+            n_used: k,
+            n_tokens: t,
+        };
+        match &w.gate_up {
+            ExpertGateUp::Separate { gate, up } => {
+                matvec_id(
+                    gpu,
+                    rec,
+                    gate,
+                    xn,
+                    cols(&s.gate_up, 0, 2 * ff),
+                    ids,
+                    MoeInput::PerToken,
+                )?;
+                matvec_id(
+                    gpu,
+                    rec,
+                    up,
+                    xn,
+                    cols(&s.gate_up, ff, 2 * ff),
+                    ids,
+                    MoeInput::PerToken,
+                )?;
+            }
+            ExpertGateUp::Fused(gu) => {
+                matvec_id(
+                    gpu,
+                    rec,
+                    gu,
+                    xn,
+                    cols(&s.gate_up, 0, 2 * ff),
+                    ids,
+                    MoeInput::PerToken,
+                )?;
+            }
+        }
+        let silu = |rows: u32, n: u32| EwParams {
+            rows,
+            n,
+            a_offset: 0,
+            a_stride: 2 * n,
+            b_offset: n,
+            b_stride: 2 * n,
+            out_offset: 0,
+            out_stride: n,
+            ..Default::default()
+        };
+        ew(
+            gpu,
+            rec,
+            EwKind::SiluMul,
+            &silu(t * k, ff),
+            &s.gate_up,
+            Some(&s.gate_up),
+            &s.act,
+        )?;
+        matvec_id(
+            gpu,
+            rec,
+            &w.down,
+            Columns::packed(&s.act, ff),
+            Columns::packed(&s.down, e),
+            ids,
+            MoeInput::PerSlot,
+        )?;
+        mul(gpu, rec, &w.shared_gate, xn, cols(&s.sh_gate_up, 0, 2 * sff), t)?;
+        mul(gpu, rec, &w.shared_up, xn, cols(&s.sh_gate_up, sff, 2 * sff), t)?;
+        ew(
+            gpu,
+            rec,
+            EwKind::SiluMul,
+            &silu(t, sff),
+            &s.sh_gate_up,
+            Some(&s.sh_gate_up),
+            &s.sh_act,
+        )?;
+        mul(
+            gpu,
+            rec,
+            &w.shared_down,
+            Columns::packed(&s.sh_act, sff),
+            Columns::packed(&s.sh_down, e),
+            t,
+        )?;
+        mul(
+            gpu,
+            rec,
+            &w.shared_gate_inp,
+            xn,
+            Columns::packed(&s.sh_gate, 1),
+            t,
+        )?;
+        let cp = EwParams {
+            rows: t,
+            n: e,
+            a_offset: 0,
+            a_stride: k * e,
+            b_offset: 0,
+            b_stride: e,
+            out_offset: 0,
+            out_stride: e,
+            weights_offset: 0,
+            weights_stride: k,
+            experts: k,
+            accumulate: 1,
+            gate_offset: 0,
+            gate_stride: 1,
+        };
+        elementwise::record(
+            gpu,
+            rec,
+            EwKind::MoeCombine,
+            &cp,
+            &EwArgs {
+                a: &s.down,
+                b: Some(&s.sh_down),
+                out,
+                weights: Some(&s.expert_w),
+                gate: Some(&s.sh_gate),
+            },
+        )
+    }
+
+    /// Final norm and LM head of rows in x[cur] into `s.logits` ([rows, vocab]).
+    pub fn record_head(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        cur: usize,
+        t: u32,
+    ) -> Result<()> {
+        let (norm_w, head) = match (&self.weights.output_norm, &self.weights.output) {
+            (Some(n), Some(h)) => (n, h),
+            _ => {
+                return Err(QkError::Engine(
+                    "this stage has no LM head (layers do not end at n_layer)".into(),
+                ));
+            }
+        };
+        let e = self.cfg.n_embd;
+        let rows_e = RowLayout::packed(e, 1);
+        norm::record(
+            gpu,
+            rec,
+            NormKind::Rms,
+            &NormParams::new(t, 1, e, rows_e, rows_e, self.cfg.eps, 1.0),
+            &NormArgs {
+                src: &s.x[cur],
+                dst: &s.xn,
+                weight: Some(norm_w),
+                other: None,
+                sum: None,
+            },
+        )?;
+        // mat-vec for a few rows (weights read once for all of them), tiled mat-mat for more.
+        mul(
+            gpu,
+            rec,
+            head,
+            Columns::packed(&s.xn, e),
+            Columns::packed(&s.logits, self.cfg.vocab),
+            t,
+        )
+    }
+
+    /// Top-k of row `row` of the logits into `s.results[row]`.
+    pub fn record_topk(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        row: u32,
+        k: u32,
+    ) -> Result<()> {
+        let p = TopkParams::new(self.cfg.vocab, k, row * self.cfg.vocab)?;
+        let result = s
+            .results
+            .get(row as usize)
+            .ok_or_else(|| QkError::Engine(format!("top-k row {row} beyond the scratch")))?;
+        topk::record(gpu, rec, &p, &s.logits, &s.topk_candidates, result)
+    }
+}

@@ -1,0 +1,8 @@
+//! The model: hyper-parameters and layer plan, device weights of a layer range, and the forward
+//! graph recorded onto the GPU.
+
+pub mod config;
+pub mod forward;
+pub mod weights;
+
+pub use config::{Arch, LayerKind, ModelConfig};

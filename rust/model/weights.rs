@@ -1,0 +1,318 @@
+//! Device-resident weights of a layer range [a, b) (spec model.md §2): the embedding when a == 0,
+//! the final norm and LM head when b == n_layer (the head falls back to the embedding when the
+//! file has no `output.weight`). Matrices stay in their GGUF block layout; norms and small vectors
+//! are uploaded as f32. MTP blocks after the main stack are never read.
+
+use super::config::{Arch, LayerKind, ModelConfig};
+use crate::error::{QkError, Result};
+use crate::gguf::{GgufFile, TensorInfo};
+use crate::gpu::{Gpu, GpuBuffer, WeightTensor};
+
+/// Beta/alpha logits of a DeltaNet layer.
+pub enum BetaAlpha {
+    /// qwen3next `ssm_ba`: per k-group [b × r, a × r] (spec §2.2).
+    Grouped(WeightTensor),
+    /// qwen35* `ssm_beta`, `ssm_alpha`.
+    Split { beta: WeightTensor, alpha: WeightTensor },
+}
+
+/// The q‖k‖v and z projections of a DeltaNet layer.
+pub enum DeltaNetProjection {
+    /// `attn_qkv` (rows q ‖ k ‖ v) and `attn_gate` (z).
+    Split { qkv: WeightTensor, gate: WeightTensor },
+    /// Legacy qwen3next `ssm_in` (HF in_proj_qkvz): per k-head g the rows
+    /// [q_g (dk) ‖ k_g (dk) ‖ v of its r v-heads ‖ z of the same] (spec §2.2).
+    Legacy(WeightTensor),
+}
+
+pub struct DeltaNetWeights {
+    pub proj: DeltaNetProjection,
+    pub ba: BetaAlpha,
+    /// [channel][tap], tap 0 oldest (GGUF ne {K, C}).
+    pub conv: GpuBuffer,
+    pub ssm_a: GpuBuffer,
+    pub dt_bias: GpuBuffer,
+    pub norm: GpuBuffer,
+    pub out: WeightTensor,
+}
+
+pub enum AttnProjection {
+    Separate {
+        q: WeightTensor,
+        k: WeightTensor,
+        v: WeightTensor,
+    },
+    /// `attn_qkv` in an attention layer: rows [q+gate interleaved per head ‖ K ‖ V].
+    Fused(WeightTensor),
+}
+
+pub struct AttentionWeights {
+    pub proj: AttnProjection,
+    pub q_norm: GpuBuffer,
+    pub k_norm: GpuBuffer,
+    pub out: WeightTensor,
+}
+
+pub enum Mixer {
+    DeltaNet(Box<DeltaNetWeights>),
+    Attention(Box<AttentionWeights>),
+}
+
+pub enum ExpertGateUp {
+    Separate {
+        gate: WeightTensor,
+        up: WeightTensor,
+    },
+    /// `ffn_gate_up_exps`: per expert, gate rows first, then up rows.
+    Fused(WeightTensor),
+}
+
+pub struct MoeWeights {
+    pub router: WeightTensor,
+    pub gate_up: ExpertGateUp,
+    pub down: WeightTensor,
+    pub shared_gate: WeightTensor,
+    pub shared_up: WeightTensor,
+    pub shared_down: WeightTensor,
+    /// The shared expert's scalar gate (one row).
+    pub shared_gate_inp: WeightTensor,
+}
+
+pub struct LayerWeights {
+    pub index: u32,
+    pub attn_norm: GpuBuffer,
+    pub post_norm: GpuBuffer,
+    pub mixer: Mixer,
+    pub moe: MoeWeights,
+}
+
+pub struct Weights {
+    pub embed: Option<WeightTensor>,
+    pub output_norm: Option<GpuBuffer>,
+    pub output: Option<WeightTensor>,
+    pub layers: Vec<LayerWeights>,
+    /// Device bytes held by the weights.
+    pub bytes: u64,
+}
+
+struct Loader<'a> {
+    gpu: &'a Gpu,
+    file: &'a GgufFile,
+    bytes: u64,
+}
+
+impl Loader<'_> {
+    fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.file.tensor(name).ok_or_else(|| QkError::Gguf {
+            file: self.file.path().display().to_string(),
+            msg: format!("tensor {name} missing"),
+        })
+    }
+
+    fn shape_error(&self, t: &TensorInfo, want: &[u64]) -> QkError {
+        QkError::Gguf {
+            file: self.file.path().display().to_string(),
+            msg: format!("tensor {} has ne {:?}, expected {:?}", t.name, t.ne, want),
+        }
+    }
+
+    /// A matrix (or expert stack) with ne = {cols, rows[, experts]}.
+    fn matrix(&mut self, name: &str, cols: u32, rows: u32, experts: u32) -> Result<WeightTensor> {
+        let t = self.info(name)?;
+        let mut want = vec![u64::from(cols), u64::from(rows)];
+        if experts > 1 {
+            want.push(u64::from(experts));
+        }
+        // Trailing unit dimensions are optional ({n_embd} ≡ {n_embd, 1}, spec §2.3).
+        let trim = |v: &[u64]| {
+            let mut v = v.to_vec();
+            while v.last() == Some(&1) {
+                v.pop();
+            }
+            v
+        };
+        if trim(&t.ne) != trim(&want) {
+            return Err(self.shape_error(t, &want));
+        }
+        let ty = t.ggml_type()?;
+        let data = self.file.tensor_data(t)?;
+        let w = self.gpu.upload_weight(
+            name,
+            ty,
+            u64::from(cols),
+            u64::from(rows),
+            u64::from(experts),
+            data,
+        )?;
+        self.bytes += data.len() as u64;
+        Ok(w)
+    }
+
+    /// A vector of `len` values (any stored shape with that many elements), as f32.
+    fn vector(&mut self, name: &str, len: u32) -> Result<GpuBuffer> {
+        let t = self.info(name)?;
+        if t.n_elements != u64::from(len) {
+            return Err(self.shape_error(t, &[u64::from(len)]));
+        }
+        t.ggml_type()?;
+        let values = self.file.dequantize_tensor(t)?;
+        self.bytes += values.len() as u64 * 4;
+        self.gpu.buffer_from_f32(name, &values)
+    }
+
+    fn layer(&mut self, cfg: &ModelConfig, il: u32) -> Result<LayerWeights> {
+        let p = |s: &str| format!("blk.{il}.{s}");
+        let e = cfg.n_embd;
+        let mixer = match cfg.kinds[il as usize] {
+            LayerKind::DeltaNet => {
+                let proj = if self.file.tensor(&p("attn_qkv.weight")).is_some() {
+                    DeltaNetProjection::Split {
+                        qkv: self.matrix(&p("attn_qkv.weight"), e, cfg.conv_dim(), 1)?,
+                        gate: self.matrix(&p("attn_gate.weight"), e, cfg.value_dim(), 1)?,
+                    }
+                } else {
+                    let rows = cfg.conv_dim() + cfg.value_dim();
+                    DeltaNetProjection::Legacy(self.matrix(&p("ssm_in.weight"), e, rows, 1)?)
+                };
+                let nv = cfg.v_heads;
+                let ba = match cfg.arch {
+                    Arch::Qwen3Next => BetaAlpha::Grouped(self.matrix(&p("ssm_ba.weight"), e, 2 * nv, 1)?),
+                    Arch::Qwen35Moe => BetaAlpha::Split {
+                        beta: self.matrix(&p("ssm_beta.weight"), e, nv, 1)?,
+                        alpha: self.matrix(&p("ssm_alpha.weight"), e, nv, 1)?,
+                    },
+                };
+                Mixer::DeltaNet(Box::new(DeltaNetWeights {
+                    proj,
+                    ba,
+                    conv: self.vector(&p("ssm_conv1d.weight"), cfg.conv_taps * cfg.conv_dim())?,
+                    ssm_a: self.vector(&p("ssm_a"), nv)?,
+                    dt_bias: self.vector(&p("ssm_dt.bias"), nv)?,
+                    norm: self.vector(&p("ssm_norm.weight"), cfg.dv)?,
+                    out: self.matrix(&p("ssm_out.weight"), cfg.value_dim(), e, 1)?,
+                }))
+            }
+            LayerKind::Attention => {
+                let hd = cfg.head_dim;
+                let q_rows = 2 * cfg.heads * hd;
+                let kv_rows = cfg.kv_heads * hd;
+                let proj = if self.file.tensor(&p("attn_q.weight")).is_some() {
+                    AttnProjection::Separate {
+                        q: self.matrix(&p("attn_q.weight"), e, q_rows, 1)?,
+                        k: self.matrix(&p("attn_k.weight"), e, kv_rows, 1)?,
+                        v: self.matrix(&p("attn_v.weight"), e, kv_rows, 1)?,
+                    }
+                } else {
+                    AttnProjection::Fused(self.matrix(&p("attn_qkv.weight"), e, q_rows + 2 * kv_rows, 1)?)
+                };
+                Mixer::Attention(Box::new(AttentionWeights {
+                    proj,
+                    q_norm: self.vector(&p("attn_q_norm.weight"), hd)?,
+                    k_norm: self.vector(&p("attn_k_norm.weight"), hd)?,
+                    out: self.matrix(&p("attn_output.weight"), cfg.heads * hd, e, 1)?,
+                }))
+            }
+        };
+        let (ne, ff) = (cfg.experts, cfg.expert_ff);
+        let gate_up = if self.file.tensor(&p("ffn_gate_up_exps.weight")).is_some() {
+            ExpertGateUp::Fused(self.matrix(&p("ffn_gate_up_exps.weight"), e, 2 * ff, ne)?)
+        } else {
+            ExpertGateUp::Separate {
+                gate: self.matrix(&p("ffn_gate_exps.weight"), e, ff, ne)?,
+                up: self.matrix(&p("ffn_up_exps.weight"), e, ff, ne)?,
+            }
+        };
+        let moe = MoeWeights {
+            router: self.matrix(&p("ffn_gate_inp.weight"), e, ne, 1)?,
+            gate_up,
+            down: self.matrix(&p("ffn_down_exps.weight"), ff, e, ne)?,
+            shared_gate: self.matrix(&p("ffn_gate_shexp.weight"), e, cfg.shared_ff, 1)?,
+            shared_up: self.matrix(&p("ffn_up_shexp.weight"), e, cfg.shared_ff, 1)?,
+            shared_down: self.matrix(&p("ffn_down_shexp.weight"), cfg.shared_ff, e, 1)?,
+            shared_gate_inp: self.matrix(&p("ffn_gate_inp_shexp.weight"), e, 1, 1)?,
+        };
+        Ok(LayerWeights {
+            index: il,
+            attn_norm: self.vector(&p("attn_norm.weight"), e)?,
+            post_norm: self.vector(&p("post_attention_norm.weight"), e)?,
+            mixer,
+            moe,
+        })
+    }
+}
+
+impl Weights {
+    /// Every tensor of layers [a, b) (and every global tensor) must have a type qk reads; the error
+    /// names the tensor and its type. Checked before any device work so a bad file fails fast.
+    pub fn check_types(file: &GgufFile, layers: (u32, u32)) -> Result<()> {
+        let (a, b) = layers;
+        for t in file.tensors() {
+            let in_range = match t.name.strip_prefix("blk.") {
+                Some(rest) => rest
+                    .split('.')
+                    .next()
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .is_some_and(|il| il >= a && il < b),
+                None => true,
+            };
+            if in_range {
+                t.ggml_type()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Upload layers [a, b) and the global tensors the range needs; `progress` gets a line per step.
+    pub fn load(
+        gpu: &Gpu,
+        file: &GgufFile,
+        cfg: &ModelConfig,
+        layers: (u32, u32),
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<Weights> {
+        let (a, b) = layers;
+        crate::ensure!(
+            a < b && b <= cfg.n_layer,
+            QkError::Engine(format!(
+                "layers [{a}, {b}) outside the model's {} main layers",
+                cfg.n_layer
+            ))
+        );
+        Self::check_types(file, layers)?;
+        let mut ld = Loader { gpu, file, bytes: 0 };
+        let has_output = file.tensor("output.weight").is_some();
+        let embed = if a == 0 || (b == cfg.n_layer && !has_output) {
+            progress("token_embd");
+            Some(ld.matrix("token_embd.weight", cfg.n_embd, cfg.vocab, 1)?)
+        } else {
+            None
+        };
+        let mut out_layers = Vec::new();
+        for il in a..b {
+            progress(&format!("layer {il} ({:?})", cfg.kinds[il as usize]));
+            out_layers.push(ld.layer(cfg, il)?);
+        }
+        let (output_norm, output) = if b == cfg.n_layer {
+            progress("output");
+            let norm = ld.vector("output_norm.weight", cfg.n_embd)?;
+            let head = if has_output {
+                ld.matrix("output.weight", cfg.n_embd, cfg.vocab, 1)?
+            } else {
+                embed
+                    .clone()
+                    .ok_or_else(|| QkError::Engine("no output.weight and no token_embd".into()))?
+            };
+            (Some(norm), Some(head))
+        } else {
+            (None, None)
+        };
+        let embed = if a == 0 { embed } else { None };
+        Ok(Weights {
+            embed,
+            output_norm,
+            output,
+            layers: out_layers,
+            bytes: ld.bytes,
+        })
+    }
+}

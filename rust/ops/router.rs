@@ -1,0 +1,96 @@
+//! MoE router on the GPU (shaders/router.wgsl): softmax, top-k with ties to the lowest id,
+//! renormalised weights; and its CPU reference.
+
+use bytemuck::{Pod, Zeroable};
+
+use super::elementwise::require_len;
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+
+pub const FILE: ShaderFile = crate::shader_file!("router");
+/// Limits of the shader's workgroup arrays (`MAX_EXPERTS`, `MAX_K`).
+pub const MAX_EXPERTS: u32 = 1024;
+pub const MAX_K: u32 = 32;
+/// llama.cpp clamps the sum of the chosen probabilities to at least this before dividing.
+pub const MIN_WEIGHT_SUM: f32 = 6.1e-5;
+
+/// Mirrors `RouterParams` in router.wgsl. Logits of token t at `logits_offset + t*logits_token_stride`;
+/// ids and weights are written at `t*k + i`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct RouterParams {
+    pub tokens: u32,
+    pub experts: u32,
+    pub k: u32,
+    pub logits_offset: u32,
+    pub logits_token_stride: u32,
+}
+
+impl RouterParams {
+    pub fn validate(&self) -> crate::Result<()> {
+        crate::ensure!(
+            self.experts <= MAX_EXPERTS && self.k >= 1 && self.k <= MAX_K.min(self.experts),
+            crate::QkError::Engine(format!("router: top-{} of {} experts", self.k, self.experts))
+        );
+        Ok(())
+    }
+}
+
+/// Record routing of `p.tokens` tokens: `ids` (u32) and `weights` (f32) get k entries per token.
+pub fn record(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &RouterParams,
+    logits: &GpuBuffer,
+    ids: &GpuBuffer,
+    weights: &GpuBuffer,
+) -> crate::Result<()> {
+    p.validate()?;
+    if p.tokens > 0 {
+        let last =
+            p.logits_offset as u64 + (p.tokens as u64 - 1) * p.logits_token_stride as u64 + p.experts as u64;
+        require_len("router logits", logits, last)?;
+    }
+    require_len("router ids", ids, p.tokens as u64 * p.k as u64)?;
+    require_len("router weights", weights, p.tokens as u64 * p.k as u64)?;
+    let pipe = gpu.pipeline(&FILE, &[], &[])?;
+    rec.dispatch(
+        &pipe,
+        &[logits.all(), ids.all(), weights.all()],
+        bytemuck::bytes_of(p),
+        gpu.grid(p.tokens),
+    )
+}
+
+pub mod reference {
+    use super::{MIN_WEIGHT_SUM, RouterParams};
+
+    /// Returns (ids, weights), k per token.
+    pub fn route(p: &RouterParams, logits: &[f32]) -> (Vec<u32>, Vec<f32>) {
+        let mut ids = Vec::new();
+        let mut weights = Vec::new();
+        for t in 0..p.tokens as usize {
+            let row = &logits[p.logits_offset as usize + t * p.logits_token_stride as usize..]
+                [..p.experts as usize];
+            let m = row
+                .iter()
+                .cloned()
+                .fold(f64::NEG_INFINITY, |a, b| a.max(b as f64));
+            let e: Vec<f64> = row.iter().map(|x| (*x as f64 - m).exp()).collect();
+            let total: f64 = e.iter().sum();
+            let mut order: Vec<usize> = (0..row.len()).collect();
+            // Stable sort keeps the lowest id first among equal probabilities.
+            order.sort_by(|a, b| e[*b].total_cmp(&e[*a]));
+            let chosen = &order[..p.k as usize];
+            let sum = chosen
+                .iter()
+                .map(|i| e[*i] / total)
+                .sum::<f64>()
+                .max(MIN_WEIGHT_SUM as f64);
+            for i in chosen {
+                ids.push(*i as u32);
+                weights.push((e[*i] / total / sum) as f32);
+            }
+        }
+        (ids, weights)
+    }
+}

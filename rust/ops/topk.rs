@@ -1,0 +1,103 @@
+//! Argmax and top-k (k <= 256) over a vocabulary of logits (shaders/topk.wgsl), two passes, ties to
+//! the lowest id; and the CPU reference.
+
+use bytemuck::{Pod, Zeroable};
+
+use super::elementwise::require_len;
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+
+pub const FILE: ShaderFile = crate::shader_file!("topk");
+pub const MAX_K: u32 = 256;
+/// Logits per first-pass workgroup: 16 per invocation of its 256.
+pub const BLOCK_LEN: u32 = 4096;
+
+/// One result: a token id and its logit (`Pair` in topk.wgsl).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Pod, Zeroable)]
+pub struct IdLogit {
+    pub id: u32,
+    pub logit: f32,
+}
+
+/// Mirrors `TopkParams` in topk.wgsl: logits [offset, offset + n), ids relative to offset.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct TopkParams {
+    pub n: u32,
+    pub k: u32,
+    pub offset: u32,
+    pub block_len: u32,
+    pub blocks: u32,
+}
+
+impl TopkParams {
+    pub fn new(n: u32, k: u32, offset: u32) -> crate::Result<Self> {
+        crate::ensure!(
+            (1..=MAX_K).contains(&k) && k <= n,
+            crate::QkError::Engine(format!("top-k: k = {k} over {n} logits (1 <= k <= {MAX_K})"))
+        );
+        Ok(TopkParams {
+            n,
+            k,
+            offset,
+            block_len: BLOCK_LEN,
+            blocks: n.div_ceil(BLOCK_LEN),
+        })
+    }
+
+    /// Pairs in the candidate buffer between the passes.
+    pub fn candidates(&self) -> u32 {
+        self.blocks * self.k
+    }
+}
+
+/// Record both passes: the k best of `logits[offset .. offset + n]` into `result` (k pairs, best
+/// first), using `candidates` (at least `p.candidates()` pairs) in between.
+pub fn record(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &TopkParams,
+    logits: &GpuBuffer,
+    candidates: &GpuBuffer,
+    result: &GpuBuffer,
+) -> crate::Result<()> {
+    require_len("top-k logits", logits, p.offset as u64 + p.n as u64)?;
+    require_len("top-k candidates", candidates, 2 * p.candidates() as u64)?;
+    require_len("top-k result", result, 2 * p.k as u64)?;
+    let block = gpu.pipeline(&FILE, &[("OP", "block".into())], &[])?;
+    rec.dispatch(
+        &block,
+        &[logits.all(), candidates.all()],
+        bytemuck::bytes_of(p),
+        gpu.grid(p.blocks),
+    )?;
+    let merge = gpu.pipeline(&FILE, &[("OP", "merge".into())], &[])?;
+    rec.dispatch(
+        &merge,
+        &[candidates.all(), result.all()],
+        bytemuck::bytes_of(p),
+        [1, 1, 1],
+    )
+}
+
+pub mod reference {
+    use super::IdLogit;
+
+    /// The k best (logit desc, id asc); NaN sorts last like in the shader.
+    pub fn top_k(logits: &[f32], k: usize) -> Vec<IdLogit> {
+        let key = |x: f32| if x.is_nan() { f32::MIN } else { x };
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        ids.sort_by(|a, b| {
+            key(logits[*b as usize])
+                .total_cmp(&key(logits[*a as usize]))
+                .then(a.cmp(b))
+        });
+        ids.into_iter()
+            .take(k)
+            .map(|id| IdLogit {
+                id,
+                logit: key(logits[id as usize]),
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,228 @@
+//! Python bindings of the engine: `_qk.Engine` (NumPy in and out; the GIL is released while the
+//! GPU works).
+
+use std::sync::Mutex;
+
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+use crate::engine::{Engine, EngineOptions, StageInput, StageOutput};
+
+/// A model (or a layer range of it) loaded on one GPU, with `slots` independent sequences of up to
+/// `ctx` positions each.
+///
+/// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
+/// >>> eng.generate([1, 2, 3], max_new=8)
+#[pyclass(name = "Engine", module = "qk._qk", frozen)]
+pub struct PyEngine {
+    inner: Mutex<Engine>,
+    n_embd: usize,
+}
+
+/// Token ids, or hidden rows (a 2-D float32 array of n_embd columns).
+enum Rows {
+    Tokens(Vec<u32>),
+    Hidden(Vec<f32>),
+}
+
+impl Rows {
+    fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Rows> {
+        if let Ok(a) = obj.extract::<PyReadonlyArray2<'_, f32>>() {
+            return Ok(Rows::Hidden(a.as_array().iter().copied().collect()));
+        }
+        Ok(Rows::Tokens(obj.extract::<Vec<u32>>()?))
+    }
+
+    fn input(&self) -> StageInput<'_> {
+        match self {
+            Rows::Tokens(t) => StageInput::Tokens(t),
+            Rows::Hidden(h) => StageInput::Hidden(h),
+        }
+    }
+}
+
+impl PyEngine {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Engine>> {
+        self.inner
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("engine poisoned by an earlier panic"))
+    }
+
+    /// Run `f` on the engine with the GIL released (the lock is taken without the GIL, so a
+    /// second Python thread waiting on it cannot deadlock the first).
+    fn detached<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Engine) -> crate::Result<R> + Send,
+    ) -> PyResult<R> {
+        py.detach(|| {
+            let mut eng = self.lock()?;
+            Ok(f(&mut eng)?)
+        })
+    }
+
+    fn output<'py>(&self, py: Python<'py>, out: StageOutput) -> PyResult<Bound<'py, PyAny>> {
+        Ok(match out {
+            StageOutput::Hidden(h) => {
+                let rows = h.len() / self.n_embd.max(1);
+                PyArray1::from_vec(py, h).reshape([rows, self.n_embd])?.into_any()
+            }
+            StageOutput::Ids { ids, topk } => {
+                let ids = PyList::new(py, ids)?;
+                let top = PyList::new(py, topk)?;
+                PyTuple::new(py, [ids.into_any(), top.into_any()])?.into_any()
+            }
+        })
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None))]
+    fn new(
+        py: Python<'_>,
+        path: String,
+        layers: Option<(u32, u32)>,
+        slots: u32,
+        ctx: u32,
+        device: Option<String>,
+    ) -> PyResult<Self> {
+        let opts = EngineOptions {
+            layers,
+            slots,
+            ctx,
+            device,
+        };
+        let engine = py.detach(|| {
+            Engine::load(&path, &opts, &mut |line| {
+                eprintln!("qk: {line}");
+            })
+        })?;
+        let n_embd = engine.config().n_embd as usize;
+        Ok(PyEngine {
+            inner: Mutex::new(engine),
+            n_embd,
+        })
+    }
+
+    /// Greedy continuation of `tokens` (run from position 0 of `slot`): `max_new` new ids.
+    #[pyo3(signature = (tokens, max_new, slot = 0))]
+    fn generate(&self, py: Python<'_>, tokens: Vec<u32>, max_new: usize, slot: usize) -> PyResult<Vec<u32>> {
+        self.detached(py, |eng| eng.generate(slot, &tokens, max_new))
+    }
+
+    /// Run positions [base, base + n) of `slot`. `inputs`: token ids (first stage) or float32 hidden
+    /// rows [n, n_embd]. Returns hidden rows [n, n_embd] (non-last stage) or (ids of every
+    /// position, top-k (id, logit) pairs of the final position).
+    #[pyo3(signature = (slot, inputs, base, topk = 0))]
+    fn stage_run<'py>(
+        &self,
+        py: Python<'py>,
+        slot: usize,
+        inputs: &Bound<'py, PyAny>,
+        base: u32,
+        topk: u32,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let rows = Rows::extract(inputs)?;
+        let out = self.detached(py, |eng| eng.stage_run(slot, rows.input(), base, topk))?;
+        self.output(py, out)
+    }
+
+    /// One decode position for each slot in `slots`; `inputs` one token id (or hidden row) per
+    /// slot. Returns a list with one stage_run-style result per slot.
+    #[pyo3(signature = (slots, inputs, topk = 0))]
+    fn step<'py>(
+        &self,
+        py: Python<'py>,
+        slots: Vec<usize>,
+        inputs: &Bound<'py, PyAny>,
+        topk: u32,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let rows = Rows::extract(inputs)?;
+        let outs = self.detached(py, |eng| eng.step(&slots, rows.input(), topk))?;
+        let items = outs
+            .into_iter()
+            .map(|o| self.output(py, o))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// Logits [n, vocab] (float32) of positions [base, base + n) of `slot` (tests).
+    #[pyo3(signature = (slot, tokens, base = 0))]
+    fn logits<'py>(
+        &self,
+        py: Python<'py>,
+        slot: usize,
+        tokens: Vec<u32>,
+        base: u32,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let (values, vocab) = self.detached(py, |eng| {
+            Ok((eng.logits(slot, &tokens, base)?, eng.config().vocab as usize))
+        })?;
+        let rows = values.len() / vocab.max(1);
+        PyArray1::from_vec(py, values).reshape([rows, vocab])
+    }
+
+    /// The position (tokens run so far) of `slot`.
+    fn position(&self, slot: usize) -> PyResult<u32> {
+        Ok(self.lock()?.position(slot)?)
+    }
+
+    fn state_save(&self, py: Python<'_>, slot: usize, idx: u64) -> PyResult<()> {
+        self.detached(py, |eng| eng.state_save(slot, idx))
+    }
+
+    fn state_load(&self, py: Python<'_>, slot: usize, idx: u64) -> PyResult<()> {
+        self.detached(py, |eng| eng.state_load(slot, idx))
+    }
+
+    fn state_drop(&self, idx: u64) -> PyResult<()> {
+        Ok(self.lock()?.state_drop(idx)?)
+    }
+
+    /// arch, layers, n_layer, n_embd, vocab, slots, ctx, adapter, memory (bytes).
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let eng = self.lock()?;
+        let cfg = eng.config();
+        let d = PyDict::new(py);
+        d.set_item("arch", cfg.arch.name())?;
+        d.set_item("layers", eng.layers)?;
+        d.set_item("n_layer", cfg.n_layer)?;
+        d.set_item("n_mtp_skipped", cfg.n_mtp)?;
+        d.set_item("n_embd", cfg.n_embd)?;
+        d.set_item("vocab", cfg.vocab)?;
+        d.set_item("slots", eng.n_slots())?;
+        d.set_item("ctx", eng.ctx())?;
+        d.set_item("adapter", eng.gpu.adapter.name.clone())?;
+        let m = eng.memory();
+        let mem = PyDict::new(py);
+        mem.set_item("weights", m.weights)?;
+        mem.set_item("kv_per_slot", m.kv_per_slot)?;
+        mem.set_item("deltanet_per_slot", m.deltanet_per_slot)?;
+        mem.set_item("scratch", m.scratch)?;
+        mem.set_item("snapshots", m.snapshots)?;
+        mem.set_item("total", m.total)?;
+        d.set_item("memory", mem)?;
+        Ok(d)
+    }
+
+    /// Cumulative GPU counters: pipelines, bind_groups, buffers, submits, readbacks, dispatches.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.lock()?.counters();
+        let d = PyDict::new(py);
+        d.set_item("pipelines", c.pipelines)?;
+        d.set_item("bind_groups", c.bind_groups)?;
+        d.set_item("buffers", c.buffers)?;
+        d.set_item("submits", c.submits)?;
+        d.set_item("readbacks", c.readbacks)?;
+        d.set_item("dispatches", c.dispatches)?;
+        Ok(d)
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyEngine>()
+}

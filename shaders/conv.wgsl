@@ -1,0 +1,68 @@
+// Causal depthwise conv1d + SiLU over the GDN channels (spec model.md §3.2 step 3), for one token
+// (decode) or many (prefill), updating the (K-1)-row conv state in place. One invocation owns one
+// channel and walks the tokens in order with a sliding window, so decode and prefill are the same
+// kernel and the state update needs no synchronisation.
+//
+// Layouts: WEIGHT[c*K + j] is tap j of channel c (tap 0 = oldest input, tap K-1 = current token);
+// STATE[state_offset + j*channels + c] is the j-th oldest of the last K-1 pre-conv inputs of channel c.
+#include "common.wgsl"
+#define WG 64
+
+struct ConvParams {
+    tokens: u32,
+    channels: u32,
+    taps: u32,
+    src_offset: u32,
+    src_token_stride: u32,
+    dst_offset: u32,
+    dst_token_stride: u32,
+    // Where this sequence's state starts (slots may share one state buffer).
+    state_offset: u32,
+}
+
+// Largest K supported (the models use 4).
+const MAX_TAPS: u32 = 8u;
+
+var<immediate> P: ConvParams;
+@group(0) @binding(0) var<storage, read> SRC: array<f32>;
+@group(0) @binding(1) var<storage, read> WEIGHT: array<f32>;
+@group(0) @binding(2) var<storage, read_write> STATE: array<f32>;
+@group(0) @binding(3) var<storage, read_write> DST: array<f32>;
+
+fn silu(x: f32) -> f32 {
+    return x / (1.0 + exp(-x));
+}
+
+@compute @workgroup_size({{WG}})
+fn main(ids: ComputeIds) {
+    let c = group_index(ids) * {{WG}}u + ids.lid;
+    if c >= P.channels {
+        return;
+    }
+    let hist = P.taps - 1u;
+    var window: array<f32, MAX_TAPS>;
+    var taps: array<f32, MAX_TAPS>;
+    for (var j = 0u; j < hist; j++) {
+        window[j] = STATE[P.state_offset + j * P.channels + c];
+    }
+    for (var j = 0u; j < P.taps; j++) {
+        taps[j] = WEIGHT[c * P.taps + j];
+    }
+    for (var t = 0u; t < P.tokens; t++) {
+        let current = SRC[P.src_offset + t * P.src_token_stride + c];
+        var acc = taps[hist] * current;
+        for (var j = 0u; j < hist; j++) {
+            acc += taps[j] * window[j];
+        }
+        DST[P.dst_offset + t * P.dst_token_stride + c] = silu(acc);
+        for (var j = 0u; j + 1u < hist; j++) {
+            window[j] = window[j + 1u];
+        }
+        if hist > 0u {
+            window[hist - 1u] = current;
+        }
+    }
+    for (var j = 0u; j < hist; j++) {
+        STATE[P.state_offset + j * P.channels + c] = window[j];
+    }
+}

@@ -1,0 +1,320 @@
+//! Matrix kernels vs the CPU reference (`gguf::dequant::dequantize`, then f64 dot products) for
+//! every weight type, with subgroups on and off: mat-vec (1..11 columns), tiled mat-mat, MoE
+//! mat-vec by ids, embedding lookup, binding windows (forced small, and one real > 128 MiB).
+//!
+//! Metric: NMSE = Σ(y − ref)² / Σ ref². The GPU dequantises with the same f32 products as the
+//! reference and only the summation order and precision differ (f32, K ≤ 4096): relative error per
+//! output ≲ 1e-6, so NMSE ≲ 1e-12. The threshold 1e-9 keeps margin for FMA contraction yet a single
+//! wrong 32-weight block in a 67-row output already gives NMSE ≳ 1e-5.
+
+use qk::gguf::GgmlType;
+use qk::gguf::dequant::dequantize;
+use qk::gpu::{Gpu, WeightTensor};
+use qk::ops::embed::embed;
+use qk::ops::matmul::{Columns, ExpertIds, MoeInput, matmul, matvec, matvec_id};
+
+use crate::gpu_tests::test_gpu;
+
+const NMSE_MAX: f64 = 1e-9;
+
+/// xorshift64*: deterministic test data without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+fn put_f16(b: &mut [u8], at: usize, v: f32) {
+    b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+}
+
+/// Random weights of type `ty`: random bytes for quants with every f16 scale field overwritten by
+/// a finite value of a realistic size.
+fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
+    match ty {
+        GgmlType::F32 => (0..n).flat_map(|_| rng.f32().to_le_bytes()).collect(),
+        GgmlType::F16 => (0..n)
+            .flat_map(|_| half::f16::from_f32(rng.f32()).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => (0..n)
+            .flat_map(|_| half::bf16::from_f32(rng.f32()).to_le_bytes())
+            .collect(),
+        _ => {
+            let bytes = ty.bytes_for(n as u64).expect("whole blocks") as usize;
+            let mut b: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
+            let bb = ty.block_bytes();
+            for blk in b.chunks_exact_mut(bb) {
+                match ty {
+                    GgmlType::Q4K | GgmlType::Q5K => {
+                        put_f16(blk, 0, rng.f32() * 0.01);
+                        put_f16(blk, 2, rng.f32() * 0.01);
+                    }
+                    GgmlType::Q6K => put_f16(blk, 208, rng.f32() * 0.01),
+                    _ => put_f16(blk, 0, rng.f32() * 0.01),
+                }
+            }
+            b
+        }
+    }
+}
+
+fn nmse(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let err: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (f64::from(g) - w).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|w| w * w).sum();
+    err / norm.max(f64::MIN_POSITIVE)
+}
+
+/// Reference y[c*m + r] = Σ_k w[r*k + k] x[c*k + k] over `cols` columns of x.
+fn reference(w: &[f32], x: &[f32], m: usize, k: usize, cols: usize) -> Vec<f64> {
+    let mut y = vec![0f64; m * cols];
+    for c in 0..cols {
+        let xc = &x[c * k..(c + 1) * k];
+        for r in 0..m {
+            let row = &w[r * k..(r + 1) * k];
+            y[c * m + r] = row
+                .iter()
+                .zip(xc)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum();
+        }
+    }
+    y
+}
+
+const TYPES: [GgmlType; 10] = GgmlType::ALL;
+
+struct Case {
+    w: WeightTensor,
+    dense: Vec<f32>,
+}
+
+fn make(gpu: &Gpu, ty: GgmlType, m: usize, k: usize, experts: usize, window: u64, seed: u64) -> Case {
+    let mut rng = Rng(seed);
+    let bytes = random_weights(ty, m * k * experts, &mut rng);
+    let dense = dequantize(ty, &bytes, m * k * experts).expect("reference dequant");
+    let w = gpu
+        .upload_weight_windowed(
+            &format!("w_{ty}"),
+            ty,
+            k as u64,
+            m as u64,
+            experts as u64,
+            &bytes,
+            window,
+        )
+        .expect("upload");
+    Case { w, dense }
+}
+
+fn run_matvec(gpu: &Gpu, case: &Case, m: usize, k: usize, cols: usize, use_matmul: bool) -> f64 {
+    let mut rng = Rng(7 + cols as u64);
+    let x: Vec<f32> = (0..k * cols).map(|_| rng.f32()).collect();
+    let xb = gpu.buffer_from_f32("x", &x).unwrap();
+    let yb = gpu.buffer_zeroed("y", (m * cols * 4) as u64).unwrap();
+    let mut rec = gpu.recorder();
+    let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
+    if use_matmul {
+        matmul(gpu, &mut rec, &case.w, xc, yc, cols as u32).unwrap();
+    } else {
+        matvec(gpu, &mut rec, &case.w, xc, yc, cols as u32).unwrap();
+    }
+    let t = rec.read(&yb, 0, (m * cols * 4) as u64).unwrap();
+    let y: Vec<f32> = bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t]);
+    nmse(&y, &reference(&case.dense, &x, m, k, cols))
+}
+
+#[test]
+fn matvec_every_type_subgroups_on_and_off() {
+    // 67 rows: not a multiple of the 2 rows per workgroup; K = 512 spans two 256-blocks.
+    let (m, k) = (67, 512);
+    for off in [false, true] {
+        let Some(gpu) = test_gpu(off) else { return };
+        for (i, ty) in TYPES.into_iter().enumerate() {
+            let case = make(gpu, ty, m, k, 1, u64::MAX, 100 + i as u64);
+            for cols in [1, 3, 8, 11] {
+                let e = run_matvec(gpu, &case, m, k, cols, false);
+                assert!(
+                    e < NMSE_MAX,
+                    "matvec {ty} cols={cols} subgroups_off={off}: NMSE {e:e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn matvec_windows_cut_on_rows() {
+    let Some(gpu) = test_gpu(false) else { return };
+    // Q6_K rows of 210 bytes and Q8_0 rows of 34·8 bytes: windows of ~1 KiB hold a few rows each.
+    for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16] {
+        let (m, k) = (37, 256);
+        let case = make(gpu, ty, m, k, 1, 1000, 5);
+        assert!(case.w.windows.len() > 3, "{ty}: expected several windows");
+        for cols in [1, 2] {
+            let e = run_matvec(gpu, &case, m, k, cols, false);
+            assert!(e < NMSE_MAX, "windowed matvec {ty}: NMSE {e:e}");
+        }
+        let e = run_matvec(gpu, &case, m, k, 70, true);
+        assert!(e < NMSE_MAX, "windowed matmul {ty}: NMSE {e:e}");
+    }
+}
+
+#[test]
+fn matmul_every_type() {
+    // 67 rows × 70 columns: neither a multiple of the 64×64 tile.
+    let (m, k, n) = (67, 512, 70);
+    for off in [false, true] {
+        let Some(gpu) = test_gpu(off) else { return };
+        for (i, ty) in TYPES.into_iter().enumerate() {
+            // Mat-mat has no subgroup path; the second device only needs one type.
+            if off && i > 0 {
+                break;
+            }
+            let case = make(gpu, ty, m, k, 1, u64::MAX, 200 + i as u64);
+            let e = run_matvec(gpu, &case, m, k, n, true);
+            assert!(e < NMSE_MAX, "matmul {ty}: NMSE {e:e}");
+        }
+    }
+}
+
+#[test]
+fn matmul_inner_dim_not_a_tile_multiple() {
+    let Some(gpu) = test_gpu(false) else { return };
+    // K = 200: a multiple of 8 (the dequant step) but not of the 32-wide K tile.
+    for ty in [GgmlType::F16, GgmlType::F32, GgmlType::BF16] {
+        let (m, k) = (65, 200);
+        let case = make(gpu, ty, m, k, 1, u64::MAX, 9);
+        let e = run_matvec(gpu, &case, m, k, 33, true);
+        assert!(e < NMSE_MAX, "matmul {ty} K=200: NMSE {e:e}");
+        let e = run_matvec(gpu, &case, m, k, 3, false);
+        assert!(e < NMSE_MAX, "matvec {ty} K=200: NMSE {e:e}");
+    }
+}
+
+#[test]
+fn moe_matvec_by_ids() {
+    let (m, k, experts, n_used, n_tokens) = (40usize, 256usize, 5usize, 3usize, 2usize);
+    let ids: Vec<u32> = vec![4, 0, 2, 1, 4, 3];
+    for off in [false, true] {
+        let Some(gpu) = test_gpu(off) else { return };
+        for (ty, window) in [
+            (GgmlType::IQ4XS, u64::MAX),
+            (GgmlType::Q8_0, 2 * 40 * 272),
+            (GgmlType::Q4K, u64::MAX),
+        ] {
+            let case = make(gpu, ty, m, k, experts, window, 31);
+            if window != u64::MAX {
+                assert!(
+                    case.w.windows.len() >= 3,
+                    "expected the expert stack in several windows"
+                );
+            }
+            let idb = gpu.buffer_from_u32("ids", &ids).unwrap();
+            for input in [MoeInput::PerToken, MoeInput::PerSlot] {
+                let x_cols = if input == MoeInput::PerToken {
+                    n_tokens
+                } else {
+                    n_tokens * n_used
+                };
+                let mut rng = Rng(77);
+                let x: Vec<f32> = (0..k * x_cols).map(|_| rng.f32()).collect();
+                let xb = gpu.buffer_from_f32("x", &x).unwrap();
+                let slots = n_tokens * n_used;
+                let yb = gpu.buffer_zeroed("y", (m * slots * 4) as u64).unwrap();
+                let mut rec = gpu.recorder();
+                let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
+                matvec_id(
+                    gpu,
+                    &mut rec,
+                    &case.w,
+                    xc,
+                    yc,
+                    ExpertIds {
+                        buf: &idb,
+                        offset: 0,
+                        n_used: n_used as u32,
+                        n_tokens: n_tokens as u32,
+                    },
+                    input,
+                )
+                .unwrap();
+                let t = rec.read(&yb, 0, (m * slots * 4) as u64).unwrap();
+                let y: Vec<f32> = bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t]);
+                let mut want = Vec::new();
+                for tok in 0..n_tokens {
+                    for s in 0..n_used {
+                        let e = ids[tok * n_used + s] as usize;
+                        let w = &case.dense[e * m * k..(e + 1) * m * k];
+                        let col = if input == MoeInput::PerToken {
+                            tok
+                        } else {
+                            tok * n_used + s
+                        };
+                        want.extend(reference(w, &x[col * k..(col + 1) * k], m, k, 1));
+                    }
+                }
+                let e = nmse(&y, &want);
+                assert!(e < NMSE_MAX, "moe {ty} {input:?} subgroups_off={off}: NMSE {e:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn embedding_lookup_from_quantised_table() {
+    let Some(gpu) = test_gpu(false) else { return };
+    let (vocab, dim) = (300usize, 256usize);
+    let ids: Vec<u32> = vec![0, 299, 17, 150, 17, 298, 1];
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        // Windows of ~100 rows so lookups hit several of them.
+        let window = 100 * ty.bytes_for(dim as u64).unwrap();
+        let case = make(gpu, ty, vocab, dim, 1, window, 300 + i as u64);
+        let idb = gpu.buffer_from_u32("ids", &ids).unwrap();
+        let out = gpu.buffer_zeroed("emb", (ids.len() * dim * 4) as u64).unwrap();
+        let mut rec = gpu.recorder();
+        embed(
+            gpu,
+            &mut rec,
+            &case.w,
+            &idb,
+            0,
+            ids.len() as u32,
+            Columns::packed(&out, dim as u32),
+        )
+        .unwrap();
+        let t = rec.read(&out, 0, (ids.len() * dim * 4) as u64).unwrap();
+        let got: Vec<f32> = bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t]);
+        for (j, &id) in ids.iter().enumerate() {
+            let want = &case.dense[id as usize * dim..(id as usize + 1) * dim];
+            // Same f32 products as the reference: the lookup must be exact.
+            assert_eq!(&got[j * dim..(j + 1) * dim], want, "embed {ty} token {id}");
+        }
+    }
+}
+
+#[test]
+fn matvec_tensor_larger_than_128_mib() {
+    let Some(gpu) = test_gpu(false) else { return };
+    // 32,000 × 4096 Q8_0 = 139,264,000 bytes (132.8 MiB): over lavapipe's 128 MiB binding, so the
+    // upload must cut windows and the mat-vec must stitch their outputs.
+    let (m, k) = (32_000usize, 4096usize);
+    let case = make(gpu, GgmlType::Q8_0, m, k, 1, u64::MAX, 4242);
+    if gpu.caps.max_binding_size < case.w.row_bytes * m as u64 {
+        assert!(case.w.windows.len() >= 2);
+    }
+    let e = run_matvec(gpu, &case, m, k, 1, false);
+    assert!(e < NMSE_MAX, "large Q8_0 matvec: NMSE {e:e}");
+}
