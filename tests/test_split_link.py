@@ -1,15 +1,18 @@
 """qk._qk.HeadLink against qk._qk.Worker serving Python test-double stages over loopback: a chain of
 workers gives what the same stages give composed in-process; SAVE/LOAD go through the chain; a
 stage's exception reaches the head with its name; a stopped stage fails calls and a restarted one is
-reconnected to; hellos are refused with their reason; ``python -m qk.worker`` refuses an open port."""
+reconnected to; hellos are refused with their reason; ``python -m qk.worker`` refuses an open port.
+On a GPU: real engine stages over the link equal the unsplit engine, and the worker command serves."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,8 +300,96 @@ def test_worker_cli_refuses_an_open_port_without_a_secret():
     assert bad.returncode == 2 and "empty" in bad.stderr
 
 
-@pytest.mark.skipif(hasattr(_qk, "Engine"), reason="the native engine is present")
-def test_worker_cli_says_the_engine_is_missing():
-    result = run_worker_cli("--model", "m.gguf", "--layers", "2:4")
-    assert result.returncode == 1
-    assert "no qk.Engine" in result.stderr
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen3next-f32.gguf"
+
+
+@pytest.mark.gpu
+def test_engine_stages_over_the_link_equal_the_unsplit_engine():
+    # Split ≡ unsplit is byte-exact by design (DESIGN.md "Engine contract": fixed reduction order,
+    # 64-aligned chunking at absolute positions), so ids, top-k ids and logits are compared exactly.
+    from conftest import require_gpu
+    from qk.gguf import Gguf
+    from qk.worker import EngineStage
+
+    if not hasattr(_qk, "Engine"):
+        pytest.skip("this build has no qk.Engine")
+    try:
+        whole = _qk.Engine(str(FIXTURE), slots=1, ctx=256)
+    except _qk.DeviceError:
+        if require_gpu():
+            raise
+        pytest.skip("no wgpu adapter")
+    n_layer = whole.info()["n_layer"]
+    cut = n_layer // 2
+    fingerprint = Gguf(str(FIXTURE), header_only=True).fingerprint
+    head_engine = _qk.Engine(str(FIXTURE), layers=(0, cut), slots=1, ctx=256)
+    tail = EngineStage(_qk.Engine(str(FIXTURE), layers=(cut, n_layer), slots=1, ctx=256), fingerprint, 4)
+    own = {"name": "head", "boot_id": 1, **EngineStage(head_engine, fingerprint, 4).describe()}
+    worker = Serving(tail, "tail")
+    try:
+        link = _qk.HeadLink(worker.addr, own, connect_timeout=2.0, hello_timeout=30.0)
+        prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+        want_ids, want_top = whole.stage_run(0, prompt, 0, 4)
+        ids, top = link.run(0, 0, hidden=head_engine.stage_run(0, prompt, 0), topk=4)
+        assert ids == list(want_ids)
+        assert top == [(i, x) for i, x in want_top]
+        link.save(0, 1)
+        nxt = ids[-1]
+        [(want_step_ids, want_step_top)] = whole.step([0], [nxt], 2)
+        hidden = np.concatenate(head_engine.step([0], [nxt]))
+        step_ids, step_top = link.step([(0, len(prompt))], hidden=hidden, topk=2)
+        assert step_ids == list(want_step_ids)
+        assert step_top == [[(i, x) for i, x in want_step_top]]
+        link.close()
+    finally:
+        worker.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_the_worker_command_serves_a_head():
+    from conftest import require_gpu
+    from qk.gguf import Gguf
+    from qk.worker import EngineStage
+
+    if not hasattr(_qk, "Engine"):
+        pytest.skip("this build has no qk.Engine")
+    try:
+        head_engine = _qk.Engine(str(FIXTURE), layers=(0, 1), slots=1, ctx=256)
+    except _qk.DeviceError:
+        if require_gpu():
+            raise
+        pytest.skip("no wgpu adapter")
+    n_layer = head_engine.info()["n_layer"]
+    whole = _qk.Engine(str(FIXTURE), slots=1, ctx=256)
+    fingerprint = Gguf(str(FIXTURE), header_only=True).fingerprint
+    own = {"name": "head", "boot_id": 1, **EngineStage(head_engine, fingerprint, 4).describe()}
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "QK_SECRET"}
+    args = ["--model", str(FIXTURE), "--layers", f"1:{n_layer}", "--port", str(port), "--slots", "1"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qk.worker", *args, "--ctx", "256"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        link = _qk.HeadLink(f"127.0.0.1:{port}", own, connect_timeout=1.0, hello_timeout=30.0)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                link.connect()
+                break
+            except TransportError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert time.monotonic() < deadline, "the worker did not come up within 60 s"
+                time.sleep(0.2)
+        prompt = [5, 6, 7]
+        ids, _ = link.run(0, 0, hidden=head_engine.stage_run(0, prompt, 0))
+        assert ids == list(whole.stage_run(0, prompt, 0)[0])
+        link.close()
+        proc.terminate()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -17,9 +17,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 DEFAULT_PORT = 18100
-# What qk._qk.Worker calls on a Python stage object (rust/py/transport.rs, PyStage).
-STAGE_METHODS = ("describe", "run", "step", "save", "load", "drop", "reset")
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -44,6 +44,69 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class EngineStage:
+    """A ``qk.Engine`` as the stage ``qk._qk.Worker`` serves (the methods in STAGE_METHODS), through the
+    engine's public API; the engine releases the GIL while the GPU works. The engine has no snapshot
+    cap, so the worker advertises ``snap_entries`` and refuses indices past it; ``snap_bytes`` is what
+    that many whole slot states (KV + DeltaNet) may hold."""
+
+    def __init__(self, engine: Any, fingerprint: str, snap_entries: int) -> None:
+        self.engine = engine
+        info = engine.info()
+        first, end = info["layers"]
+        memory = info["memory"]
+        self.info = {
+            "layer_first": int(first),
+            "layer_end": int(end),
+            "n_layer": int(info["n_layer"]),
+            "n_embd": int(info["n_embd"]),
+            "slots": int(info["slots"]),
+            "ctx": int(info["ctx"]),
+            "snap_entries": snap_entries,
+            "snap_bytes": snap_entries * int(memory["kv_per_slot"] + memory["deltanet_per_slot"]),
+            "fingerprint": fingerprint,
+            "adapter": str(info["adapter"]),
+        }
+        self.last = self.info["layer_end"] == self.info["n_layer"]
+        self.saved: set[int] = set()
+
+    def describe(self) -> dict:
+        return dict(self.info)
+
+    def run(self, slot: int, base: int, tokens: Any, hidden: Any, topk: int) -> Any:
+        return self.engine.stage_run(slot, tokens if tokens is not None else hidden, base, topk)
+
+    def step(self, entries: list[tuple[int, int]], tokens: Any, hidden: Any, topk: int) -> Any:
+        for slot, base in entries:
+            position = self.engine.position(slot)
+            if base != position:
+                raise ValueError(f"step: base {base} for slot {slot}, which is at position {position}")
+        outs = self.engine.step([slot for slot, _ in entries], tokens if tokens is not None else hidden, topk)
+        if not self.last:
+            return np.concatenate(outs)
+        return [ids[0] for ids, _ in outs], [pairs for _, pairs in outs]
+
+    def save(self, slot: int, idx: int) -> None:
+        if idx >= self.info["snap_entries"]:
+            raise ValueError(f"snapshot {idx} past this worker's {self.info['snap_entries']} entries")
+        self.engine.state_save(slot, idx)
+        self.saved.add(idx)
+
+    def load(self, slot: int, idx: int) -> None:
+        self.engine.state_load(slot, idx)
+
+    def drop(self, idx: int) -> None:
+        if idx in self.saved:
+            self.engine.state_drop(idx)
+            self.saved.discard(idx)
+
+    def reset(self) -> None:
+        # Slots reset themselves on their next base-0 run; snapshots must go now.
+        for idx in sorted(self.saved):
+            self.engine.state_drop(idx)
+        self.saved.clear()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m qk.worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="the GGUF file (first shard of a split file)")
@@ -53,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=4, help="sequences served at once (cover the head's)")
     p.add_argument("--ctx", type=int, default=32768, help="positions per slot (cover the head's)")
     p.add_argument("--device", default=None, help="GPU adapter index or name")
+    p.add_argument("--snapshots", type=int, default=16, help="state snapshot entries offered to the head")
     p.add_argument("--next", default=None, help="host:port of the next stage (none for the last stage)")
     p.add_argument("--secret", default=None, help="shared secret for both hops (default: $QK_SECRET)")
     p.add_argument(
@@ -79,15 +143,12 @@ def load_engine(args: argparse.Namespace) -> Any:
             "qk.worker: this build of qk has no qk.Engine yet (the native engine is not part of it), "
             "so there is nothing to serve"
         )
-    missing = [m for m in STAGE_METHODS if not hasattr(engine_class, m)]
-    if missing:
-        sys.exit(
-            "qk.worker: this build's qk.Engine cannot be served by a worker yet (the worker binding does "
-            f"not know the native engine, and it has no {', '.join(missing)} stage methods)"
-        )
+    from qk.gguf import Gguf
+
     a, b = args.layers
-    device = int(args.device) if args.device is not None and args.device.isdigit() else args.device
-    return engine_class(args.model, layers=(a, b), slots=args.slots, ctx=args.ctx, device=device)
+    fingerprint = Gguf(args.model, header_only=True).fingerprint
+    engine = engine_class(args.model, layers=(a, b), slots=args.slots, ctx=args.ctx, device=args.device)
+    return EngineStage(engine, fingerprint, args.snapshots)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,12 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} is not a TCP port")
-    engine = load_engine(args)
+    stage = load_engine(args)
 
     from qk import _qk
 
     worker = _qk.Worker(
-        engine,
+        stage,
         host=args.host,
         port=args.port,
         name=args.name or f"{args.host}:{args.port}",
