@@ -803,8 +803,9 @@ impl Stage for PyStage {
 }
 
 /// The stage a worker serves, from the object given to ``Worker``: a Python object with the Stage
-/// methods. (When the native engine lands, a ``qk.Engine`` is recognised here first and served
-/// without going through Python.)
+/// methods (``qk.worker.EngineStage`` wraps a ``qk.Engine`` so; the engine releases the GIL while it
+/// computes). A native path (a ``qk.Engine`` recognised here and served by a Rust `impl Stage`, no
+/// Python per call) would slot in before this check.
 fn stage_of(obj: &Bound<'_, PyAny>) -> PyResult<Box<dyn Stage + Send>> {
     for m in ["describe", "run", "step", "save", "load", "drop", "reset"] {
         if !obj.hasattr(m)? {
