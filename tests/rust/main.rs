@@ -6,3 +6,4 @@ mod matmul_tests;
 mod ops_tests;
 mod shaders_valid;
 mod transport_tests;
+mod worker_tests;
