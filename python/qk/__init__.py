@@ -22,6 +22,10 @@ _NATIVE = {
     "ShaderError",
     "EngineError",
     "TransportError",
+    "HeadLink",
+    "Worker",
+    "adapters",
+    "selected_adapter",
 }
 _PYTHON = {
     "Gguf": "qk.gguf",
