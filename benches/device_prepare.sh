@@ -5,6 +5,7 @@
 #   rust-tests        the cargo integration-test binary (GPU kernel tests, run there on real hardware)
 #   gguf-py/          llama.cpp's gguf-py from the sdist (writes the random 80B-shaped model)
 #   vocab/            the qwen2 vocabulary GGUF from the sdist
+#   make_big.py       ../shared/tools' random 80B-shaped model writer
 # The Vulkan loader debs live in .gl/ (see the device README).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
@@ -21,4 +22,6 @@ for l in sys.stdin:
 cp "$bin" .device/rust-tests
 cp -r "$(python scripts/sdist.py gguf-py)" .device/gguf-py
 cp "$(python scripts/sdist.py llama.cpp)/models/ggml-vocab-qwen2.gguf" .device/vocab/
+# The random full-size model writer is a shared tool beside the checkout (shared/ does not travel).
+cp "$ROOT/../shared/tools/make_big.py" .device/
 du -sh .device

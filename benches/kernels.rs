@@ -47,11 +47,16 @@ fn weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     b
 }
 
+fn smoke() -> bool {
+    std::env::var("QK_BENCH_SMOKE").is_ok_and(|v| v == "1")
+}
+
 /// Seconds per iteration: the best of 4 submits of `iters` recorded iterations (the first warms
-/// pipelines and caches), so clock ramps and host jitter do not count.
+/// pipelines and caches), so clock ramps and host jitter do not count; 1 timed submit when smoke.
 fn time_submit(gpu: &Gpu, iters: u32, mut record: impl FnMut(&mut qk::gpu::Recorder<'_>)) -> f64 {
     let mut best = f64::INFINITY;
-    for round in 0..5 {
+    let rounds = if smoke() { 2 } else { 5 };
+    for round in 0..rounds {
         let mut rec = gpu.recorder();
         for _ in 0..iters {
             record(&mut rec);
@@ -77,7 +82,7 @@ fn copy_bandwidth(gpu: &Gpu, bytes: u64, iters: u32) -> f64 {
 }
 
 fn main() {
-    let smoke = std::env::var("QK_BENCH_SMOKE").is_ok_and(|v| v == "1");
+    let smoke = smoke();
     let gpu = match Gpu::from_env() {
         Ok(g) => g,
         Err(e) => {
@@ -93,7 +98,7 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(256);
-    let (target_bytes, iters) = if smoke { (1u64 << 20, 3) } else { (mib << 20, 20) };
+    let (target_bytes, iters) = if smoke { (256u64 << 10, 1) } else { (mib << 20, 20) };
 
     // One binding's worth at most, a multiple of 16.
     let copy_bytes = target_bytes.min(gpu.caps.max_binding_size) / 16 * 16;
@@ -103,7 +108,7 @@ fn main() {
         copy_bytes as f64 / 1048576.0
     );
 
-    let k: usize = if smoke { 512 } else { 4096 };
+    let k: usize = if smoke { 256 } else { 4096 };
     let mut rng = Rng(0x5eed);
     for ty in [
         GgmlType::IQ4XS,

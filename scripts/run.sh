@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Installs qk on this machine and runs its main job. Until the HTTP server lands, that is
-# `python -m qk.info` on a model: pass a GGUF path, or get the committed tiny fixture.
+# Installs qk on this machine (Vulkan driver, venv, the native core) and serves a model over HTTP on
+# 127.0.0.1:8080. With no arguments it serves the built-in demo model (random weights: its replies are
+# noise; it shows the whole path working). Any arguments go to `python -m qk.serve`, e.g.
+#   bash scripts/run.sh --model Qwen3-Next-80B-A3B-Instruct-IQ4_XS.gguf --slots 4
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 qk_system_packages
 qk_python_env
 qk_build
-phase "qk.info"
-model="${1:-$ROOT/tests/fixtures/tiny-qwen3next-f32.gguf}"
-python -m qk.info "$model"
+phase "qk.serve"
+exec python -m qk.serve "$@"

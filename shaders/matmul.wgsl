@@ -77,27 +77,26 @@ fn main(ids: ComputeIds) {
             x_tile[xn * TK4 + xk4] = v;
         }
         workgroupBarrier();
+        // Unrolled (#for) so a and acc keep constant indices and stay in registers.
         for (var k4 = 0u; k4 < TK4; k4++) {
             var a: array<vec4<f32>, 4>;
-            for (var i = 0u; i < 4u; i++) {
-                a[i] = w_tile[(ty + 16u * i) * TK4 + k4];
-            }
-            for (var j = 0u; j < 4u; j++) {
-                let b = x_tile[(tx + 16u * j) * TK4 + k4];
-                acc[j] += vec4<f32>(dot(a[0], b), dot(a[1], b), dot(a[2], b), dot(a[3], b));
-            }
+#for i in 0..4
+            a[{{i}}] = w_tile[(ty + 16u * {{i}}u) * TK4 + k4];
+#endfor
+#for j in 0..4
+            let b{{j}} = x_tile[(tx + 16u * {{j}}u) * TK4 + k4];
+            acc[{{j}}] += vec4<f32>(dot(a[0], b{{j}}), dot(a[1], b{{j}}), dot(a[2], b{{j}}), dot(a[3], b{{j}}));
+#endfor
         }
         workgroupBarrier();
     }
-    for (var j = 0u; j < 4u; j++) {
-        let n = n0 + tx + 16u * j;
-        if n < P.n {
-            for (var i = 0u; i < 4u; i++) {
-                let m = m0 + ty + 16u * i;
-                if m < P.rows {
-                    Y[P.y_offset + n * P.y_stride + m] = acc[j][i];
-                }
-            }
+#for j in 0..4
+    if n0 + tx + 16u * {{j}}u < P.n {
+#for i in 0..4
+        if m0 + ty + 16u * {{i}}u < P.rows {
+            Y[P.y_offset + (n0 + tx + 16u * {{j}}u) * P.y_stride + m0 + ty + 16u * {{i}}u] = acc[{{j}}][{{i}}];
         }
+#endfor
     }
+#endfor
 }

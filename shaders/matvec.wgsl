@@ -13,7 +13,7 @@
 #define WG 64
 #define MOE 0
 #variants QTYPE=f32
-#variants QTYPE=f16 NC=4
+#variants QTYPE=f16 NC=4 ACC4=2
 #variants QTYPE=bf16
 #variants QTYPE=q4_0
 #variants QTYPE=q4_k NC=8 NR=4 ACC4=8
@@ -86,27 +86,25 @@ fn main(ids: ComputeIds) {
     let groups = P.k / 8u;
     let x_base = (P.x_offset + x_col0 * P.x_stride) / 4u;
     for (var g = ids.lid; g < groups; g += {{WG}}u) {
+        // Unrolled (#for): constant indices keep xa, xb and acc in registers.
         var xa: array<vec4<f32>, {{NC}}>;
         var xb: array<vec4<f32>, {{NC}}>;
-        for (var c = 0u; c < {{NC}}u; c++) {
-            let xi = x_base + c * (P.x_stride / 4u) + 2u * g;
-            xa[c] = X[xi];
-            xb[c] = X[xi + 1u];
+#for c in 0..NC
+        xa[{{c}}] = X[x_base + {{c}}u * (P.x_stride / 4u) + 2u * g];
+        xb[{{c}}] = X[x_base + {{c}}u * (P.x_stride / 4u) + 2u * g + 1u];
+#endfor
+#for r in 0..NR
+        if row0 + {{r}}u < P.rows {
+            let w = dq8_{{QTYPE}}(w_base + (row0 + {{r}}u) * P.row_bytes, g);
+#for c in 0..NC
+            acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dot(w.a, xa[{{c}}]) + dot(w.b, xb[{{c}}]);
+#endfor
         }
-        for (var r = 0u; r < {{NR}}u; r++) {
-            let row = row0 + r;
-            if row < P.rows {
-                let w = dq8_{{QTYPE}}(w_base + row * P.row_bytes, g);
-                for (var c = 0u; c < {{NC}}u; c++) {
-                    let i = r * {{NC}}u + c;
-                    acc[i / 4u][i % 4u] += dot(w.a, xa[c]) + dot(w.b, xb[c]);
-                }
-            }
-        }
+#endfor
     }
-    for (var a = 0u; a < {{ACC4}}u; a++) {
-        acc[a] = wg_sum4(acc[a], ids);
-    }
+#for a in 0..ACC4
+    acc[{{a}}] = wg_sum4(acc[{{a}}], ids);
+#endfor
     let i = ids.lid;
     if i < {{NR}}u * {{NC}}u {
         let r = i / {{NC}}u;

@@ -4,7 +4,6 @@ adapter qk picks is Mesa's lavapipe (llvmpipe), the CPU Vulkan driver CI runs on
 from __future__ import annotations
 
 import pytest
-
 from conftest import require_gpu
 
 _qk = pytest.importorskip("qk._qk")

@@ -22,10 +22,14 @@ _NATIVE = {
     "ShaderError",
     "EngineError",
     "TransportError",
+    "HeadLink",
+    "Worker",
+    "adapters",
+    "selected_adapter",
 }
 _PYTHON = {
-    "Engine": "qk.engine",
     "Gguf": "qk.gguf",
+    "Engine": "qk.engine",
     "Tokenizer": "qk.tokenizer",
     "TokenizerError": "qk.tokenizer",
     "IncrementalDecoder": "qk.tokenizer",

@@ -6,7 +6,10 @@
 //! - `#define NAME value` gives a default that the caller's defines override;
 //! - `#if NAME`, `#if NAME == v`, `#if NAME != v`, `#else`, `#endif` (nestable); `#if NAME` is
 //!   true when NAME is defined and not `0`;
-//! - `#variants A=x B=y` (ignored at expansion) lists one extra define set the validity test covers.
+//! - `#variants A=x B=y` (ignored at expansion) lists one extra define set the validity test covers;
+//! - `#for V in A..B` … `#endfor` (nestable) repeats its lines for V = A..B-1, A and B numbers or
+//!   defines, with `{{V}}` substituted: an unrolled loop whose indices are constant expressions, so
+//!   drivers keep small per-thread arrays in registers (a dynamically indexed one can spill).
 //!
 //! `{{NAME}}` is replaced by the define's value. `enable …;` lines are hoisted to the top so
 //! library files can ask for extensions. The runtime always defines `SUBGROUPS` (1 or 0) from the
@@ -99,7 +102,8 @@ fn expand_into(
     // Each entry: (this branch active, some branch of this #if already taken).
     let mut stack: Vec<(bool, bool)> = Vec::new();
     let active = |stack: &Vec<(bool, bool)>| stack.iter().all(|(a, _)| *a);
-    for (lineno, line) in src.lines().enumerate() {
+    let mut lines = src.lines().enumerate();
+    while let Some((lineno, line)) = lines.next() {
         let t = line.trim_start();
         let err = |msg: String| QkError::Shader {
             name: file.into(),
@@ -124,6 +128,47 @@ fn expand_into(
             let lib =
                 library_file(inc).ok_or_else(|| err(format!("#include {inc:?}: unknown library file")))?;
             expand_into(lib.source, lib.name, defines, out, seen)?;
+        } else if let Some(spec) = t.strip_prefix("#for ") {
+            // Collect the body up to the matching #endfor, then expand it once per value.
+            let (var, range) = spec
+                .split_once(" in ")
+                .ok_or_else(|| err(format!("bad #for {spec:?}")))?;
+            let (lo, hi) = range
+                .trim()
+                .split_once("..")
+                .ok_or_else(|| err(format!("bad #for range {range:?}")))?;
+            let bound = |b: &str| -> Result<u32> {
+                let b = b.trim();
+                let v = defines.get(b).map(String::as_str).unwrap_or(b);
+                v.parse::<u32>()
+                    .map_err(|_| err(format!("#for bound {b:?} is not a number")))
+            };
+            let (lo, hi) = (bound(lo)?, bound(hi)?);
+            let mut depth = 1;
+            let mut body = Vec::new();
+            for (_, inner) in lines.by_ref() {
+                let it = inner.trim_start();
+                if it.starts_with("#for ") {
+                    depth += 1;
+                } else if it.starts_with("#endfor") {
+                    depth -= 1;
+                    if depth == 0 {
+                        break;
+                    }
+                }
+                body.push(inner);
+            }
+            if depth != 0 {
+                return Err(err("#for without #endfor".into()));
+            }
+            let body = body.join("\n");
+            for v in lo..hi {
+                let mut scoped = defines.clone();
+                scoped.insert(var.trim().to_string(), v.to_string());
+                expand_into(&body, file, &scoped, out, seen)?;
+            }
+        } else if t.starts_with("#endfor") {
+            return Err(err("#endfor without #for".into()));
         } else if t.starts_with("#define") || t.starts_with("#variants") {
             out.push(String::new());
         } else if t.starts_with('#') {

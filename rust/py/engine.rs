@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2};
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
@@ -31,6 +31,11 @@ impl Rows {
     fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Rows> {
         if let Ok(a) = obj.extract::<PyReadonlyArray2<'_, f32>>() {
             return Ok(Rows::Hidden(a.as_array().iter().copied().collect()));
+        }
+        if obj.extract::<PyReadonlyArray2<'_, f64>>().is_ok() {
+            return Err(PyTypeError::new_err(
+                "hidden rows must be float32 [n, n_embd], not float64",
+            ));
         }
         Ok(Rows::Tokens(obj.extract::<Vec<u32>>()?))
     }

@@ -2,17 +2,29 @@
 //! `qkp_decode(bytes) -> dict`, `qkp_decode_header(bytes) -> dict` and the protocol's constants.
 //! Codec failures raise `qk.TransportError`. Messages are plain dicts keyed by field name with an
 //! `"op"` naming the message (`frame::Op::name`); the keys per op are listed on `qkp_encode`.
+//! Also the split-serving classes: `HeadLink` (the head's link to the chain) and `Worker` (a stage's
+//! serve loop around a Stage object), both releasing the GIL while they wait on sockets.
 
+use std::net::{SocketAddr, TcpListener};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::conversion::FromPyObjectOwned;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
-use crate::error::QkError;
+use crate::error::{QkError, Result};
+use crate::transport::conn::Timeouts;
 use crate::transport::frame::{self, ErrorCode, Limits, Op};
+use crate::transport::head::{HeadConfig, HeadLink};
 use crate::transport::hello::{Challenge, ClientHello, HelloReply, Proof, StageDesc};
 use crate::transport::messages::{
     Ack, ErrorMsg, HiddenRows, Message, Rows, Run, RunOut, RunReply, Step, StepEntry, StepOut, StepReply,
 };
+use crate::transport::stage::{Stage, StageInfo};
+use crate::transport::worker::{WorkerConfig, WorkerControl, serve_worker};
 
 fn transport(msg: String) -> PyErr {
     QkError::Transport(msg).into()
@@ -423,10 +435,483 @@ fn qkp_decode_header<'py>(py: Python<'py>, header: &[u8]) -> PyResult<Bound<'py,
     Ok(d)
 }
 
+/// (id, logit) pairs of one position, best first.
+type TopK = Vec<(u32, f32)>;
+
+/// A shared secret given as str (UTF-8) or bytes.
+fn secret_bytes(secret: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
+    let Some(secret) = secret.filter(|s| !s.is_none()) else {
+        return Ok(None);
+    };
+    if let Ok(text) = secret.cast::<PyString>() {
+        return Ok(Some(text.to_str()?.as_bytes().to_vec()));
+    }
+    Ok(Some(secret.extract::<Vec<u8>>()?))
+}
+
+fn seconds(what: &str, s: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| PyValueError::new_err(format!("{what}: {s} is not a duration in seconds")))
+}
+
+fn timeouts_from(connect: f64, hello: f64, base: f64, per_row: f64) -> PyResult<Timeouts> {
+    Ok(Timeouts {
+        connect: seconds("connect_timeout", connect)?,
+        hello: seconds("hello_timeout", hello)?,
+        base: seconds("base_timeout", base)?,
+        per_row: seconds("per_row_timeout", per_row)?,
+    })
+}
+
+/// The rows of a RUN or STEP: `tokens` (ids), or `hidden` (a 2-D float32 array, one row per position).
+fn rows_arg(tokens: Option<Vec<u32>>, hidden: Option<PyReadonlyArray2<'_, f32>>) -> PyResult<Rows> {
+    match (tokens, hidden) {
+        (Some(ids), None) => Ok(Rows::Tokens(ids)),
+        (None, Some(h)) => {
+            let width = u32::try_from(h.shape()[1])
+                .map_err(|_| PyValueError::new_err(format!("hidden rows of width {}", h.shape()[1])))?;
+            Ok(Rows::Hidden(HiddenRows {
+                width,
+                data: h.as_array().iter().copied().collect(),
+            }))
+        }
+        _ => Err(PyValueError::new_err("give exactly one of tokens= and hidden=")),
+    }
+}
+
+fn hidden_array<'py>(py: Python<'py>, h: &HiddenRows) -> PyResult<Bound<'py, PyAny>> {
+    let rows = h.data.len() / h.width.max(1) as usize;
+    Ok(PyArray1::from_vec(py, h.data.clone())
+        .reshape([rows, h.width as usize])?
+        .into_any())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic in a call leaves the link or worker state as plain data; later calls report on it.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The head's link to the chain of stages after it (spec/qkp.md). Connects lazily: the first call
+/// (or ``connect()``) says hello and checks the chain against ``own``; a failed call marks the link
+/// down and the next call reconnects at once; ``reconnect_if_due()`` retries with backoff for a
+/// background ticker. Every reconnect is a new session: every stage reset its slots and dropped its
+/// snapshots, and ``take_restarted()`` names the stages whose boot id changed. Failures raise
+/// ``qk.TransportError`` with the failing stage's name. Calls release the GIL while they wait.
+///
+/// ``own`` is the head's stage description (the dict keys of a hello_reply stage). One call runs at
+/// a time; the others (getters included) wait for it without holding the GIL.
+#[pyclass(name = "HeadLink", module = "qk._qk", frozen)]
+struct PyHeadLink {
+    link: Mutex<HeadLink>,
+}
+
+#[pymethods]
+impl PyHeadLink {
+    #[new]
+    #[pyo3(signature = (next, own, *, secret=None, takeover=false, connect_timeout=5.0, hello_timeout=30.0,
+        base_timeout=30.0, per_row_timeout=0.02, backoff_min=0.25, backoff_max=10.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        next: &str,
+        own: &Bound<'_, PyDict>,
+        secret: Option<&Bound<'_, PyAny>>,
+        takeover: bool,
+        connect_timeout: f64,
+        hello_timeout: f64,
+        base_timeout: f64,
+        per_row_timeout: f64,
+        backoff_min: f64,
+        backoff_max: f64,
+    ) -> PyResult<PyHeadLink> {
+        let mut cfg = HeadConfig::new(next, stage_from(own)?);
+        cfg.secret = secret_bytes(secret)?;
+        cfg.takeover = takeover;
+        cfg.timeouts = timeouts_from(connect_timeout, hello_timeout, base_timeout, per_row_timeout)?;
+        cfg.backoff_min = seconds("backoff_min", backoff_min)?;
+        cfg.backoff_max = seconds("backoff_max", backoff_max)?;
+        Ok(PyHeadLink {
+            link: Mutex::new(HeadLink::new(cfg)),
+        })
+    }
+
+    /// Connect and hello now (ending a live session first); returns the chain after the head.
+    fn connect<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let chain = py.detach(|| lock(&self.link).connect().map(<[StageDesc]>::to_vec))?;
+        chain.iter().map(|s| stage_dict(py, s)).collect()
+    }
+
+    /// Positions [base, base + n) of ``slot``: ``tokens`` or ``hidden`` (n × n_embd float32). Returns
+    /// (greedy ids, [(id, logit)] top-k of the final position).
+    #[pyo3(signature = (slot, base, *, tokens=None, hidden=None, topk=0))]
+    fn run(
+        &self,
+        py: Python<'_>,
+        slot: u32,
+        base: u32,
+        tokens: Option<Vec<u32>>,
+        hidden: Option<PyReadonlyArray2<'_, f32>>,
+        topk: u32,
+    ) -> PyResult<(Vec<u32>, TopK)> {
+        let rows = rows_arg(tokens, hidden)?;
+        let result = py.detach(|| lock(&self.link).run(slot, base, rows, topk))?;
+        Ok((result.ids, result.topk))
+    }
+
+    /// One decode position for each (slot, base) entry, one row per entry. Returns (ids, top-k lists).
+    #[pyo3(signature = (entries, *, tokens=None, hidden=None, topk=0))]
+    fn step(
+        &self,
+        py: Python<'_>,
+        entries: Vec<(u32, u32)>,
+        tokens: Option<Vec<u32>>,
+        hidden: Option<PyReadonlyArray2<'_, f32>>,
+        topk: u32,
+    ) -> PyResult<(Vec<u32>, Vec<TopK>)> {
+        let rows = rows_arg(tokens, hidden)?;
+        let entries = entries
+            .into_iter()
+            .map(|(slot, base)| StepEntry { slot, base })
+            .collect();
+        let result = py.detach(|| lock(&self.link).step(entries, rows, topk))?;
+        Ok((result.ids, result.topk))
+    }
+
+    /// Snapshot ``slot`` into entry ``idx`` on every stage of the chain.
+    fn save(&self, py: Python<'_>, slot: u32, idx: u32) -> PyResult<()> {
+        Ok(py.detach(|| lock(&self.link).save(slot, idx))?)
+    }
+
+    fn load(&self, py: Python<'_>, slot: u32, idx: u32) -> PyResult<()> {
+        Ok(py.detach(|| lock(&self.link).load(slot, idx))?)
+    }
+
+    fn drop(&self, py: Python<'_>, idx: u32) -> PyResult<()> {
+        Ok(py.detach(|| lock(&self.link).drop_snapshot(idx))?)
+    }
+
+    /// Round-trip time through the whole chain, in seconds.
+    fn ping(&self, py: Python<'_>) -> PyResult<f64> {
+        Ok(py.detach(|| lock(&self.link).ping())?.as_secs_f64())
+    }
+
+    /// End the session cleanly; the next call reconnects.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| lock(&self.link).close());
+    }
+
+    /// If the link is down and its backoff has passed, try to reconnect: True when it did, False when
+    /// nothing was due; a failed attempt raises.
+    fn reconnect_if_due(&self, py: Python<'_>) -> PyResult<bool> {
+        match py.detach(|| lock(&self.link).reconnect_if_due()) {
+            None => Ok(false),
+            Some(result) => result.map(|()| true).map_err(Into::into),
+        }
+    }
+
+    /// Names of the stages that restarted (changed boot id) at a reconnect since the last call.
+    fn take_restarted(&self, py: Python<'_>) -> Vec<String> {
+        py.detach(|| lock(&self.link).take_restarted())
+    }
+
+    #[getter]
+    fn is_up(&self, py: Python<'_>) -> bool {
+        py.detach(|| lock(&self.link).is_up())
+    }
+
+    /// The chain after the head as of the latest session.
+    #[getter]
+    fn chain<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let chain = py.detach(|| lock(&self.link).chain().to_vec());
+        chain.iter().map(|s| stage_dict(py, s)).collect()
+    }
+
+    /// Sessions established so far.
+    #[getter]
+    fn sessions(&self, py: Python<'_>) -> u64 {
+        py.detach(|| lock(&self.link).sessions())
+    }
+
+    /// Snapshot entries usable on every stage, the head included.
+    #[getter]
+    fn snapshot_entries(&self, py: Python<'_>) -> u32 {
+        py.detach(|| lock(&self.link).snapshot_entries())
+    }
+
+    #[getter]
+    fn last_error(&self, py: Python<'_>) -> Option<String> {
+        py.detach(|| lock(&self.link).last_error().map(str::to_string))
+    }
+
+    /// Seconds until a background retry is due, while the link is down.
+    #[getter]
+    fn retry_in(&self, py: Python<'_>) -> Option<f64> {
+        py.detach(|| lock(&self.link).retry_in().map(|d| d.as_secs_f64()))
+    }
+}
+
+/// A Python object serving as a worker's stage: ``describe() -> dict`` (the StageInfo fields:
+/// layer_first, layer_end, n_layer, n_embd, slots, ctx, snap_entries, snap_bytes, fingerprint,
+/// adapter); ``run(slot, base, tokens, hidden, topk)`` and ``step(entries, tokens, hidden, topk)``
+/// (``tokens`` a list of ids or None, ``hidden`` a 2-D float32 array or None) returning a 2-D float32
+/// array of hidden rows, or (ids, top-k) where run's top-k is [(id, logit)] and step's one such list
+/// per entry; ``save(slot, idx)``, ``load(slot, idx)``, ``drop(idx)``, ``reset()``. Each call takes the
+/// GIL for its own length only; a Python exception becomes the stage's error, sent to the head.
+struct PyStage {
+    obj: Py<PyAny>,
+}
+
+fn stage_error(py: Python<'_>, method: &str, e: PyErr) -> QkError {
+    let detail = e
+        .value(py)
+        .str()
+        .map_or_else(|_| "an exception".to_string(), |s| s.to_string());
+    QkError::Engine(format!(
+        "{method}: {}: {detail}",
+        e.get_type(py)
+            .name()
+            .map_or_else(|_| "?".into(), |n| n.to_string())
+    ))
+}
+
+impl PyStage {
+    fn call<T>(
+        &self,
+        method: &str,
+        build: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, PyTuple>>,
+        read: impl for<'py> FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+    ) -> Result<T> {
+        Python::attach(|py| {
+            let args = build(py).map_err(|e| stage_error(py, method, e))?;
+            let out = self
+                .obj
+                .bind(py)
+                .call_method1(method, args)
+                .map_err(|e| stage_error(py, method, e))?;
+            read(&out).map_err(|e| stage_error(py, method, e))
+        })
+    }
+}
+
+fn input_args<'py>(py: Python<'py>, input: &Rows) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    match input {
+        Rows::Tokens(ids) => Ok((PyList::new(py, ids)?.into_any(), py.None().into_bound(py))),
+        Rows::Hidden(h) => Ok((py.None().into_bound(py), hidden_array(py, h)?)),
+    }
+}
+
+fn hidden_out(out: &Bound<'_, PyAny>) -> PyResult<Option<HiddenRows>> {
+    let Ok(array) = out.extract::<PyReadonlyArray2<'_, f32>>() else {
+        return Ok(None);
+    };
+    let width = u32::try_from(array.shape()[1])
+        .map_err(|_| PyValueError::new_err(format!("hidden rows of width {}", array.shape()[1])))?;
+    Ok(Some(HiddenRows {
+        width,
+        data: array.as_array().iter().copied().collect(),
+    }))
+}
+
+impl Stage for PyStage {
+    fn describe(&self) -> Result<StageInfo> {
+        self.call(
+            "describe",
+            |py| Ok(PyTuple::empty(py)),
+            |out| {
+                let d = out.cast::<PyDict>()?;
+                let f = Fields::new(
+                    d,
+                    "describe",
+                    &[
+                        "layer_first",
+                        "layer_end",
+                        "n_layer",
+                        "n_embd",
+                        "slots",
+                        "ctx",
+                        "snap_entries",
+                        "snap_bytes",
+                        "fingerprint",
+                        "adapter",
+                    ],
+                )?;
+                Ok(StageInfo {
+                    layer_first: f.get("layer_first")?,
+                    layer_end: f.get("layer_end")?,
+                    n_layer: f.get("n_layer")?,
+                    n_embd: f.get("n_embd")?,
+                    slots: f.get("slots")?,
+                    ctx: f.get("ctx")?,
+                    snap_entries: f.get("snap_entries")?,
+                    snap_bytes: f.get("snap_bytes")?,
+                    fingerprint: f.get("fingerprint")?,
+                    adapter: f.get("adapter")?,
+                })
+            },
+        )
+    }
+
+    fn run(&mut self, slot: u32, base: u32, input: &Rows, topk: u32) -> Result<RunOut> {
+        self.call(
+            "run",
+            |py| {
+                let (tokens, hidden) = input_args(py, input)?;
+                (slot, base, tokens, hidden, topk).into_pyobject(py)
+            },
+            |out| {
+                if let Some(h) = hidden_out(out)? {
+                    return Ok(RunOut::Hidden(h));
+                }
+                let (ids, topk): (Vec<u32>, Vec<(u32, f32)>) = out.extract()?;
+                Ok(RunOut::Ids { ids, topk })
+            },
+        )
+    }
+
+    fn step(&mut self, entries: &[StepEntry], input: &Rows, topk: u32) -> Result<StepOut> {
+        self.call(
+            "step",
+            |py| {
+                let pairs: Vec<(u32, u32)> = entries.iter().map(|e| (e.slot, e.base)).collect();
+                let (tokens, hidden) = input_args(py, input)?;
+                (pairs, tokens, hidden, topk).into_pyobject(py)
+            },
+            |out| {
+                if let Some(h) = hidden_out(out)? {
+                    return Ok(StepOut::Hidden(h));
+                }
+                let (ids, topk): (Vec<u32>, Vec<Vec<(u32, f32)>>) = out.extract()?;
+                Ok(StepOut::Ids { ids, topk })
+            },
+        )
+    }
+
+    fn save(&mut self, slot: u32, idx: u32) -> Result<()> {
+        self.call("save", |py| (slot, idx).into_pyobject(py), |_| Ok(()))
+    }
+
+    fn load(&mut self, slot: u32, idx: u32) -> Result<()> {
+        self.call("load", |py| (slot, idx).into_pyobject(py), |_| Ok(()))
+    }
+
+    fn drop_snapshot(&mut self, idx: u32) -> Result<()> {
+        self.call("drop", |py| (idx,).into_pyobject(py), |_| Ok(()))
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        self.call("reset", |py| Ok(PyTuple::empty(py)), |_| Ok(()))
+    }
+}
+
+/// The stage a worker serves, from the object given to ``Worker``: a Python object with the Stage
+/// methods (``qk.worker.EngineStage`` wraps a ``qk.Engine`` so; the engine releases the GIL while it
+/// computes). A native path (a ``qk.Engine`` recognised here and served by a Rust `impl Stage`, no
+/// Python per call) would slot in before this check.
+fn stage_of(obj: &Bound<'_, PyAny>) -> PyResult<Box<dyn Stage + Send>> {
+    for m in ["describe", "run", "step", "save", "load", "drop", "reset"] {
+        if !obj.hasattr(m)? {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "a worker's stage needs a {m}() method; {} has none",
+                obj.get_type().name()?
+            )));
+        }
+    }
+    Ok(Box::new(PyStage {
+        obj: obj.clone().unbind(),
+    }))
+}
+
+/// A stage's qkp server (``python -m qk.worker`` runs one): binds ``host:port`` at once (``port=0``
+/// picks a free port, see ``.port``), and ``serve()`` blocks, with the GIL released, answering one head
+/// session at a time until ``stop()`` is called from another thread. ``next`` is host:port of the
+/// next stage (None for the last stage); ``secret`` (str or bytes) is proved on both of its hops.
+#[pyclass(name = "Worker", module = "qk._qk", frozen)]
+struct PyWorker {
+    listener: Mutex<Option<TcpListener>>,
+    stage: Mutex<Option<Box<dyn Stage + Send>>>,
+    address: SocketAddr,
+    cfg: WorkerConfig,
+    control: WorkerControl,
+}
+
+#[pymethods]
+impl PyWorker {
+    #[new]
+    #[pyo3(signature = (stage, *, host="127.0.0.1", port=0, name=None, secret=None, next=None,
+        takeover_next=true, connect_timeout=5.0, hello_timeout=30.0, base_timeout=30.0, per_row_timeout=0.02))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        stage: &Bound<'_, PyAny>,
+        host: &str,
+        port: u16,
+        name: Option<String>,
+        secret: Option<&Bound<'_, PyAny>>,
+        next: Option<String>,
+        takeover_next: bool,
+        connect_timeout: f64,
+        hello_timeout: f64,
+        base_timeout: f64,
+        per_row_timeout: f64,
+    ) -> PyResult<PyWorker> {
+        let stage = stage_of(stage)?;
+        let listener = TcpListener::bind((host, port))
+            .map_err(|e| QkError::Transport(format!("cannot listen on {host}:{port}: {e}")))?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| QkError::Transport(format!("listening socket: {e}")))?;
+        let mut cfg = WorkerConfig::new(&name.unwrap_or_else(|| address.to_string()));
+        cfg.secret = secret_bytes(secret)?;
+        if cfg.secret.as_ref().is_some_and(Vec::is_empty) {
+            return Err(PyValueError::new_err("the shared secret is empty"));
+        }
+        cfg.next = next;
+        cfg.takeover_next = takeover_next;
+        cfg.timeouts = timeouts_from(connect_timeout, hello_timeout, base_timeout, per_row_timeout)?;
+        Ok(PyWorker {
+            listener: Mutex::new(Some(listener)),
+            stage: Mutex::new(Some(stage)),
+            address,
+            cfg,
+            control: WorkerControl::new(),
+        })
+    }
+
+    /// Serve until ``stop()``; the listening socket is closed when this returns. Once only.
+    fn serve(&self, py: Python<'_>) -> PyResult<()> {
+        let listener = lock(&self.listener).take();
+        let stage = lock(&self.stage).take();
+        let (Some(listener), Some(mut stage)) = (listener, stage) else {
+            return Err(QkError::Transport(format!("worker '{}' has already served", self.cfg.name)).into());
+        };
+        Ok(py.detach(|| serve_worker(&listener, stage.as_mut(), &self.cfg, &self.control))?)
+    }
+
+    /// Stop serving: no new connections, every open one shut; ``serve()`` returns.
+    fn stop(&self) {
+        self.control.stop();
+    }
+
+    #[getter]
+    fn port(&self) -> u16 {
+        self.address.port()
+    }
+
+    #[getter]
+    fn host(&self) -> String {
+        self.address.ip().to_string()
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.cfg.name
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(qkp_encode, m)?)?;
     m.add_function(wrap_pyfunction!(qkp_decode, m)?)?;
     m.add_function(wrap_pyfunction!(qkp_decode_header, m)?)?;
+    m.add_class::<PyHeadLink>()?;
+    m.add_class::<PyWorker>()?;
     m.add("QKP_VERSION", frame::VERSION)?;
     m.add("QKP_HEADER_LEN", frame::HEADER_LEN)?;
     m.add("QKP_MAX_ROWS", frame::MAX_ROWS)?;

@@ -5,13 +5,19 @@
 pub mod auth;
 pub mod conn;
 pub mod frame;
+pub mod head;
 pub mod hello;
 pub mod messages;
+pub mod stage;
+pub mod worker;
 
 pub use conn::{ClientConfig, Conn, ServerConfig, ServerHandshake, SessionGate, SessionTicket, Timeouts};
 pub use frame::{ErrorCode, Limits, Op, VERSION};
+pub use head::{HeadConfig, HeadLink, RunResult, StepResult};
 pub use hello::{Challenge, ClientHello, HelloReply, Proof, StageDesc, check_chain};
 pub use messages::{
     Ack, ErrorMsg, HiddenRows, Message, Rows, Run, RunOut, RunReply, Step, StepEntry, StepOut, StepReply,
     decode, encode,
 };
+pub use stage::{Stage, StageInfo};
+pub use worker::{WorkerConfig, WorkerControl, serve_worker};

@@ -181,3 +181,38 @@ fn shader_errors_name_the_file() {
         other => panic!("expected a shader error, got {other:?}"),
     }
 }
+
+#[test]
+fn preprocessor_defines_conditionals_and_unrolled_loops() {
+    use qk::gpu::shaders::{Defines, expand};
+    let file = qk::gpu::ShaderFile {
+        name: "pp",
+        source: "#define N 3\n#define MODE a\n#if MODE == a\nlet m = 1;\n#else\nlet m = 2;\n#endif\n\
+                 #for i in 0..N\nx[{{i}}] = {{i}};\n#endfor\nenable f16;\n",
+    };
+    let text = expand(&file, &Defines::new()).unwrap();
+    assert!(
+        text.starts_with("enable f16;"),
+        "enable lines are hoisted: {text}"
+    );
+    assert!(text.contains("let m = 1;") && !text.contains("let m = 2;"));
+    for i in 0..3 {
+        assert!(text.contains(&format!("x[{i}] = {i};")), "{text}");
+    }
+    assert!(!text.contains("x[3]"));
+    let overridden: Defines = [
+        ("MODE".to_string(), "b".to_string()),
+        ("N".to_string(), "1".to_string()),
+    ]
+    .into();
+    let text = expand(&file, &overridden).unwrap();
+    assert!(text.contains("let m = 2;") && text.contains("x[0] = 0;") && !text.contains("x[1]"));
+    let bad = qk::gpu::ShaderFile {
+        name: "bad",
+        source: "#for i in 0..2\nx;\n",
+    };
+    assert!(matches!(
+        expand(&bad, &Defines::new()),
+        Err(qk::QkError::Shader { .. })
+    ));
+}

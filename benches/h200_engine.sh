@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs ON the H200 device machine (see benches/device_prepare.sh, which fills .device/, and .ref/ with
+# llama.cpp's source trimmed as ../shared/tools/llamacpp_h200.sh describes). One command does the whole
+# measurement: llama-bench (CUDA) builds while the random 80B-shaped model is written, then the GPU
+# kernel tests and the engine tests against the committed goldens run (a fast number is never a wrong
+# one), then qk and llama.cpp are measured side by side on the same file.
+# usage: bash benches/h200_engine.sh [LAYERS]   (12 by default: the iteration size)
+set -uo pipefail
+LAYERS="${1:-12}"
+OUT="${OUT:-/tmp/qk-out}"; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/engine.log") 2>&1
+for f in .gl/*.deb; do dpkg -x "$f" /; done
+ldconfig
+[ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] \
+  && export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/qk-*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/.device/gguf-py
+MODEL=/tmp/next80b-$LAYERS.gguf
+date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+
+B=/tmp/llb
+( cmake -S .ref/llama.cpp -B $B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TOOLS=ON -DCMAKE_BUILD_TYPE=Release > /tmp/llb-cfg.log 2>&1 \
+  && cmake --build $B -j "$(nproc)" --target llama-bench > /tmp/llb-build.log 2>&1
+  rc=$?; echo "llama-bench build rc=$rc"; [ $rc = 0 ] || tail -n 25 /tmp/llb-cfg.log /tmp/llb-build.log ) &
+BUILD=$!
+( python3 .device/make_big.py $MODEL --vocab .device/vocab/ggml-vocab-qwen2.gguf --layers "$LAYERS" \
+  > /tmp/make_big.log 2>&1; echo "model rc=$? $(tail -1 /tmp/make_big.log)" ) &
+MAKE=$!
+
+which cmake ninja nvcc
+[ "${QK_SKIP_TESTS:-0}" = 1 ] || {
+echo "== GPU kernel tests (cargo test binary)"
+QK_REQUIRE_GPU=1 .device/rust-tests --test-threads=1 2>&1 | grep -E "^test result|FAILED|panicked|failures" | head -20
+echo "== engine tests against the committed goldens (no llama.cpp here)"
+QK_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -m "not oracle" tests/test_engine*.py 2>&1 | tail -5
+}
+wait $MAKE
+[ "${QK_SKIP_QK:-0}" = 1 ] || {
+echo "== qk engine"
+python3 benches/engine_bench.py $MODEL --prompt 512 --decode 64 --slots 2 | tee "$OUT/qk-bench.json"
+}
+wait $BUILD
+echo "== llama.cpp CUDA (llama-bench, -fa 1)"
+tail -3 /tmp/llb-build.log
+$B/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 512 -n 64 -r 2 -o md 2>&1 | tee "$OUT/llama-bench.md"
