@@ -5,6 +5,7 @@
 # kernel tests and the engine tests against the committed goldens run (a fast number is never a wrong
 # one), then qk and llama.cpp are measured side by side on the same file.
 # usage: bash benches/h200_engine.sh [LAYERS]   (12 by default: the iteration size)
+# env: QK_SKIP_TESTS=1, QK_SKIP_QK=1, QK_SKIP_LLAMA=1 leave a part out; QK_REUSE=1 adds the turn-2 TTFT bench.
 set -uo pipefail
 LAYERS="${1:-12}"
 OUT="${OUT:-/tmp/qk-out}"; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ MODEL=/tmp/next80b-$LAYERS.gguf
 date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
 B=/tmp/llb
-( cmake -S .ref/llama.cpp -B $B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF \
+[ "${QK_SKIP_LLAMA:-0}" = 1 ] || ( cmake -S .ref/llama.cpp -B $B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DCMAKE_BUILD_TYPE=Release > /tmp/llb-cfg.log 2>&1 \
   && cmake --build $B -j "$(nproc)" --target llama-bench > /tmp/llb-build.log 2>&1
@@ -41,6 +42,11 @@ wait $MAKE
 echo "== qk engine"
 python3 benches/engine_bench.py $MODEL --prompt 512 --decode 64 --slots 2 | tee "$OUT/qk-bench.json"
 }
+if [ "${QK_REUSE:-0}" = 1 ]; then
+  echo "== cross-turn reuse: turn-2 time to first token, 8k tokens of history"
+  python3 benches/reuse_ttft.py --model $MODEL --history 8192 2>&1 | grep -v "^qk: layer" | tee "$OUT/reuse.txt"
+fi
+[ "${QK_SKIP_LLAMA:-0}" = 1 ] && exit 0
 wait $BUILD
 echo "== llama.cpp CUDA (llama-bench, -fa 1)"
 tail -3 /tmp/llb-build.log
