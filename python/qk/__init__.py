@@ -46,8 +46,12 @@ __all__ = sorted(_NATIVE | set(_PYTHON))
 
 
 def __getattr__(name: str) -> Any:
-    if name in _NATIVE:
-        return getattr(importlib.import_module("qk._qk"), name)
-    if name in _PYTHON:
-        return getattr(importlib.import_module(_PYTHON[name]), name)
-    raise AttributeError(f"module 'qk' has no attribute {name!r}")
+    if name not in _NATIVE and name not in _PYTHON:
+        raise AttributeError(f"module 'qk' has no attribute {name!r}")
+    # An attribute this build cannot provide (native core missing or without it) is an AttributeError,
+    # so `hasattr(qk, "Engine")` answers False instead of raising; the cause is kept in the message.
+    try:
+        module = importlib.import_module("qk._qk" if name in _NATIVE else _PYTHON[name])
+        return getattr(module, name)
+    except ImportError as e:
+        raise AttributeError(f"qk.{name} is not available in this build: {e}") from e
