@@ -56,6 +56,16 @@ def number(
     return float(value)
 
 
+def _present(body: dict[str, Any], key: str, required: bool, where: str) -> Any:
+    """The field's value, or MISSING when it is absent or null (an error if it is required)."""
+    value = _get(body, key, required, where)
+    if value is None:
+        if required:
+            raise RequestError(f"{where}{key}: field required")
+        return MISSING
+    return value
+
+
 def integer(
     body: dict[str, Any],
     key: str,
@@ -66,10 +76,8 @@ def integer(
     required: bool = False,
     where: str = "",
 ) -> Any:
-    value = _get(body, key, required, where)
-    if value is MISSING or value is None:
-        if required:
-            raise RequestError(f"{where}{key}: field required")
+    value = _present(body, key, required, where)
+    if value is MISSING:
         return default
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -80,52 +88,37 @@ def integer(
     return value
 
 
-def boolean(body: dict[str, Any], key: str, default: Any = None, *, where: str = "") -> Any:
-    value = _get(body, key, False, where)
-    if value is MISSING or value is None:
+def _typed(
+    body: dict[str, Any], key: str, default: Any, required: bool, where: str, kind: type, noun: str
+) -> Any:
+    value = _present(body, key, required, where)
+    if value is MISSING:
         return default
-    if not isinstance(value, bool):
-        raise RequestError(f"{where}{key}: expected a boolean")
+    if not isinstance(value, kind):
+        raise RequestError(f"{where}{key}: expected {noun}")
     return value
+
+
+def boolean(body: dict[str, Any], key: str, default: Any = None, *, where: str = "") -> Any:
+    return _typed(body, key, default, False, where, bool, "a boolean")
 
 
 def string(
     body: dict[str, Any], key: str, default: Any = None, *, required: bool = False, where: str = ""
 ) -> Any:
-    value = _get(body, key, required, where)
-    if value is MISSING or value is None:
-        if required:
-            raise RequestError(f"{where}{key}: field required")
-        return default
-    if not isinstance(value, str):
-        raise RequestError(f"{where}{key}: expected a string")
-    return value
+    return _typed(body, key, default, required, where, str, "a string")
 
 
 def array(
     body: dict[str, Any], key: str, default: Any = None, *, required: bool = False, where: str = ""
 ) -> Any:
-    value = _get(body, key, required, where)
-    if value is MISSING or value is None:
-        if required:
-            raise RequestError(f"{where}{key}: field required")
-        return default
-    if not isinstance(value, list):
-        raise RequestError(f"{where}{key}: expected an array")
-    return value
+    return _typed(body, key, default, required, where, list, "an array")
 
 
 def obj(
     body: dict[str, Any], key: str, default: Any = None, *, required: bool = False, where: str = ""
 ) -> Any:
-    value = _get(body, key, required, where)
-    if value is MISSING or value is None:
-        if required:
-            raise RequestError(f"{where}{key}: field required")
-        return default
-    if not isinstance(value, dict):
-        raise RequestError(f"{where}{key}: expected an object")
-    return value
+    return _typed(body, key, default, required, where, dict, "an object")
 
 
 def seed_value(body: dict[str, Any], key: str = "seed") -> int | None:
