@@ -108,12 +108,25 @@ def test_an_entry_larger_than_the_budget_is_not_saved():
     assert t.reserve([1] * 64) is None and t.entries == 0
 
 
-def test_invalidate_forgets_everything_and_indices_are_never_reused():
+def test_invalidate_forgets_everything():
     t = table()
     old = {save(t, [1] * 64), save(t, [2] * 128)}
     assert set(t.invalidate()) == old
     assert t.entries == 0 and t.bytes == 0 and t.lookup([1] * 100) is None
-    assert save(t, [1] * 64) not in old
+
+
+def test_indices_stay_below_the_entry_count_and_a_failed_save_frees_its_index():
+    # A split's workers hold exactly max_entries snapshot entries (qkp refuses other indices).
+    t = ReuseTable(max_entries=3, max_bytes=1 << 30, state_bytes=lambda n: n)
+    for i in range(20):
+        idx = save(t, [i] * 64)
+        assert 0 <= idx < 3
+        assert len({e.idx for e in t._entries.values()}) == t.entries
+    r = t.reserve([99] * 64)
+    assert r is not None and len(r.evict) == 1
+    t.release(r)
+    again = t.reserve([98] * 64)
+    assert again is not None and again.idx == r.idx and again.evict == []
 
 
 def test_state_bytes_from_engine_info():

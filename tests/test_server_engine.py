@@ -45,7 +45,7 @@ def live():
     tok = Tokenizer.from_gguf(FIXTURE)
 
     def load():
-        return Loaded(LocalDriver(engine), tok, "tiny", str(FIXTURE))
+        return Loaded(LocalDriver(engine), tok, FIXTURE.stem, str(FIXTURE))
 
     server = LiveServer(create_app(load, slots=SLOTS, ctx=CTX))
     yield server, engine, tok

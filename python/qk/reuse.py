@@ -116,8 +116,10 @@ class ReuseTable:
         #: Prefix lengths present, so a lookup hashes only lengths that can match.
         self._lengths: collections.Counter[int] = collections.Counter()
         self._bytes = 0
-        # Indices are never reused, so a stale index (after invalidate) cannot name a new state.
-        self._next_idx = 1
+        # Indices stay below max_entries: a split's workers hold only that many snapshot entries
+        # (qkp op 3 refuses others). Reusing one is safe because every save overwrites its entry on
+        # every stage before the table commits it, and only committed entries are ever loaded.
+        self._free = list(range(max_entries))
 
     @property
     def entries(self) -> int:
@@ -169,9 +171,16 @@ class ReuseTable:
             oldest = next(iter(self._entries))
             evict.append(self._remove(oldest).idx)
             self.stats.evicted += 1
-        idx = self._next_idx
-        self._next_idx += 1
-        return Reservation(idx, evict)
+        self._free.extend(evict)
+        self._free.sort()
+        return Reservation(self._free.pop(0), evict)
+
+    def release(self, reservation: Reservation) -> None:
+        """The save into ``reservation.idx`` failed: the index is free again (the evicted entries
+        stay evicted; the caller has dropped them)."""
+        if reservation.idx not in self._free:
+            self._free.append(reservation.idx)
+            self._free.sort()
 
     def commit(self, reservation: Reservation, prefix: Sequence[int]) -> None:
         """Record that ``reservation.idx`` now holds the state after ``prefix``."""
@@ -185,6 +194,7 @@ class ReuseTable:
         """Forget every entry (the engine that held them restarted); returns their indices so a
         still-live engine can drop them."""
         indices = [e.idx for e in self._entries.values()]
+        self._free = list(range(self.max_entries))
         self._entries.clear()
         self._lengths.clear()
         self._bytes = 0

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from qk.driver import Driver
 from qk.reuse import ReuseTable, snapshot_position, state_bytes_from_info
@@ -58,6 +59,10 @@ log = logging.getLogger("qk.scheduler")
 #: chunked DeltaNet puts its own (DESIGN.md "Determinism"); small enough that decode steps of other
 #: slots and SSE keep-alives interleave with a long prompt.
 PREFILL_CHUNK = 512
+
+#: Groups of slots a pipelined driver (one with ``decode_async``) keeps in flight: one on the head's
+#: layers while the other is on the rest of the chain.
+LANES = 2
 
 
 class QueueFullError(Exception):
@@ -143,6 +148,8 @@ class Job:
         self.position = 0
         self.generated = 0
         self.pending: int | None = None
+        #: A decode step of this job is in flight on a pipelined driver.
+        self.in_flight = False
         #: Prompt tokens restored from a snapshot rather than prefilled.
         self.cached = 0
         self.looked_up = False
@@ -227,6 +234,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._slots: list[Job | None] = [None] * slots
+        #: Decode steps submitted to a pipelined driver, oldest first: (future, jobs, submit time).
+        self._lanes: collections.deque[tuple[Any, list[Job], float]] = collections.deque()
         self._draining = False
         self._thread = threading.Thread(target=self._run, name="qk-engine", daemon=True)
 
@@ -314,12 +323,19 @@ class Scheduler:
             self.load_error = exc
             self.state = "failed"
             return
+        if hasattr(self.driver, "on_new_session") and self.driver.on_new_session is None:
+            # A split chain that reconnected lost every snapshot its stages held.
+            self.driver.on_new_session = self.invalidate_reuse
         settings = self._reuse_settings
         if settings is not None and getattr(self.driver, "supports_snapshots", False):
+            info = self.driver.info()
             self.reuse = ReuseTable(
-                max_entries=settings.max_entries,
+                # A split chain holds as many snapshot entries as its smallest stage offers.
+                max_entries=min(
+                    settings.max_entries, int(info.get("snapshot_entries", settings.max_entries))
+                ),
                 max_bytes=settings.max_bytes,
-                state_bytes=state_bytes_from_info(self.driver.info()),
+                state_bytes=state_bytes_from_info(info),
             )
             log.info(
                 "cross-turn reuse on: %d snapshots, %.2f GiB",
@@ -390,7 +406,9 @@ class Scheduler:
         if prefilling:
             self._prefill_chunk(driver, min(prefilling, key=lambda j: j.id))
         decoding = [j for j in self._slots if j is not None and j.pending is not None and not j.done]
-        if decoding:
+        if hasattr(driver, "decode_async"):
+            self._decode_lanes(driver, decoding)
+        elif decoding:
             self._decode_step(driver, decoding)
 
     def _void_reuse(self) -> None:
@@ -449,6 +467,7 @@ class Scheduler:
                 raise
             log.warning("job %d: saving a snapshot failed (%s); no reuse of this prefix", job.id, exc)
             self.stats.reuse_errors += 1
+            self.reuse.release(reservation)
             return
         self.reuse.commit(reservation, prefix)
 
@@ -493,9 +512,16 @@ class Scheduler:
         started = time.perf_counter()
         results = driver.decode([j.slot or 0 for j in jobs], [j.pending or 0 for j in jobs], topk)
         self.stats.decode_seconds += time.perf_counter() - started
+        self._advance(jobs, results)
+
+    def _advance(self, jobs: list[Job], results: list[Any]) -> None:
+        """One decode step's results: sample each job's next token (a job that ended while its
+        step was in flight is skipped)."""
         self.stats.decode_steps += 1
         self.stats.decode_slot_steps += len(jobs)
         for job, nxt in zip(jobs, results, strict=True):
+            if job.done:
+                continue
             job.position += 1
             try:
                 token = job.sampler.pick(nxt.token, nxt.candidates)
@@ -503,6 +529,38 @@ class Scheduler:
                 self._finish(job, Failed(exc))
                 continue
             self._accept(job, token)
+
+    def _decode_lanes(self, driver: Any, decoding: list[Job]) -> None:
+        """Pipelined decode: submit one group of ready jobs per turn while fewer than LANES are in
+        flight (the first time, half of them, so two groups alternate), else collect the oldest."""
+        ready = [j for j in decoding if not j.in_flight]
+        if ready and len(self._lanes) < LANES:
+            if not self._lanes and len(ready) > 1:
+                ready = ready[: (len(ready) + 1) // 2]
+            topk = max(j.request.params.candidates_needed for j in ready)
+            started = time.perf_counter()
+            future = driver.decode_async([j.slot or 0 for j in ready], [j.pending or 0 for j in ready], topk)
+            self.stats.decode_seconds += time.perf_counter() - started
+            for job in ready:
+                job.in_flight = True
+            self._lanes.append((future, ready, started))
+            return
+        if not self._lanes:
+            return
+        future, jobs, _ = self._lanes.popleft()
+        started = time.perf_counter()
+        try:
+            results = future.result()
+        except Exception:
+            if all(job.done for job in jobs):
+                # Every job of this step already ended (cancelled): its failure concerns no one.
+                return
+            raise
+        finally:
+            for job in jobs:
+                job.in_flight = False
+            self.stats.decode_seconds += time.perf_counter() - started
+        self._advance(jobs, results)
 
     def _accept(self, job: Job, token: int) -> None:
         """A sampled token: end the job, or emit it and keep it to feed the next step."""
@@ -534,6 +592,8 @@ class Scheduler:
         log.error("engine step failed: %r", exc)
         with self._cond:
             victims = [j for j in self._slots if j is not None]
+            # Steps in flight belong to these jobs; their answers (or errors) are of no use now.
+            self._lanes.clear()
             if isinstance(exc, self._device_lost_errors):
                 victims += list(self._waiting)
                 self._waiting.clear()

@@ -5,9 +5,13 @@ architecture, written on first start into ``$QK_CACHE/demo`` (default ``~/.cache
 qk's own small vocabulary and a ChatML template. Its replies are noise; it exists so the API can be
 tried (and clients wired up) without a real model.
 
+With ``--layers 0:A --split-next HOST:PORT`` it is the head of a split model: it runs layers
+``[0, A)`` and the worker chain behind HOST:PORT (``python -m qk.worker``) runs the rest (qk.split).
+
 Example::
 
     python -m qk.serve --model Qwen3-Next-80B-A3B-Instruct-IQ4_XS.gguf --slots 4 --api-key s3cret
+    python -m qk.serve --model M.gguf --layers 0:24 --split-next 10.0.0.2:18100 --secret s3cret
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ def demo_model_path() -> Path:
     return path
 
 
+def _layers(text: str) -> tuple[int, int]:
+    from qk.worker import parse_layers
+
+    return parse_layers(text)
+
+
 def _loader(path: Path, slots: int, ctx: int, device: str | None, name: str):
     def load():
         # qk.engine (the native engine's Python home) rather than the lazy `qk.Engine` attribute,
@@ -60,6 +70,33 @@ def _loader(path: Path, slots: int, ctx: int, device: str | None, name: str):
         tokenizer = Tokenizer.from_gguf(path)
         engine = Engine(str(path), layers=None, slots=slots, ctx=ctx, device=device)
         return Loaded(LocalDriver(engine), tokenizer, name, str(path))
+
+    return load
+
+
+def _split_loader(
+    path: Path, layers: tuple[int, int], next_addr: str, args: argparse.Namespace, name: str
+) -> Callable[[], Any]:
+    def load():
+        import random
+
+        from qk import _qk
+        from qk.gguf import Gguf
+        from qk.server import Loaded
+        from qk.split import SplitDriver, head_stage
+        from qk.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_gguf(path)
+        engine = _qk.Engine(str(path), layers=layers, slots=args.slots, ctx=args.ctx, device=args.device)
+        fingerprint = Gguf(str(path), header_only=True).fingerprint
+        own = head_stage(
+            engine, fingerprint, args.snapshots, f"head {args.host}:{args.port}", random.getrandbits(63) + 1
+        )
+        secret = args.secret if args.secret is not None else os.environ.get("QK_SECRET") or None
+        link = _qk.HeadLink(next_addr, own, secret=secret, takeover=args.takeover)
+        driver = SplitDriver(engine, link, target=next_addr)
+        driver.connect()
+        return Loaded(driver, tokenizer, name, str(path))
 
     return load
 
@@ -83,11 +120,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--snapshot-gib", type=float, default=4.0, help="GPU memory the saved states may hold (GiB)"
     )
     p.add_argument("--no-reuse", action="store_true", help="prefill every prompt in full")
+    p.add_argument("--layers", type=_layers, help="A:B — run only these layers here (a split head runs 0:A)")
+    p.add_argument(
+        "--split-next", metavar="HOST:PORT", help="the worker running the layers after --layers (split head)"
+    )
+    p.add_argument("--secret", default=None, help="shared secret with the workers (default: $QK_SECRET)")
+    p.add_argument(
+        "--takeover",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replace a session the chain still holds from this head's previous run (default: on)",
+    )
     p.add_argument("--alias", help="model name reported by the API (default: the file name)")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     if args.slots < 1 or args.ctx < 2 or args.max_queue < 0:
         p.error("--slots must be ≥ 1, --ctx ≥ 2, --max-queue ≥ 0")
+    if args.split_next is not None and args.layers is None:
+        p.error("--split-next needs --layers 0:A (the layers this head runs)")
+    if args.layers is not None and args.layers[0] != 0:
+        p.error(f"--layers {args.layers[0]}:{args.layers[1]}: the head runs the first layers (0:A)")
+    if args.split_next is not None and args.model is None:
+        p.error("--split-next needs --model (the workers load the same file)")
     if not args.no_reuse and (args.snapshots < 1 or args.snapshot_gib <= 0):
         p.error("--snapshots must be ≥ 1 and --snapshot-gib > 0 (or pass --no-reuse)")
     return args
@@ -123,6 +177,22 @@ def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None
         log.warning("serving the demo model: random weights, replies are noise")
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who can reach the port can use it", args.host)
+    if load is None and args.split_next is not None:
+        load = _split_loader(path, args.layers, args.split_next, args, name)
+    elif load is None and args.layers is not None:
+        from qk.gguf import Gguf
+
+        g = Gguf(str(path), header_only=True)
+        meta = g.metadata
+        # MTP blocks after the main stack are not layers a stage runs.
+        n_layer = int(meta[f"{g.arch}.block_count"]) - int(meta.get(f"{g.arch}.nextn_predict_layers", 0))
+        if args.layers != (0, n_layer):
+            print(
+                f"qk.serve: --layers {args.layers[0]}:{args.layers[1]} leaves layers to run elsewhere: "
+                "give --split-next HOST:PORT (the worker with the next layers)",
+                file=sys.stderr,
+            )
+            return 2
     app = create_app(
         load or _loader(path, args.slots, args.ctx, args.device, name),
         slots=args.slots,

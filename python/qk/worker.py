@@ -44,6 +44,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def stage_info(engine: Any, fingerprint: str, snap_entries: int) -> dict:
+    """What a hello says of a stage running ``engine`` (qkp.md "hello"): its layers, the model's
+    shape, slots and context, snapshot capacity, model fingerprint and adapter."""
+    info = engine.info()
+    first, end = info["layers"]
+    memory = info["memory"]
+    return {
+        "layer_first": int(first),
+        "layer_end": int(end),
+        "n_layer": int(info["n_layer"]),
+        "n_embd": int(info["n_embd"]),
+        "slots": int(info["slots"]),
+        "ctx": int(info["ctx"]),
+        "snap_entries": snap_entries,
+        "snap_bytes": snap_entries * int(memory["kv_per_slot"] + memory["deltanet_per_slot"]),
+        "fingerprint": fingerprint,
+        "adapter": str(info["adapter"]),
+    }
+
+
 class EngineStage:
     """A ``qk.Engine`` as the stage ``qk._qk.Worker`` serves (the methods in STAGE_METHODS), through the
     engine's public API; the engine releases the GIL while the GPU works. The engine has no snapshot
@@ -52,21 +72,7 @@ class EngineStage:
 
     def __init__(self, engine: Any, fingerprint: str, snap_entries: int) -> None:
         self.engine = engine
-        info = engine.info()
-        first, end = info["layers"]
-        memory = info["memory"]
-        self.info = {
-            "layer_first": int(first),
-            "layer_end": int(end),
-            "n_layer": int(info["n_layer"]),
-            "n_embd": int(info["n_embd"]),
-            "slots": int(info["slots"]),
-            "ctx": int(info["ctx"]),
-            "snap_entries": snap_entries,
-            "snap_bytes": snap_entries * int(memory["kv_per_slot"] + memory["deltanet_per_slot"]),
-            "fingerprint": fingerprint,
-            "adapter": str(info["adapter"]),
-        }
+        self.info = stage_info(engine, fingerprint, snap_entries)
         self.last = self.info["layer_end"] == self.info["n_layer"]
         self.saved: set[int] = set()
 

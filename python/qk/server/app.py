@@ -249,13 +249,22 @@ def create_app(
     # -- introspection ------------------------------------------------------------------------------
 
     async def health(request: Request) -> Response:
-        if scheduler.ready:
-            return JSONResponse({"status": "ok"})
+        # A split head also reports each stage: healthy only while the whole chain is reachable.
+        stages = getattr(scheduler.driver, "stages", None)
+        extra: dict[str, Any] = {}
+        if stages is not None:
+            extra = {"stages": stages(), "chain": scheduler.driver.chain_status()}  # type: ignore[union-attr]
+        if scheduler.ready and (not extra or extra["chain"]["up"]):
+            return JSONResponse({"status": "ok", **extra})
         if scheduler.state == "loading":
             message = "Loading model"
+        elif scheduler.ready:
+            why = extra["chain"]["last_error"] or "not connected yet"
+            message = f"a pipeline stage is unreachable: {why}"
         else:
             message = scheduler.unavailable_reason() if scheduler.state != "ready" else "Shutting down"
-        return JSONResponse({"error": {"code": 503, "message": message, "type": "unavailable_error"}}, 503)
+        body = {"error": {"code": 503, "message": message, "type": "unavailable_error"}, **extra}
+        return JSONResponse(body, 503)
 
     async def metrics_route(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -68,6 +68,8 @@ def _native_classes() -> dict[type[BaseException], ErrorInfo]:
     return {
         _qk.DeviceLostError: ErrorInfo(503, "api_error", 503, "server_error"),
         _qk.OutOfMemoryError: ErrorInfo(503, "overloaded_error", 503, "server_error"),
+        # A pipeline stage is unreachable or failed mid-call: the head is fine and retries the chain.
+        _qk.TransportError: ErrorInfo(503, "api_error", 503, "server_error"),
         _qk.QkError: ErrorInfo(500, "api_error", 500, "server_error", expose=False),
     }
 

@@ -76,6 +76,7 @@ class Metrics(Collector):
         yield gauge("qk_slots_busy", "Slots generating or prefilling", s.busy_slots)
         yield gauge("qk_slots_total", "Slots the engine holds", s.n_slots)
         yield gauge("qk_ready", "1 when the engine serves requests", 1.0 if s.ready else 0.0)
+        yield from self._stages()
         finished = CounterMetricFamily("qk_generations", "Generations ended, by reason", labels=["reason"])
         for reason, n in sorted(st.finished.items()):
             finished.add_metric([reason], n)
@@ -88,3 +89,31 @@ class Metrics(Collector):
         for (route, status), n in items:
             requests.add_metric([route, status], n)
         yield requests
+
+    def _stages(self):
+        """A split head's view of each pipeline stage."""
+        driver = self.scheduler.driver
+        stages = getattr(driver, "stages", None)
+        if stages is None:
+            return
+        up = GaugeMetricFamily("qk_stage_up", "1 while the stage is reachable", labels=["stage", "layers"])
+        for st in stages():
+            layers = "" if st["layers"] is None else f"{st['layers'][0]}:{st['layers'][1]}"
+            up.add_metric([st["name"], layers], 1.0 if st["up"] else 0.0)
+        yield up
+        chain = driver.chain_status()  # type: ignore[union-attr]
+        yield CounterMetricFamily(
+            "qk_chain_sessions", "Sessions established with the chain", value=chain["sessions"]
+        )
+        if chain["rtt_seconds"] is not None:
+            yield GaugeMetricFamily(
+                "qk_chain_ping_seconds",
+                "Latest idle ping through the whole chain",
+                value=chain["rtt_seconds"],
+            )
+        if chain["step_rtt_seconds"] is not None:
+            yield GaugeMetricFamily(
+                "qk_chain_step_seconds",
+                "Latest decode step's round trip through the chain after the head",
+                value=chain["step_rtt_seconds"],
+            )

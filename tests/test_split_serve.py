@@ -1,0 +1,314 @@
+"""Split serving end to end (issue gates): ``python -m qk.serve --layers 0:A --split-next`` in front of
+``python -m qk.worker`` processes on loopback, on the real engine (lavapipe in CI), against an unsplit
+server on the same fixture. (1) split ≡ unsplit response bodies for 2 and 3 stages at several
+boundaries; (2) streamed ≡ non-streamed through the split; (3) kill -9 of the worker mid-stream gives
+the tokens already sent plus a clean error, the head stays up and serves again once the worker is
+back; (4) two concurrent sequences each match the unsplit reference; (5) a mismatched worker is
+refused at connect with its reason, shown on /health."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server_engine import live as _live_fixture  # noqa: F401 (a fixture)
+from test_server_engine import native
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen3next-f32.gguf"
+OTHER = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen35moe-f32.gguf"
+N_LAYER = 4
+SLOTS, CTX = 2, 512
+#: Fields that differ between any two responses (ids, clocks, the seed drawn for an unseeded
+#: request), removed before comparing bodies.
+VOLATILE = frozenset({"id", "created", "created_at", "timings", "system_fingerprint", "seed"})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def normalise(body):
+    if isinstance(body, dict):
+        return {k: normalise(v) for k, v in body.items() if k not in VOLATILE}
+    if isinstance(body, list):
+        return [normalise(v) for v in body]
+    return body
+
+
+class Proc:
+    """A qk process on loopback; its output is kept for the failure message."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = args
+        env = {k: v for k, v in os.environ.items() if k != "QK_SECRET"}
+        # A file, not a pipe: nobody reads while the test runs, and a full pipe would block the process.
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", *args], env=env, stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def output(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+def worker(layers: tuple[int, int], port: int, *extra: str, model: Path = FIXTURE) -> Proc:
+    a, b = layers
+    return Proc(
+        "qk.worker", "--model", str(model), "--layers", f"{a}:{b}", "--port", str(port),
+        "--slots", str(SLOTS), "--ctx", str(CTX), *extra,
+    )  # fmt: skip
+
+
+def head(end: int, next_port: int, port: int, *extra: str) -> Proc:
+    return Proc(
+        "qk.serve", "--model", str(FIXTURE), "--layers", f"0:{end}", "--split-next", f"127.0.0.1:{next_port}",
+        "--port", str(port), "--slots", str(SLOTS), "--ctx", str(CTX), "--log-level", "warning", *extra,
+    )  # fmt: skip
+
+
+def wait_health(url: str, procs: list[Proc], status: int = 200, timeout: float = 120.0) -> dict:
+    end = time.monotonic() + timeout
+    last = None
+    with httpx.Client(timeout=5) as c:
+        while time.monotonic() < end:
+            for p in procs:
+                if p.proc.poll() is not None:
+                    raise RuntimeError(f"{p.args[0]} exited {p.proc.returncode}:\n{p.output()}")
+            try:
+                r = c.get(url + "/health")
+                last = r.json()
+                if r.status_code == status:
+                    return last
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"/health never answered {status}; last: {last}")
+
+
+class Split:
+    """Head + workers for the given cut points (e.g. [2] → 0:2 head, 2:4 worker)."""
+
+    def __init__(self, cuts: list[int]) -> None:
+        bounds = [0, *cuts, N_LAYER]
+        self.ports = [free_port() for _ in cuts]
+        self.workers: list[Proc] = []
+        # Start-up order does not matter: workers come up last-first here, the head reconnects anyway.
+        for i in reversed(range(len(cuts))):
+            nxt = ["--next", f"127.0.0.1:{self.ports[i + 1]}"] if i + 1 < len(cuts) else []
+            self.workers.insert(0, worker((bounds[i + 1], bounds[i + 2]), self.ports[i], *nxt))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.head = head(cuts[0], self.ports[0], self.port)
+        self.health = wait_health(self.url, [self.head, *self.workers])
+        self.http = httpx.Client(base_url=self.url, timeout=120)
+
+    def close(self) -> None:
+        self.http.close()
+        for p in [self.head, *self.workers]:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def unsplit(_live_fixture):  # noqa: F811 (the imported fixture, by its registered name)
+    """The unsplit reference: the whole model behind the same HTTP server, in this process."""
+    return _live_fixture[0]
+
+
+REQUESTS = [
+    (
+        "/v1/messages",
+        {"model": "m", "max_tokens": 12, "messages": [{"role": "user", "content": "Hello there"}]},
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "m",
+            "max_tokens": 12,
+            "temperature": 0.9,
+            "seed": 5,
+            "messages": [{"role": "user", "content": "Tell me a story about a small model"}],
+        },
+    ),
+    ("/completion", {"prompt": "Once upon a time " * 20, "n_predict": 12}),
+]
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str | None, dict]]:
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event:"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("data:"):
+            data = line.split(":", 1)[1].strip()
+            if data != "[DONE]":
+                events.append((name, json.loads(data)))
+            name = None
+    return events
+
+
+@pytest.mark.parametrize("cuts", [[1], [3], [1, 3]], ids=["2-stage@1", "2-stage@3", "3-stage@1,3"])
+def test_split_equals_unsplit_streamed_and_concurrent(unsplit, cuts):
+    split = Split(cuts)
+    try:
+        stages = split.health["stages"]
+        assert [s["layers"] for s in stages] == [
+            [a, b] for a, b in zip([0, *cuts], [*cuts, N_LAYER], strict=True)
+        ]
+        for route, body in REQUESTS:
+            want = unsplit.http.post(route, json=body)
+            got = split.http.post(route, json=body)
+            assert got.status_code == want.status_code == 200, got.text
+            assert normalise(got.json()) == normalise(want.json()), route
+        # Streamed ≡ non-streamed through the split (Anthropic text deltas).
+        route, body = REQUESTS[0]
+        whole = split.http.post(route, json=body).json()
+        with split.http.stream("POST", route, json={**body, "stream": True}) as r:
+            deltas = [
+                e["delta"]["text"]
+                for name, e in sse_events(r)
+                if name == "content_block_delta" and "text" in e["delta"]
+            ]
+        assert "".join(deltas) == "".join(b.get("text", "") for b in whole["content"])
+        # Two concurrent sequences (one multi-slot step on every stage) each equal unsplit.
+        prompts = ["The little model", "wanted to learn how to count to ten"]
+        refs = [
+            unsplit.http.post("/completion", json={"prompt": p, "n_predict": 16}).json()["tokens"]
+            for p in prompts
+        ]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(
+                pool.map(
+                    lambda p: split.http.post("/completion", json={"prompt": p, "n_predict": 16}).json(),
+                    prompts,
+                )
+            )
+        assert [t["tokens"] for t in together] == refs
+        metrics = split.http.get("/metrics").text
+        assert f'qk_stage_up{{layers="0:{cuts[0]}",stage="head"}} 1.0' in metrics
+    finally:
+        split.close()
+
+
+def test_kill_the_worker_mid_stream_then_restart(unsplit):
+    split = Split([2])
+    try:
+        body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True}
+        contents, error = [], None
+        with split.http.stream("POST", "/completion", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line.split(":", 1)[1])
+                if "error" in event:
+                    error = event["error"]
+                    break
+                contents.append(event.get("content", ""))
+                if len(contents) == 5:
+                    split.workers[0].proc.send_signal(signal.SIGKILL)
+                if event.get("stop"):
+                    break
+        assert error is not None, "the stream ended without an error after its worker died"
+        assert 5 <= len(contents) < 400
+        assert error["code"] == 503 and "stage" in error["message"].lower()
+        # The head is up and says what is missing.
+        down = wait_health(split.url, [split.head], status=503, timeout=30)
+        assert down["chain"]["up"] is False
+        # A request while the worker is down fails cleanly.
+        r = split.http.post("/completion", json={"prompt": "Hi", "n_predict": 4})
+        assert r.status_code == 503
+        # The worker comes back on its port; the head reconnects by itself and serves again.
+        split.workers[0].stop()
+        split.workers[0] = worker((2, N_LAYER), split.ports[0])
+        wait_health(split.url, [split.head, *split.workers], status=200, timeout=120)
+        body = {"prompt": "Once upon a time", "n_predict": 12}
+        want = unsplit.http.post("/completion", json=body).json()
+        got = split.http.post("/completion", json=body).json()
+        assert got["tokens"] == want["tokens"]
+    finally:
+        split.close()
+
+
+def chain_error(url: str, procs: list[Proc], timeout: float = 60.0) -> dict:
+    """/health once the head has loaded and tried the chain: 503 with the chain's last error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        down = wait_health(url, procs, status=503, timeout=timeout)
+        if down.get("chain", {}).get("last_error") or time.monotonic() > deadline:
+            return down
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    "worker_args,reason",
+    [
+        (((3, N_LAYER),), "unserved"),
+        (((1, N_LAYER),), "overlapping"),
+        (((2, N_LAYER), "--slots", "1"), "slots"),
+        (((2, N_LAYER), "--ctx", "128"), "ctx"),
+        (((2, N_LAYER), "--secret", "not-the-heads"), "secret"),
+    ],
+    ids=["gap", "overlap", "slots", "ctx", "secret"],
+)
+def test_a_mismatched_worker_is_refused_with_its_reason(worker_args, reason):
+    native()
+    layers, *extra = worker_args
+    port, head_port = free_port(), free_port()
+    w = worker(layers, port, *extra)
+    h = head(2, port, head_port)
+    try:
+        # The worker may still be starting at the head's first try ("connection refused"): wait for
+        # the refusal that names the mismatch.
+        url = f"http://127.0.0.1:{head_port}"
+        deadline = time.monotonic() + 60
+        down = chain_error(url, [h, w])
+        while reason not in (down["chain"]["last_error"] or "").lower() and time.monotonic() < deadline:
+            time.sleep(0.2)
+            down = chain_error(url, [h, w])
+        assert reason in (down["chain"]["last_error"] or "").lower(), down
+        assert down["error"]["code"] == 503 and reason in down["error"]["message"].lower()
+    finally:
+        h.stop()
+        w.stop()
+
+
+def test_a_worker_of_another_model_is_refused():
+    native()
+    port, head_port = free_port(), free_port()
+    w = worker((2, N_LAYER), port, model=OTHER)
+    h = head(2, port, head_port)
+    try:
+        url = f"http://127.0.0.1:{head_port}"
+        deadline = time.monotonic() + 60
+        down = chain_error(url, [h, w])
+        while "fingerprint" not in (down["chain"]["last_error"] or "") and time.monotonic() < deadline:
+            time.sleep(0.2)
+            down = chain_error(url, [h, w])
+        assert "fingerprint" in down["chain"]["last_error"], down
+    finally:
+        h.stop()
+        w.stop()
