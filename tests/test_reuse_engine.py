@@ -1,9 +1,11 @@
 """Cross-turn reuse through the HTTP server on the real ``qk.Engine`` (lavapipe in CI) with the tiny
 qwen35moe fixture served with the real Qwen3.5 chat template (llama.cpp's copy), which drops earlier
-turns' reasoning once a new user query comes: multi-turn conversations with a tool loop give
+turns' reasoning once a new user query comes — on one box and across a 2-stage split (head and
+worker over a real socket): multi-turn conversations with a tool loop give
 byte-identical answers with reuse on and off, each turn prefills exactly its prompt minus the longest
 snapshotted prefix (an older one where the template rewrote the newer), and after ``invalidate`` a
-turn prefills in full and answers the same."""
+turn prefills in full and answers the same; a worker restarted between turns costs a full prefill,
+never a wrong answer."""
 
 from __future__ import annotations
 
@@ -41,8 +43,38 @@ def tokenizer(llama_cpp_src: Path):
     return tok
 
 
-@pytest.fixture(scope="module")
-def live(tokenizer):
+class InProcessWorker:
+    """``python -m qk.worker``'s parts in this process: the layers after the head's behind a real
+    socket. ``restart()`` is a worker that died and came back (a new boot id, no snapshots)."""
+
+    def __init__(self, _qk, first: int, n_layer: int) -> None:
+        self._qk, self.first, self.n_layer, self.port = _qk, first, n_layer, 0
+        self.start()
+
+    def start(self) -> None:
+        import threading
+
+        from qk.gguf import Gguf
+        from qk.worker import EngineStage
+
+        engine = self._qk.Engine(str(FIXTURE), layers=(self.first, self.n_layer), slots=1, ctx=CTX)
+        stage = EngineStage(engine, Gguf(str(FIXTURE), header_only=True).fingerprint, 8)
+        self.worker = self._qk.Worker(stage, port=self.port, name="tail")
+        self.port = self.worker.port
+        self.thread = threading.Thread(target=self.worker.serve, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.thread.join(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="module", params=["one-box", "split"])
+def live(request, tokenizer):
     try:
         from qk import _qk
     except ImportError:
@@ -60,13 +92,31 @@ def live(tokenizer):
             raise
         pytest.skip("no wgpu adapter")
 
+    tail = None
+    if request.param == "one-box":
+        driver = LocalDriver(engine)
+    else:
+        # Reuse across a 2-stage split: snapshots on both stages through qkp ops 3 and 4.
+        from qk.gguf import Gguf
+        from qk.split import SplitDriver, head_stage
+
+        n_layer = engine.info()["n_layer"]
+        head = _qk.Engine(str(FIXTURE), layers=(0, 1), slots=1, ctx=CTX)
+        tail = InProcessWorker(_qk, 1, n_layer)
+        own = head_stage(head, Gguf(str(FIXTURE), header_only=True).fingerprint, 8, "head", 1)
+        link = _qk.HeadLink(f"127.0.0.1:{tail.port}", own, connect_timeout=2.0)
+        driver = SplitDriver(head, link, ticker=False)
+        assert driver.connect()
+
     def load():
-        return Loaded(LocalDriver(engine), tokenizer, "tiny", str(FIXTURE))
+        return Loaded(driver, tokenizer, "tiny", str(FIXTURE))
 
     app = create_app(load, slots=1, ctx=CTX, reuse=ReuseSettings(max_entries=8, max_bytes=1 << 30))
     server = LiveServer(app)
-    yield server, app.state.scheduler
+    yield server, app.state.scheduler, tail
     server.close()
+    if tail is not None:
+        tail.stop()
 
 
 def prefilled(server) -> int:
@@ -95,7 +145,7 @@ def counted(server, send):
 
 
 def test_anthropic_tool_loop_reuse_is_byte_identical(live):
-    server, scheduler = live
+    server, scheduler, _ = live
     import anthropic
 
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
@@ -145,7 +195,7 @@ def test_anthropic_tool_loop_reuse_is_byte_identical(live):
 
 
 def test_openai_tool_loop_prefills_prompt_minus_longest_snapshot(live, tokenizer):
-    server, scheduler = live
+    server, scheduler, _ = live
     from qk.chat import ChatTemplate
     from qk.reuse import snapshot_position
 
@@ -219,7 +269,7 @@ def test_openai_tool_loop_prefills_prompt_minus_longest_snapshot(live, tokenizer
 
 
 def test_completion_reports_cached_tokens(live, tokenizer):
-    server, scheduler = live
+    server, scheduler, _ = live
     scheduler.invalidate_reuse()
     prompt = tokenizer.encode("The weather desk keeps notes on every city it covers. " * 3)
     assert len(prompt) > 64
@@ -238,3 +288,23 @@ def test_completion_reports_cached_tokens(live, tokenizer):
     assert reused["tokens_cached"] == reused["timings"]["cache_n"] == at
     assert reused["timings"]["prompt_n"] == len(follow) - at
     assert full["tokens_cached"] == 0 and reused["tokens"] == full["tokens"]
+
+
+@pytest.mark.parametrize("live", ["split"], indirect=True)
+def test_a_restarted_worker_between_turns_falls_back_to_a_full_prefill(live, tokenizer):
+    server, scheduler, tail = live
+    scheduler.invalidate_reuse()
+    prompt = tokenizer.encode("The weather desk keeps notes on every city it covers. " * 3)
+    follow = prompt + tokenizer.encode(" Next:")
+
+    def send(ids, cache=True):
+        r = server.http.post("/completion", json={"prompt": ids, "n_predict": 4, "cache_prompt": cache})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    send(prompt)
+    assert scheduler.reuse.entries == 1
+    tail.restart()
+    after = send(follow)
+    assert after["tokens_cached"] == 0 and after["timings"]["prompt_n"] == len(follow)
+    assert after["tokens"] == send(follow, cache=False)["tokens"]

@@ -124,11 +124,21 @@ class SplitDriver:
             if self.on_new_session is not None:
                 self.on_new_session()
 
-    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+    def _submit(self, fn: Callable[..., Any], *args: Any, retry: bool = False, **kwargs: Any) -> Future:
+        """Run a link call on the link thread. ``retry``: the call is safe to repeat on a new session
+        (it starts a sequence at base 0, or restores a snapshot, which then fails cleanly), so a
+        connection that died while idle (a restarted worker) costs no request."""
+
         def call() -> Any:
             self._last_activity = time.monotonic()
             try:
-                return fn(*args, **kwargs)
+                try:
+                    return fn(*args, **kwargs)
+                except self._transport_error as first:
+                    if not retry:
+                        raise
+                    log.info("retrying on a new session after: %s", first)
+                    return fn(*args, **kwargs)
             except self._transport_error as exc:
                 # The client sees this message (HTTP 503 / SSE error): say which part failed.
                 raise self._transport_error(f"pipeline stage failed: {exc}") from exc
@@ -174,8 +184,11 @@ class SplitDriver:
             for offset, n in pieces(base, len(tokens), self.piece):
                 hidden = self.engine.stage_run(slot, tokens[offset : offset + n], base + offset)
                 last = offset + n == len(tokens)
+                start = base + offset
                 futures.append(
-                    self._submit(self.link.run, slot, base + offset, hidden=hidden, topk=topk if last else 0)
+                    self._submit(
+                        self.link.run, slot, start, hidden=hidden, topk=topk if last else 0, retry=start == 0
+                    )
                 )
         finally:
             # Every piece sent is answered before this returns (or raises), so no reply is left
@@ -219,7 +232,7 @@ class SplitDriver:
 
     def load_state(self, slot: int, idx: int) -> None:
         self.engine.state_load(slot, idx)
-        self._submit(self.link.load, slot, idx).result()
+        self._submit(self.link.load, slot, idx, retry=True).result()
 
     def drop_state(self, idx: int) -> None:
         self.engine.state_drop(idx)
