@@ -205,7 +205,7 @@ def test_scheduler_lanes_and_a_restarted_worker_voids_reuse():
     head = HeadEngine(Damped(0, 3))
     own = head_stage(head, "python-test-double", 4, "head", 7)
     link = _qk.HeadLink(tail.addr, own, connect_timeout=2.0, hello_timeout=10.0, backoff_min=0.05)
-    driver = SplitDriver(head, link, target=tail.addr, piece=64, ticker=False)
+    driver = SplitDriver(head, link, target=tail.addr, piece=64, ticker=False, lanes=2)
     scheduler = Scheduler(lambda: driver, slots=2, ctx=256, reuse=ReuseSettings(max_entries=4))
     scheduler.start()
     try:

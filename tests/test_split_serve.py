@@ -112,7 +112,7 @@ def wait_health(url: str, procs: list[Proc], status: int = 200, timeout: float =
 class Split:
     """Head + workers for the given cut points (e.g. [2] → 0:2 head, 2:4 worker)."""
 
-    def __init__(self, cuts: list[int]) -> None:
+    def __init__(self, cuts: list[int], *head_args: str) -> None:
         bounds = [0, *cuts, N_LAYER]
         self.ports = [free_port() for _ in cuts]
         self.workers: list[Proc] = []
@@ -122,7 +122,7 @@ class Split:
             self.workers.insert(0, worker((bounds[i + 1], bounds[i + 2]), self.ports[i], *nxt))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.head = head(cuts[0], self.ports[0], self.port)
+        self.head = head(cuts[0], self.ports[0], self.port, *head_args)
         self.health = wait_health(self.url, [self.head, *self.workers])
         self.http = httpx.Client(base_url=self.url, timeout=120)
 
@@ -170,9 +170,13 @@ def sse_events(response: httpx.Response) -> list[tuple[str | None, dict]]:
     return events
 
 
-@pytest.mark.parametrize("cuts", [[1], [3], [1, 3]], ids=["2-stage@1", "2-stage@3", "3-stage@1,3"])
-def test_split_equals_unsplit_streamed_and_concurrent(unsplit, cuts):
-    split = Split(cuts)
+@pytest.mark.parametrize(
+    "cuts,lanes",
+    [([1], 1), ([3], 2), ([1, 3], 2)],
+    ids=["2-stage@1", "2-stage@3-lanes2", "3-stage@1,3-lanes2"],
+)
+def test_split_equals_unsplit_streamed_and_concurrent(unsplit, cuts, lanes):
+    split = Split(cuts, "--lanes", str(lanes))
     try:
         stages = split.health["stages"]
         assert [s["layers"] for s in stages] == [

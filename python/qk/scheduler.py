@@ -60,8 +60,8 @@ log = logging.getLogger("qk.scheduler")
 #: slots and SSE keep-alives interleave with a long prompt.
 PREFILL_CHUNK = 512
 
-#: Groups of slots a pipelined driver (one with ``decode_async``) keeps in flight: one on the head's
-#: layers while the other is on the rest of the chain.
+#: Groups of slots a pipelined driver (one with ``decode_async``) keeps in flight by default: one on
+#: the head's layers while the other is on the rest of the chain. A driver's ``lanes`` overrides it.
 LANES = 2
 
 
@@ -531,11 +531,13 @@ class Scheduler:
             self._accept(job, token)
 
     def _decode_lanes(self, driver: Any, decoding: list[Job]) -> None:
-        """Pipelined decode: submit one group of ready jobs per turn while fewer than LANES are in
-        flight (the first time, half of them, so two groups alternate), else collect the oldest."""
+        """Pipelined decode: submit one group of ready jobs per turn while fewer than the driver's
+        lanes are in flight (with two lanes, half of them the first time, so two groups alternate),
+        else collect the oldest."""
+        lanes = int(getattr(driver, "lanes", LANES))
         ready = [j for j in decoding if not j.in_flight]
-        if ready and len(self._lanes) < LANES:
-            if not self._lanes and len(ready) > 1:
+        if ready and len(self._lanes) < lanes:
+            if lanes > 1 and not self._lanes and len(ready) > 1:
                 ready = ready[: (len(ready) + 1) // 2]
             topk = max(j.request.params.candidates_needed for j in ready)
             started = time.perf_counter()

@@ -94,7 +94,7 @@ def _split_loader(
         )
         secret = args.secret if args.secret is not None else os.environ.get("QK_SECRET") or None
         link = _qk.HeadLink(next_addr, own, secret=secret, takeover=args.takeover)
-        driver = SplitDriver(engine, link, target=next_addr)
+        driver = SplitDriver(engine, link, target=next_addr, lanes=args.lanes)
         driver.connect()
         return Loaded(driver, tokenizer, name, str(path))
 
@@ -125,6 +125,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--split-next", metavar="HOST:PORT", help="the worker running the layers after --layers (split head)"
     )
     p.add_argument("--secret", default=None, help="shared secret with the workers (default: $QK_SECRET)")
+    p.add_argument(
+        "--lanes",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="split head: groups of slots in flight (1: all slots batched; 2 when each stage has its own GPU)",
+    )
     p.add_argument(
         "--takeover",
         action=argparse.BooleanOptionalAction,
