@@ -568,3 +568,27 @@ def test_measure_without_an_engine_says_so(tiny, monkeypatch) -> None:
     monkeypatch.delattr(qk, "Engine", raising=False)
     with pytest.raises(qp.PlanError, match="needs qk.Engine"):
         qp.find_engine()
+
+
+@pytest.mark.gpu
+def test_measure_on_the_real_engine_times_every_kind(capsys) -> None:
+    """``--measure`` with the native engine on this machine's adapter (lavapipe in CI): every layer
+    gets a positive time and the printed plan is in measured milliseconds."""
+    from pathlib import Path
+
+    from conftest import require_gpu
+
+    qk_native = pytest.importorskip("qk._qk")
+    fixture = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen3next-f32.gguf"
+    try:
+        qk_native.Engine(str(fixture), layers=(0, 1), slots=1, ctx=8)
+    except qk_native.DeviceError:
+        if require_gpu():
+            raise
+        pytest.skip("no wgpu adapter")
+    assert qp.main([str(fixture), "--device", "a:1", "--device", "b:1", "--ctx", "64", "--slots", "1", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "measured seconds per token on this adapter" in out and "--split-next" in out
+    f = qp.ModelFacts.from_gguf(fixture)
+    costs = qp.measure_costs(fixture, f, tokens=2)
+    assert costs.unit == "s" and all(c > 0 for c in costs.layer) and len(costs.layer) == f.n_layer
