@@ -5,7 +5,8 @@
 # kernel tests and the engine tests against the committed goldens run (a fast number is never a wrong
 # one), then qk and llama.cpp are measured side by side on the same file.
 # usage: bash benches/h200_engine.sh [LAYERS]   (12 by default: the iteration size)
-# env: QK_SKIP_TESTS=1, QK_SKIP_QK=1, QK_SKIP_LLAMA=1 leave a part out; QK_REUSE=1 adds the turn-2 TTFT bench.
+# env: QK_SKIP_TESTS=1, QK_SKIP_QK=1, QK_SKIP_LLAMA=1 leave a part out; QK_REUSE=1 adds the turn-2 TTFT
+# bench, QK_SPLIT=1 the unsplit-vs-2-stage loopback bench (benches/split_bench.py).
 set -uo pipefail
 LAYERS="${1:-12}"
 OUT="${OUT:-/tmp/qk-out}"; mkdir -p "$OUT"
@@ -15,7 +16,10 @@ ldconfig
 [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] \
   && export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/qk-*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/.device/gguf-py
+# The package's Python sources come from this tree (newer than the wheel when only Python changed),
+# its native module from the wheel.
+cp /tmp/site/qk/_qk*.so python/qk/
+export PYTHONPATH=$PWD/python:/tmp/site:$PWD/.device/gguf-py
 MODEL=/tmp/next80b-$LAYERS.gguf
 date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
@@ -45,6 +49,11 @@ python3 benches/engine_bench.py $MODEL --prompt 512 --decode 64 --slots 2 | tee 
 if [ "${QK_REUSE:-0}" = 1 ]; then
   echo "== cross-turn reuse: turn-2 time to first token, 8k tokens of history"
   python3 benches/reuse_ttft.py --model $MODEL --history 8192 2>&1 | grep -v "^qk: layer" | tee "$OUT/reuse.txt"
+fi
+if [ "${QK_SPLIT:-0}" = 1 ]; then
+  echo "== split serving on one GPU: unsplit vs head + worker over loopback"
+  python3 benches/split_bench.py $MODEL --prompt 512 --decode 64 --ctx 2048 2>&1 | grep -v "^qk: layer" \
+    | tee "$OUT/split.txt"
 fi
 [ "${QK_SKIP_LLAMA:-0}" = 1 ] && exit 0
 wait $BUILD
