@@ -113,6 +113,10 @@ class SplitDriver:
         self.rtt: float | None = None
         #: Seconds of the latest decode step's round trip through the chain (head excluded).
         self.step_rtt: float | None = None
+        # Layers and adapter never change; the engine's info() would wait for a step in progress.
+        self._head_info = dict(engine.info())
+        self._status: dict[str, Any] = {}
+        self._refresh()
         self._closed = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="qk-link-ticker", daemon=True)
         if ticker:
@@ -120,8 +124,20 @@ class SplitDriver:
 
     # -- the chain ---------------------------------------------------------------------------------
 
+    def _refresh(self) -> None:
+        """Copy the link's state into plain Python values for /health and /metrics: the link's own
+        getters wait for an in-flight call, which must never stall the event loop."""
+        self._status = {
+            "up": bool(self.link.is_up),
+            "sessions": int(self.link.sessions),
+            "chain": [dict(s) for s in self.link.chain],
+            "last_error": self.link.last_error,
+            "retry_in": self.link.retry_in,
+        }
+
     def _note_session(self) -> None:
-        sessions = int(self.link.sessions)
+        self._refresh()
+        sessions = self._status["sessions"]
         with self._session_lock:
             previous, self._sessions = self._sessions, sessions
         if previous is not None and sessions != previous:
@@ -169,6 +185,8 @@ class SplitDriver:
                     self.rtt = self._submit(self.link.ping).result()
             except Exception as exc:
                 log.debug("link ticker: %s", exc)
+            if not self._status["up"]:
+                self._refresh()
 
     def connect(self) -> bool:
         """Try the chain now (start-up); False with a logged reason when it is not reachable yet."""
@@ -246,7 +264,7 @@ class SplitDriver:
     def drop_state(self, idx: int) -> None:
         self.engine.state_drop(idx)
         # A down link needs no drop: the next session starts with every snapshot gone.
-        if self.link.is_up:
+        if self._status["up"]:
             self._submit(self.link.drop, idx).result()
 
     def info(self) -> Mapping[str, Any]:
@@ -258,36 +276,31 @@ class SplitDriver:
         return info
 
     def stages(self) -> list[dict[str, Any]]:
-        """Each stage's state for /health and /metrics: the head first, then the chain."""
-        head = self.engine.info()
-        up = bool(self.link.is_up)
-        out = [
-            {
-                "name": "head",
-                "layers": list(head["layers"]),
-                "adapter": str(head["adapter"]),
-                "up": True,
-            }
-        ]
-        for stage in self.link.chain:
+        """Each stage's state for /health and /metrics: the head first, then the chain (as of the
+        latest link call; never waits for one in flight)."""
+        head = self._head_info
+        status = self._status
+        out = [{"name": "head", "layers": list(head["layers"]), "adapter": str(head["adapter"]), "up": True}]
+        for stage in status["chain"]:
             out.append(
                 {
                     "name": stage["name"],
                     "layers": [stage["layer_first"], stage["layer_end"]],
                     "adapter": stage["adapter"],
-                    "up": up,
+                    "up": status["up"],
                 }
             )
-        if not self.link.chain:
+        if not status["chain"]:
             out.append({"name": self.target, "layers": None, "adapter": None, "up": False})
         return out
 
     def chain_status(self) -> dict[str, Any]:
+        status = self._status
         return {
-            "up": bool(self.link.is_up),
-            "sessions": int(self.link.sessions),
+            "up": status["up"],
+            "sessions": status["sessions"],
             "rtt_seconds": self.rtt,
             "step_rtt_seconds": self.step_rtt,
-            "last_error": self.link.last_error,
-            "retry_in": self.link.retry_in,
+            "last_error": status["last_error"],
+            "retry_in": status["retry_in"],
         }
