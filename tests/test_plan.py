@@ -586,7 +586,12 @@ def test_measure_on_the_real_engine_times_every_kind(capsys) -> None:
         if require_gpu():
             raise
         pytest.skip("no wgpu adapter")
-    assert qp.main([str(fixture), "--device", "a:1", "--device", "b:1", "--ctx", "64", "--slots", "1", "--measure"]) == 0
+    assert (
+        qp.main(
+            [str(fixture), "--device", "a:1", "--device", "b:1", "--ctx", "64", "--slots", "1", "--measure"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "measured seconds per token on this adapter" in out and "--split-next" in out
     f = qp.ModelFacts.from_gguf(fixture)

@@ -52,13 +52,13 @@ def normalise(body):
 class Proc:
     """A qk process on loopback; its output is kept for the failure message."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, prefix: tuple[str, ...] = ()) -> None:
         self.args = args
         env = {k: v for k, v in os.environ.items() if k != "QK_SECRET"}
         # A file, not a pipe: nobody reads while the test runs, and a full pipe would block the process.
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", *args], env=env, stdout=self.log, stderr=subprocess.STDOUT
+            [*prefix, sys.executable, "-m", *args], env=env, stdout=self.log, stderr=subprocess.STDOUT
         )
 
     def output(self) -> str:
@@ -75,17 +75,20 @@ class Proc:
         self.log.close()
 
 
-def worker(layers: tuple[int, int], port: int, *extra: str, model: Path = FIXTURE) -> Proc:
+def worker(
+    layers: tuple[int, int], port: int, *extra: str, model: Path = FIXTURE, prefix: tuple[str, ...] = ()
+) -> Proc:
+    """``python -m qk.worker``; ``prefix`` runs it elsewhere (e.g. ``ip netns exec NS``)."""
     a, b = layers
     return Proc(
         "qk.worker", "--model", str(model), "--layers", f"{a}:{b}", "--port", str(port),
-        "--slots", str(SLOTS), "--ctx", str(CTX), *extra,
+        "--slots", str(SLOTS), "--ctx", str(CTX), *extra, prefix=prefix,
     )  # fmt: skip
 
 
-def head(end: int, next_port: int, port: int, *extra: str) -> Proc:
+def head(end: int, next_port: int, port: int, *extra: str, next_host: str = "127.0.0.1") -> Proc:
     return Proc(
-        "qk.serve", "--model", str(FIXTURE), "--layers", f"0:{end}", "--split-next", f"127.0.0.1:{next_port}",
+        "qk.serve", "--model", str(FIXTURE), "--layers", f"0:{end}", "--split-next", f"{next_host}:{next_port}",
         "--port", str(port), "--slots", str(SLOTS), "--ctx", str(CTX), "--log-level", "warning", *extra,
     )  # fmt: skip
 
