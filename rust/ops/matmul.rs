@@ -1,5 +1,6 @@
 //! Matrix kernels over resident GGUF weights: mat-vec for decode (1..8 columns per weight read),
-//! tiled mat-mat for prefill, and the MoE mat-vec whose experts come from ids in a GPU buffer.
+//! mat-mat for prefill (cooperative-matrix tiles where the adapter offers them, f32 register tiles
+//! otherwise), and the MoE mat-vec whose experts come from ids in a GPU buffer.
 //! Activations are f32 columns (one per token) in storage buffers.
 
 use crate::error::{QkError, Result};
@@ -8,6 +9,7 @@ use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile, WeightTensor};
 
 pub const MATVEC: ShaderFile = crate::shader_file!("matvec");
 pub const MATMUL: ShaderFile = crate::shader_file!("matmul");
+pub const MATMUL_COOP: ShaderFile = crate::shader_file!("matmul_coop");
 
 /// Most activation columns one mat-vec dispatch takes (the accumulators live in registers).
 pub const MATVEC_MAX_COLS: u32 = 8;
@@ -287,7 +289,68 @@ pub fn matvec_id(
     Ok(())
 }
 
-/// Tiled mat-mat for prefill: y[:, j] = W · x[:, j] for j < ncols (64×64 output tiles).
+/// Which mat-mat kernel runs a prefill product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// f32 register tiles (matmul.wgsl): every adapter, f32 throughout.
+    Tiled,
+    /// Cooperative-matrix tiles (matmul_coop.wgsl): f16 inputs, `coop_accumulator` accumulators.
+    Coop,
+}
+
+/// Fewest activation columns for which the cooperative kernel is chosen: below one 16-wide
+/// matrix most of its tile is padding.
+pub const COOP_MIN_COLS: u32 = 16;
+
+/// Workgroup memory of matmul_coop.wgsl: two 64×40 f16 tiles and a 64×64 accumulator tile.
+const COOP_WG_BYTES: u32 = 2 * 64 * 40 * 2 + 64 * 64 * 4;
+
+/// The accumulator scalar (`"f32"` or `"f16"`) the cooperative mat-mat uses on this device, or
+/// None where it cannot run: it needs a 16×16×16 configuration with f16 A/B among the adapter's
+/// cooperative-matrix list (f32 accumulation preferred), shader f16, a fixed subgroup size (its
+/// workgroup is exactly four subgroups) and room for its tiles.
+pub fn coop_accumulator(gpu: &Gpu) -> Option<&'static str> {
+    use wgpu::CooperativeScalarType as S;
+    let caps = &gpu.caps;
+    if !caps.cooperative_matrix
+        || !caps.shader_f16
+        || caps.subgroup_min_size != caps.subgroup_max_size
+        || caps.subgroup_max_size == 0
+        || 4 * caps.subgroup_max_size > caps.max_invocations
+        || caps.max_workgroup_storage < COOP_WG_BYTES
+    {
+        return None;
+    }
+    let offered = |cr: S| {
+        caps.cooperative_matrix_configs
+            .iter()
+            .any(|c| (c.m_size, c.n_size, c.k_size) == (16, 16, 16) && c.ab_type == S::F16 && c.cr_type == cr)
+    };
+    if offered(S::F32) {
+        Some("f32")
+    } else if offered(S::F16) {
+        Some("f16")
+    } else {
+        None
+    }
+}
+
+/// The kernel `matmul` uses for `ncols` columns: cooperative where available and the product is
+/// wide enough, unless `QK_NO_COOP=1` forces the tiled fallback (for side-by-side measurements).
+pub fn matmul_kernel(gpu: &Gpu, ncols: u32) -> MatmulKernel {
+    static NO_COOP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let no_coop = *NO_COOP.get_or_init(|| {
+        std::env::var("QK_NO_COOP").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+    });
+    if !no_coop && ncols >= COOP_MIN_COLS && coop_accumulator(gpu).is_some() {
+        MatmulKernel::Coop
+    } else {
+        MatmulKernel::Tiled
+    }
+}
+
+/// Mat-mat for prefill: y[:, j] = W · x[:, j] for j < ncols (64×64 output tiles), by the kernel
+/// `matmul_kernel` picks.
 pub fn matmul(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -295,6 +358,19 @@ pub fn matmul(
     x: Columns<'_>,
     y: Columns<'_>,
     ncols: u32,
+) -> Result<()> {
+    matmul_with(gpu, rec, w, x, y, ncols, matmul_kernel(gpu, ncols))
+}
+
+/// `matmul` with an explicit kernel; `Coop` on a device without it is an error.
+pub fn matmul_with(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    kernel: MatmulKernel,
 ) -> Result<()> {
     if w.experts != 1 {
         return Err(QkError::Engine(format!(
@@ -304,7 +380,26 @@ pub fn matmul(
     }
     check_columns(&w.name, &x, w.cols, u64::from(ncols), true)?;
     check_columns(&w.name, &y, w.rows, u64::from(ncols), false)?;
-    let pipe = gpu.pipeline(&MATMUL, &[("QTYPE", qtype_name(w.ty).into())], &[])?;
+    let pipe = match kernel {
+        MatmulKernel::Tiled => gpu.pipeline(&MATMUL, &[("QTYPE", qtype_name(w.ty).into())], &[])?,
+        MatmulKernel::Coop => {
+            let acc = coop_accumulator(gpu).ok_or_else(|| {
+                QkError::Engine(format!(
+                    "{}: cooperative mat-mat requested but {} does not offer it",
+                    w.name, gpu.adapter.name
+                ))
+            })?;
+            gpu.pipeline(
+                &MATMUL_COOP,
+                &[
+                    ("QTYPE", qtype_name(w.ty).into()),
+                    ("SG", gpu.caps.subgroup_max_size.to_string()),
+                    ("ACC", acc.into()),
+                ],
+                &[],
+            )?
+        }
+    };
     let col_tiles = ncols.div_ceil(64);
     if col_tiles > gpu.caps.max_workgroups_per_dim {
         return Err(QkError::Engine(format!(
