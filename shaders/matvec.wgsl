@@ -1,7 +1,10 @@
 // Mat-vec for decode: Y[:, c] = W · X[:, c] for NC activation columns (1..8) that share one read of
 // the weights, W in any ggml type (dequantised on the fly by common_dequant), X and Y f32.
-// A workgroup computes NR consecutive rows; its WG invocations stride over K eight weights at a time,
-// then reduce across the workgroup. With MOE=1 the grid is (row groups, n_used, tokens) and each
+// A workgroup computes NR consecutive rows; its WG invocations stride over K, then reduce across the
+// workgroup. IQ4_XS (the bulk of the weights) has its own step: one coalesced quant word per
+// invocation, all 8 nibbles decoded, looked up in workgroup memory (the 4-bit decode was bound by
+// instructions per byte on the H200); every other type goes 8 weights at a time through
+// common_dequant. With MOE=1 the grid is (row groups, n_used, tokens) and each
 // workgroup reads its expert id from IDS (no CPU round trip) and skips experts outside this window.
 #include "common.wgsl"
 #include "common_dequant.wgsl"
@@ -22,6 +25,8 @@
 #variants QTYPE=iq4_nl
 #variants QTYPE=iq4_xs MOE=1
 #variants QTYPE=iq4_xs WG=128 NR=4 ACC4=2
+#variants QTYPE=iq4_xs NC=8 NR=2 ACC4=4
+#variants QTYPE=q8_0 NC=3 NR=2 ACC4=2 MOE=1
 
 struct MatvecParams {
     // Weights per row, rows to compute (per expert with MOE), bytes per row.
@@ -56,8 +61,20 @@ var<immediate> P: MatvecParams;
 var<workgroup> moe_expert: u32;
 #endif
 
+#if QTYPE == iq4_xs
+// kvalues_iq4nl as floats: a 16-entry table in workgroup memory is one shared load per weight (no
+// bank conflicts: distinct entries sit in distinct banks), fewer instructions than select chains.
+var<workgroup> kv_table: array<f32, 16>;
+#endif
+
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
+#if QTYPE == iq4_xs
+    if ids.lid < 16u {
+        kv_table[ids.lid] = kv_iq4nl4(vec4<u32>(ids.lid)).x;
+    }
+    workgroupBarrier();
+#endif
 #if MOE
     let row0 = ids.wid.x * {{NR}}u;
     let slot = ids.wid.y;
@@ -83,24 +100,63 @@ fn main(ids: ComputeIds) {
         return;
     }
     var acc: array<vec4<f32>, {{ACC4}}>;
-    let groups = P.k / 8u;
     let x_base = (P.x_offset + x_col0 * P.x_stride) / 4u;
-    for (var g = ids.lid; g < groups; g += {{WG}}u) {
-        // Unrolled (#for): constant indices keep xa, xb and acc in registers.
-        var xa: array<vec4<f32>, {{NC}}>;
-        var xb: array<vec4<f32>, {{NC}}>;
+    let x_col = P.x_stride / 4u;
+    var generic = true;
+#if QTYPE == iq4_xs
+    // Invocation j takes quant word j of the row (block j / 32, word i = j % 32 of its 128 quant
+    // bytes), so a subgroup reads a block's 128 bytes in one coalesced load and its 8-byte header
+    // as a broadcast. Word i belongs to sub-block i / 4: its low nibbles are weights 4(i % 4)..+3
+    // of that sub-block and its high nibbles the same 16 further on. IQ4_XS rows (136-byte
+    // multiples) always start 4-aligned.
+    generic = false;
+    for (var j = ids.lid; j < P.k / 8u; j += {{WG}}u) {
+        let i = j & 31u;
+        let ib = i >> 2u;
+        let xv = x_base + 64u * (j >> 5u) + 8u * ib + (i & 3u);
+        var xl: array<vec4<f32>, {{NC}}>;
+        var xh: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-        xa[{{c}}] = X[x_base + {{c}}u * (P.x_stride / 4u) + 2u * g];
-        xb[{{c}}] = X[x_base + {{c}}u * (P.x_stride / 4u) + 2u * g + 1u];
+        xl[{{c}}] = X[xv + {{c}}u * x_col];
+        xh[{{c}}] = X[xv + {{c}}u * x_col + 4u];
 #endfor
 #for r in 0..NR
         if row0 + {{r}}u < P.rows {
-            let w = dq8_{{QTYPE}}(w_base + (row0 + {{r}}u) * P.row_bytes, g);
+            let blk = (w_base + (row0 + {{r}}u) * P.row_bytes) / 4u + 34u * (j >> 5u);
+            let h0 = W[blk];
+            let h1 = W[blk + 1u];
+            let q = W[blk + 2u + i];
+            let ls = ((h1 >> (4u * ib)) & 15u) | (((h0 >> (16u + 2u * ib)) & 3u) << 4u);
+            let dl = unpack2x16float(h0).x * (f32(ls) - 32.0);
+            let lo = unpack4xU8(q & 0x0f0f0f0fu);
+            let hi = unpack4xU8((q >> 4u) & 0x0f0f0f0fu);
+            let wl = vec4<f32>(kv_table[lo.x], kv_table[lo.y], kv_table[lo.z], kv_table[lo.w]);
+            let wh = vec4<f32>(kv_table[hi.x], kv_table[hi.y], kv_table[hi.z], kv_table[hi.w]);
 #for c in 0..NC
-            acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dot(w.a, xa[{{c}}]) + dot(w.b, xb[{{c}}]);
+            acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dl * (dot(wl, xl[{{c}}]) + dot(wh, xh[{{c}}]));
 #endfor
         }
 #endfor
+    }
+#endif
+    if generic {
+        for (var g = ids.lid; g < P.k / 8u; g += {{WG}}u) {
+            // Unrolled (#for): constant indices keep xa, xb and acc in registers.
+            var xa: array<vec4<f32>, {{NC}}>;
+            var xb: array<vec4<f32>, {{NC}}>;
+#for c in 0..NC
+            xa[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g];
+            xb[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g + 1u];
+#endfor
+#for r in 0..NR
+            if row0 + {{r}}u < P.rows {
+                let w = dq8_{{QTYPE}}(w_base + (row0 + {{r}}u) * P.row_bytes, g);
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dot(w.a, xa[{{c}}]) + dot(w.b, xb[{{c}}]);
+#endfor
+            }
+#endfor
+        }
     }
 #for a in 0..ACC4
     acc[{{a}}] = wg_sum4(acc[{{a}}], ids);

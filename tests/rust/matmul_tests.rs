@@ -206,6 +206,13 @@ fn matmul_inner_dim_not_a_tile_multiple() {
         let e = run_matvec(gpu, &case, m, k, 3, None);
         assert!(e < NMSE_MAX, "matvec {ty} K=200: NMSE {e:e}");
     }
+    // Q8_0 with K = 224 (7 blocks): rows of 238 bytes are not 4-aligned and K is no multiple of
+    // the 64-weight block pair, so its mat-vec takes the generic path instead of the word path.
+    let case = make(gpu, GgmlType::Q8_0, 45, 224, 1, u64::MAX, 11);
+    for cols in [1, 4] {
+        let e = run_matvec(gpu, &case, 45, 224, cols, None);
+        assert!(e < NMSE_MAX, "matvec Q8_0 K=224 cols={cols}: NMSE {e:e}");
+    }
 }
 
 /// The cooperative-matrix mat-mat runs with f16 inputs. Each product w·x then carries two f16
