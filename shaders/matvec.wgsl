@@ -1,9 +1,10 @@
 // Mat-vec for decode: Y[:, c] = W · X[:, c] for NC activation columns (1..8) that share one read of
 // the weights, W in any ggml type (dequantised on the fly by common_dequant), X and Y f32.
 // A workgroup computes NR consecutive rows; its WG invocations stride over K, then reduce across the
-// workgroup. IQ4_XS (the bulk of the weights) has its own step: one coalesced quant word per
-// invocation, all 8 nibbles decoded, looked up in workgroup memory (the 4-bit decode was bound by
-// instructions per byte on the H200); every other type goes 8 weights at a time through
+// workgroup. IQ4_XS and Q8_0 (the bulk of the weights) have their own steps: coalesced words, all
+// nibbles of a word decoded (IQ4 values looked up in workgroup memory), the block scale applied
+// once per dot product, two steps' loads issued before their arithmetic (the 4-bit decode was
+// bound by instructions per byte on the H200); every other type goes 8 weights at a time through
 // common_dequant. With MOE=1 the grid is (row groups, n_used, tokens) and each
 // workgroup reads its expert id from IDS (no CPU round trip) and skips experts outside this window.
 #include "common.wgsl"
@@ -102,38 +103,105 @@ fn main(ids: ComputeIds) {
     var acc: array<vec4<f32>, {{ACC4}}>;
     let x_base = (P.x_offset + x_col0 * P.x_stride) / 4u;
     let x_col = P.x_stride / 4u;
+    // Rows past the end compute a copy of the last row and are not stored: no per-row branch, so
+    // the loads of all NR rows sit in one basic block and are issued back to back.
+#for r in 0..NR
+    let rb{{r}} = w_base + min(row0 + {{r}}u, P.rows - 1u) * P.row_bytes;
+#endfor
     var generic = true;
 #if QTYPE == iq4_xs
     // Invocation j takes quant word j of the row (block j / 32, word i = j % 32 of its 128 quant
     // bytes), so a subgroup reads a block's 128 bytes in one coalesced load and its 8-byte header
     // as a broadcast. Word i belongs to sub-block i / 4: its low nibbles are weights 4(i % 4)..+3
-    // of that sub-block and its high nibbles the same 16 further on. IQ4_XS rows (136-byte
-    // multiples) always start 4-aligned.
+    // of that sub-block and its high nibbles the same 16 further on. Two words per iteration, all
+    // loads first, keep more bytes in flight per invocation. IQ4_XS rows (136-byte multiples)
+    // always start 4-aligned.
     generic = false;
-    for (var j = ids.lid; j < P.k / 8u; j += {{WG}}u) {
-        let i = j & 31u;
-        let ib = i >> 2u;
-        let xv = x_base + 64u * (j >> 5u) + 8u * ib + (i & 3u);
-        var xl: array<vec4<f32>, {{NC}}>;
-        var xh: array<vec4<f32>, {{NC}}>;
-#for c in 0..NC
-        xl[{{c}}] = X[xv + {{c}}u * x_col];
-        xh[{{c}}] = X[xv + {{c}}u * x_col + 4u];
-#endfor
+    let nw = P.k / 8u;
+    for (var j0 = ids.lid; j0 < nw; j0 += 2u * {{WG}}u) {
+#for u in 0..2
+        // Past the end (second word only): re-read the last word, weighted 0 below.
+        let j{{u}} = min(j0 + {{u}}u * {{WG}}u, nw - 1u);
+        let blk{{u}} = 34u * (j{{u}} >> 5u);
+        let i{{u}} = j{{u}} & 31u;
 #for r in 0..NR
-        if row0 + {{r}}u < P.rows {
-            let blk = (w_base + (row0 + {{r}}u) * P.row_bytes) / 4u + 34u * (j >> 5u);
-            let h0 = W[blk];
-            let h1 = W[blk + 1u];
-            let q = W[blk + 2u + i];
-            let ls = ((h1 >> (4u * ib)) & 15u) | (((h0 >> (16u + 2u * ib)) & 3u) << 4u);
-            let dl = unpack2x16float(h0).x * (f32(ls) - 32.0);
-            let lo = unpack4xU8(q & 0x0f0f0f0fu);
-            let hi = unpack4xU8((q >> 4u) & 0x0f0f0f0fu);
-            let wl = vec4<f32>(kv_table[lo.x], kv_table[lo.y], kv_table[lo.z], kv_table[lo.w]);
-            let wh = vec4<f32>(kv_table[hi.x], kv_table[hi.y], kv_table[hi.z], kv_table[hi.w]);
+        let h0_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}}];
+        let h1_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 1u];
+        let q_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 2u + i{{u}}];
+#endfor
+        let xv{{u}} = x_base + 64u * (j{{u}} >> 5u) + 8u * (i{{u}} >> 2u) + (i{{u}} & 3u);
+        var xl{{u}}: array<vec4<f32>, {{NC}}>;
+        var xh{{u}}: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-            acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dl * (dot(wl, xl[{{c}}]) + dot(wh, xh[{{c}}]));
+        xl{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col];
+        xh{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 4u];
+#endfor
+#endfor
+#for u in 0..2
+        {
+            let ib = i{{u}} >> 2u;
+            let live = select(0.0, 1.0, j0 + {{u}}u * {{WG}}u < nw);
+#for r in 0..NR
+            {
+                let h0 = h0_{{u}}_{{r}};
+                let h1 = h1_{{u}}_{{r}};
+                let q = q_{{u}}_{{r}};
+                let ls = ((h1 >> (4u * ib)) & 15u) | (((h0 >> (16u + 2u * ib)) & 3u) << 4u);
+                let dl = live * unpack2x16float(h0).x * (f32(ls) - 32.0);
+                let lo = unpack4xU8(q & 0x0f0f0f0fu);
+                let hi = unpack4xU8((q >> 4u) & 0x0f0f0f0fu);
+                let wl = vec4<f32>(kv_table[lo.x], kv_table[lo.y], kv_table[lo.z], kv_table[lo.w]);
+                let wh = vec4<f32>(kv_table[hi.x], kv_table[hi.y], kv_table[hi.z], kv_table[hi.w]);
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dl * (dot(wl, xl{{u}}[{{c}}]) + dot(wh, xh{{u}}[{{c}}]));
+#endfor
+            }
+#endfor
+        }
+#endfor
+    }
+#endif
+#if QTYPE == q8_0
+    // Invocation g takes weights 8g..8g+7 (block g / 4, quarter g % 4): neighbours read
+    // neighbouring 8-byte runs. Blocks are 34 bytes, so the run starts 2- or 4-aligned: three
+    // words cover it either way and are funnel-shifted without a branch. The block scale applies
+    // once to the dot product. Two groups per iteration, loads first, as for IQ4_XS.
+    generic = false;
+    let ng = P.k / 8u;
+    for (var g0 = ids.lid; g0 < ng; g0 += 2u * {{WG}}u) {
+#for u in 0..2
+        let g{{u}} = min(g0 + {{u}}u * {{WG}}u, ng - 1u);
+        let blk{{u}} = 34u * (g{{u}} >> 2u);
+#for r in 0..NR
+        let db_{{u}}_{{r}} = rb{{r}} + blk{{u}};
+        let qb_{{u}}_{{r}} = db_{{u}}_{{r}} + 2u + 8u * (g{{u}} & 3u);
+        let dw_{{u}}_{{r}} = W[db_{{u}}_{{r}} >> 2u];
+        let wa_{{u}}_{{r}} = W[qb_{{u}}_{{r}} >> 2u];
+        let wb_{{u}}_{{r}} = W[(qb_{{u}}_{{r}} >> 2u) + 1u];
+        let wc_{{u}}_{{r}} = W[(qb_{{u}}_{{r}} >> 2u) + 2u];
+#endfor
+        var xa{{u}}: array<vec4<f32>, {{NC}}>;
+        var xb{{u}}: array<vec4<f32>, {{NC}}>;
+#for c in 0..NC
+        xa{{u}}[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g{{u}}];
+        xb{{u}}[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g{{u}} + 1u];
+#endfor
+#endfor
+#for u in 0..2
+        {
+            let live = select(0.0, 1.0, g0 + {{u}}u * {{WG}}u < ng);
+#for r in 0..NR
+            {
+                let sh = (qb_{{u}}_{{r}} & 3u) * 8u;
+                let q0 = (wa_{{u}}_{{r}} >> sh) | ((wb_{{u}}_{{r}} << 1u) << (31u - sh));
+                let q1 = (wb_{{u}}_{{r}} >> sh) | ((wc_{{u}}_{{r}} << 1u) << (31u - sh));
+                let d = live * unpack2x16float(dw_{{u}}_{{r}} >> ((db_{{u}}_{{r}} & 2u) * 8u)).x;
+                let w0 = vec4<f32>(unpack4xI8(q0));
+                let w1 = vec4<f32>(unpack4xI8(q1));
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += d * (dot(w0, xa{{u}}[{{c}}]) + dot(w1, xb{{u}}[{{c}}]));
+#endfor
+            }
 #endfor
         }
 #endfor
@@ -149,8 +217,8 @@ fn main(ids: ComputeIds) {
             xb[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g + 1u];
 #endfor
 #for r in 0..NR
-            if row0 + {{r}}u < P.rows {
-                let w = dq8_{{QTYPE}}(w_base + (row0 + {{r}}u) * P.row_bytes, g);
+            {
+                let w = dq8_{{QTYPE}}(rb{{r}}, g);
 #for c in 0..NC
                 acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dot(w.a, xa[{{c}}]) + dot(w.b, xb[{{c}}]);
 #endfor
