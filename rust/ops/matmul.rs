@@ -83,16 +83,25 @@ struct MatmulParams {
 }
 
 /// Rows per workgroup and workgroup size of the mat-vec (kernels-perf.md §2.1: ggml uses 1–4 rows
-/// per workgroup and one to four subgroups). `QK_MATVEC_NR` / `QK_MATVEC_WG` override them for
-/// tuning runs (benches/kernels.rs); WG must be a power of two ≥ the subgroup size.
-fn matvec_shape(_gpu: &Gpu) -> (u32, u32) {
-    static SHAPE: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
-    *SHAPE.get_or_init(|| {
-        let env = |k: &str, d: u32| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
-        let nr = env("QK_MATVEC_NR", 2).clamp(1, 8);
-        let wg = env("QK_MATVEC_WG", 64).clamp(8, 1024).next_power_of_two();
-        (nr, wg)
-    })
+/// per workgroup and one to four subgroups). IQ4_XS and Q8_0 default to 4 rows × 32 invocations:
+/// best of the shapes measured on the H200 (2026-11-29, 256 MiB, K = 4096, one column: IQ4_XS
+/// 1.43 TB/s vs 1.01 at 2 × 64, Q8_0 2.42 vs 2.20), the rest keep 2 × 64. `QK_MATVEC_NR` /
+/// `QK_MATVEC_WG` override every type for tuning runs (benches/kernels.rs); WG must be a power of
+/// two ≥ the subgroup size.
+fn matvec_shape(_gpu: &Gpu, ty: GgmlType) -> (u32, u32) {
+    static OVERRIDE: std::sync::OnceLock<(Option<u32>, Option<u32>)> = std::sync::OnceLock::new();
+    let (nr, wg) = *OVERRIDE.get_or_init(|| {
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+        (env("QK_MATVEC_NR"), env("QK_MATVEC_WG"))
+    });
+    let (nr_default, wg_default) = match ty {
+        GgmlType::IQ4XS | GgmlType::Q8_0 => (4, 32),
+        _ => (2, 64),
+    };
+    (
+        nr.unwrap_or(nr_default).clamp(1, 8),
+        wg.unwrap_or(wg_default).clamp(8, 1024).next_power_of_two(),
+    )
 }
 
 fn matvec_pipeline(
@@ -101,7 +110,7 @@ fn matvec_pipeline(
     ncols: u32,
     moe: bool,
 ) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
-    let (nr, wg) = matvec_shape(gpu);
+    let (nr, wg) = matvec_shape(gpu, ty);
     gpu.pipeline(
         &MATVEC,
         &[
@@ -161,7 +170,7 @@ pub fn matvec(
     }
     check_columns(&w.name, &x, w.cols, u64::from(ncols), true)?;
     check_columns(&w.name, &y, w.rows, u64::from(ncols), false)?;
-    let (nr, _) = matvec_shape(gpu);
+    let (nr, _) = matvec_shape(gpu, w.ty);
     let mut done = 0u32;
     while done < ncols {
         let nc = (ncols - done).min(MATVEC_MAX_COLS);
@@ -249,7 +258,7 @@ pub fn matvec_id(
             w.name
         )));
     }
-    let (nr, _) = matvec_shape(gpu);
+    let (nr, _) = matvec_shape(gpu, w.ty);
     let pipe = matvec_pipeline(gpu, w.ty, 1, true)?;
     let (x_col_token, x_col_slot) = match input {
         MoeInput::PerToken => (1, 0),
