@@ -1,7 +1,7 @@
 // Mat-vec for decode: Y[:, c] = W · X[:, c] for NC activation columns (1..8) that share one read of
 // the weights, W in any ggml type (dequantised on the fly by common_dequant), X and Y f32.
 // A workgroup computes NR consecutive rows; its WG invocations stride over K, then reduce across the
-// workgroup. IQ4_XS and Q8_0 (the bulk of the weights) have their own steps: coalesced words, all
+// workgroup. IQ4_XS, Q8_0 and Q4_K (the bulk of the weights) have their own steps: coalesced words, all
 // nibbles of a word decoded (IQ4 values looked up in workgroup memory), the block scale applied
 // once per dot product, two steps' loads issued before their arithmetic (the 4-bit decode was
 // bound by instructions per byte on the H200); every other type goes 8 weights at a time through
@@ -16,6 +16,9 @@
 #define ACC4 1
 #define WG 64
 #define MOE 0
+// Steps per loop iteration of the IQ4_XS and Q8_0 paths (loads of all issued first); 1 for many
+// columns, whose activation registers would otherwise crowd out occupancy.
+#define UNROLL 2
 #variants QTYPE=f32
 #variants QTYPE=f16 NC=4 ACC4=2
 #variants QTYPE=bf16
@@ -26,7 +29,7 @@
 #variants QTYPE=iq4_nl
 #variants QTYPE=iq4_xs MOE=1
 #variants QTYPE=iq4_xs WG=128 NR=4 ACC4=2
-#variants QTYPE=iq4_xs NC=8 NR=2 ACC4=4
+#variants QTYPE=iq4_xs NC=8 NR=2 ACC4=4 UNROLL=1
 #variants QTYPE=q8_0 NC=3 NR=2 ACC4=2 MOE=1
 
 struct MatvecParams {
@@ -78,6 +81,26 @@ fn kv_word_hi(q: u32) -> vec4<f32> {
     return vec4<f32>(kv_table[(q >> 4u) & 15u], kv_table[(q >> 12u) & 15u], kv_table[(q >> 20u) & 15u], kv_table[q >> 28u]);
 }
 #endif
+
+// The low nibbles of the four bytes of w as floats (2^23 + n as float bits, minus 2^23: exact,
+// no int-to-float conversion).
+fn nib4_f32(w: u32) -> vec4<f32> {
+    let n = (vec4<u32>(w) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(15u);
+    return bitcast<vec4<f32>>(n | vec4<u32>(0x4B000000u)) - vec4<f32>(8388608.0);
+}
+
+// Q4_K's 6-bit (scale, min) of sub-block j (0..7) from its 12 scale bytes in words s0, s1, s2
+// (get_scale_min_k4), as floats; branch-free since neighbouring invocations differ in j.
+fn k4_scale_min(s0: u32, s1: u32, s2: u32, j: u32) -> vec2<f32> {
+    let k = 8u * (j & 3u);
+    let a = (s0 >> k) & 0xffu;
+    let b = (s1 >> k) & 0xffu;
+    let c = (s2 >> k) & 0xffu;
+    let lo = vec2<u32>(a & 63u, b & 63u);
+    let hi = vec2<u32>((c & 15u) | ((a >> 6u) << 4u), (c >> 4u) | ((b >> 6u) << 4u));
+    let v = select(lo, hi, j >= 4u);
+    return bitcast<vec2<f32>>(v | vec2<u32>(0x4B000000u)) - vec2<f32>(8388608.0);
+}
 
 // The four signed bytes of w as floats without int-to-float conversions (quarter rate on
 // NVIDIA): flipping the sign bits gives b + 128 in 0..255; 2^23 + that as float bits, minus
@@ -137,8 +160,8 @@ fn main(ids: ComputeIds) {
     // (136-byte multiples) always start 4-aligned.
     generic = false;
     let np = P.k / 16u;
-    for (var p0 = ids.lid; p0 < np; p0 += 2u * {{WG}}u) {
-#for u in 0..2
+    for (var p0 = ids.lid; p0 < np; p0 += {{UNROLL}}u * {{WG}}u) {
+#for u in 0..UNROLL
         // Past the end (second pair only): re-read the last pair, weighted 0 below.
         let p{{u}} = min(p0 + {{u}}u * {{WG}}u, np - 1u);
         let blk{{u}} = 34u * (p{{u}} >> 4u);
@@ -161,7 +184,7 @@ fn main(ids: ComputeIds) {
         xn{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 5u];
 #endfor
 #endfor
-#for u in 0..2
+#for u in 0..UNROLL
         {
             let ib = i{{u}} >> 2u;
             let live = select(0.0, 1.0, p0 + {{u}}u * {{WG}}u < np);
@@ -185,6 +208,68 @@ fn main(ids: ComputeIds) {
 #endfor
     }
 #endif
+#if QTYPE == q4_k
+    // As IQ4_XS: invocation p takes quant words 2p, 2p+1 of the row (block p / 16, words i, i+1
+    // of its 32; chunk c = i / 8 of 64 weights: low nibbles are sub-block 2c, high nibbles 2c+1).
+    // Σ (d·sc·q − dmin·m)·x = d·sc·Σ q·x − dmin·m·Σ x, so the nibbles are dotted unscaled and the
+    // activation sums are shared by all rows. Q4_K rows (144-byte multiples) start 4-aligned.
+    generic = false;
+    let np = P.k / 16u;
+    for (var p0 = ids.lid; p0 < np; p0 += {{UNROLL}}u * {{WG}}u) {
+#for u in 0..UNROLL
+        let p{{u}} = min(p0 + {{u}}u * {{WG}}u, np - 1u);
+        let blk{{u}} = 36u * (p{{u}} >> 4u);
+        let i{{u}} = 2u * (p{{u}} & 15u);
+#for r in 0..NR
+        let h0_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}}];
+        let s0_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 1u];
+        let s1_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 2u];
+        let s2_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 3u];
+        let qa_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 4u + i{{u}}];
+        let qb_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 5u + i{{u}}];
+#endfor
+        let xv{{u}} = x_base + 64u * (p{{u}} >> 4u) + 16u * (i{{u}} >> 3u) + (i{{u}} & 7u);
+        var xl{{u}}: array<vec4<f32>, {{NC}}>;
+        var xm{{u}}: array<vec4<f32>, {{NC}}>;
+        var xh{{u}}: array<vec4<f32>, {{NC}}>;
+        var xn{{u}}: array<vec4<f32>, {{NC}}>;
+#for c in 0..NC
+        xl{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col];
+        xm{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 1u];
+        xh{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 8u];
+        xn{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 9u];
+#endfor
+#endfor
+#for u in 0..UNROLL
+        {
+            let j = 2u * (i{{u}} >> 3u); // 2c: the low-nibble sub-block
+            let live = select(0.0, 1.0, p0 + {{u}}u * {{WG}}u < np);
+            var sx_lo: array<f32, {{NC}}>;
+            var sx_hi: array<f32, {{NC}}>;
+#for c in 0..NC
+            sx_lo[{{c}}] = dot(xl{{u}}[{{c}}] + xm{{u}}[{{c}}], vec4<f32>(1.0));
+            sx_hi[{{c}}] = dot(xh{{u}}[{{c}}] + xn{{u}}[{{c}}], vec4<f32>(1.0));
+#endfor
+#for r in 0..NR
+            {
+                let dm = live * unpack2x16float(h0_{{u}}_{{r}});
+                let sm_lo = k4_scale_min(s0_{{u}}_{{r}}, s1_{{u}}_{{r}}, s2_{{u}}_{{r}}, j);
+                let sm_hi = k4_scale_min(s0_{{u}}_{{r}}, s1_{{u}}_{{r}}, s2_{{u}}_{{r}}, j + 1u);
+                let qa = qa_{{u}}_{{r}};
+                let qb = qb_{{u}}_{{r}};
+                let nl = nib4_f32(qa);
+                let nm = nib4_f32(qb);
+                let nh = nib4_f32(qa >> 4u);
+                let nn = nib4_f32(qb >> 4u);
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dm.x * (sm_lo.x * (dot(nl, xl{{u}}[{{c}}]) + dot(nm, xm{{u}}[{{c}}])) + sm_hi.x * (dot(nh, xh{{u}}[{{c}}]) + dot(nn, xn{{u}}[{{c}}]))) - dm.y * (sm_lo.y * sx_lo[{{c}}] + sm_hi.y * sx_hi[{{c}}]);
+#endfor
+            }
+#endfor
+        }
+#endfor
+    }
+#endif
 #if QTYPE == q8_0
     // Invocation g takes weights 8g..8g+7 (block g / 4, quarter g % 4): neighbours read
     // neighbouring 8-byte runs. Blocks are 34 bytes, so the run starts 2- or 4-aligned: three
@@ -192,8 +277,8 @@ fn main(ids: ComputeIds) {
     // once to the dot product. Two groups per iteration, loads first, as for IQ4_XS.
     generic = false;
     let ng = P.k / 8u;
-    for (var g0 = ids.lid; g0 < ng; g0 += 2u * {{WG}}u) {
-#for u in 0..2
+    for (var g0 = ids.lid; g0 < ng; g0 += {{UNROLL}}u * {{WG}}u) {
+#for u in 0..UNROLL
         let g{{u}} = min(g0 + {{u}}u * {{WG}}u, ng - 1u);
         let blk{{u}} = 34u * (g{{u}} >> 2u);
 #for r in 0..NR
@@ -211,7 +296,7 @@ fn main(ids: ComputeIds) {
         xb{{u}}[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g{{u}} + 1u];
 #endfor
 #endfor
-#for u in 0..2
+#for u in 0..UNROLL
         {
             let live = select(0.0, 1.0, g0 + {{u}}u * {{WG}}u < ng);
 #for r in 0..NR

@@ -120,6 +120,7 @@ fn matvec_pipeline(
             ("ACC4", (nr * ncols).div_ceil(4).to_string()),
             ("WG", wg.to_string()),
             ("MOE", u32::from(moe).to_string()),
+            ("UNROLL", if ncols <= 2 { "2" } else { "1" }.into()),
         ],
         &[],
     )
