@@ -339,8 +339,8 @@ fn main(ids: ComputeIds) {
 #for a in 0..ACC4
     acc[{{a}}] = wg_sum4(acc[{{a}}], ids);
 #endfor
-    let i = ids.lid;
-    if i < {{NR}}u * {{NC}}u {
+    // NR·NC outputs may outnumber the invocations (8 rows × 8 columns with 32).
+    for (var i = ids.lid; i < {{NR}}u * {{NC}}u; i += {{WG}}u) {
         let r = i / {{NC}}u;
         let c = i % {{NC}}u;
         if row0 + r < P.rows {

@@ -83,9 +83,10 @@ struct MatmulParams {
 }
 
 /// Rows per workgroup and workgroup size of the mat-vec (kernels-perf.md §2.1: ggml uses 1–4 rows
-/// per workgroup and one to four subgroups). IQ4_XS and Q8_0 default to 4 rows × 32 invocations:
-/// best of the shapes measured on the H200 (2026-11-29, 256 MiB, K = 4096, one column: IQ4_XS
-/// 1.43 TB/s vs 1.01 at 2 × 64, Q8_0 2.42 vs 2.20), the rest keep 2 × 64. `QK_MATVEC_NR` /
+/// per workgroup and one to four subgroups). IQ4_XS defaults to 8 rows × 32 invocations, Q8_0 to
+/// 4 × 32, Q4_K to 4 × 64: best of the shapes swept on the H200 (2026-11-29, 256 MiB, K = 4096,
+/// one column: IQ4_XS 1.53 TB/s vs 1.01 at 2 × 64, Q8_0 2.3–2.4 vs 2.2, Q4_K 1.30 vs 1.14); the
+/// rest keep 2 × 64. `QK_MATVEC_NR` /
 /// `QK_MATVEC_WG` override every type for tuning runs (benches/kernels.rs); WG must be a power of
 /// two ≥ the subgroup size.
 fn matvec_shape(_gpu: &Gpu, ty: GgmlType) -> (u32, u32) {
@@ -95,13 +96,29 @@ fn matvec_shape(_gpu: &Gpu, ty: GgmlType) -> (u32, u32) {
         (env("QK_MATVEC_NR"), env("QK_MATVEC_WG"))
     });
     let (nr_default, wg_default) = match ty {
-        GgmlType::IQ4XS | GgmlType::Q8_0 => (4, 32),
+        GgmlType::IQ4XS => (8, 32),
+        GgmlType::Q8_0 => (4, 32),
+        GgmlType::Q4K => (4, 64),
         _ => (2, 64),
     };
     (
         nr.unwrap_or(nr_default).clamp(1, 8),
         wg.unwrap_or(wg_default).clamp(8, 1024).next_power_of_two(),
     )
+}
+
+/// Steps per loop iteration of the word paths (IQ4_XS, Q8_0, Q4_K): 2 for one or two columns,
+/// 1 beyond (their activation registers would crowd out occupancy). `QK_MATVEC_UNROLL` overrides
+/// it for tuning runs.
+fn matvec_unroll(ncols: u32) -> u32 {
+    static OVERRIDE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let forced = *OVERRIDE.get_or_init(|| {
+        std::env::var("QK_MATVEC_UNROLL")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .map(|u| u.clamp(1, 4))
+    });
+    forced.unwrap_or(if ncols <= 2 { 2 } else { 1 })
 }
 
 fn matvec_pipeline(
@@ -120,7 +137,7 @@ fn matvec_pipeline(
             ("ACC4", (nr * ncols).div_ceil(4).to_string()),
             ("WG", wg.to_string()),
             ("MOE", u32::from(moe).to_string()),
-            ("UNROLL", if ncols <= 2 { "2" } else { "1" }.into()),
+            ("UNROLL", matvec_unroll(ncols).to_string()),
         ],
         &[],
     )
