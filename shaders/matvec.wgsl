@@ -1,7 +1,7 @@
 // Mat-vec for decode: Y[:, c] = W · X[:, c] for NC activation columns (1..8) that share one read of
 // the weights, W in any ggml type (dequantised on the fly by common_dequant), X and Y f32.
 // A workgroup computes NR consecutive rows; its WG invocations stride over K, then reduce across the
-// workgroup. IQ4_XS, Q8_0 and Q4_K (the bulk of the weights) have their own steps: coalesced words, all
+// workgroup. IQ4_XS, Q8_0, Q4_K and Q6_K (the bulk of the weights) have their own steps: coalesced words, all
 // nibbles of a word decoded (IQ4 values looked up in workgroup memory), the block scale applied
 // once per dot product, two steps' loads issued before their arithmetic (the 4-bit decode was
 // bound by instructions per byte on the H200); every other type goes 8 weights at a time through
@@ -100,6 +100,14 @@ fn k4_scale_min(s0: u32, s1: u32, s2: u32, j: u32) -> vec2<f32> {
     let hi = vec2<u32>((c & 15u) | ((a >> 6u) << 4u), (c >> 4u) | ((b >> 6u) << 4u));
     let v = select(lo, hi, j >= 4u);
     return bitcast<vec2<f32>>(v | vec2<u32>(0x4B000000u)) - vec2<f32>(8388608.0);
+}
+
+// Q6_K: the four bytes (low nibble | two high bits from qh's bits 0-1 of each byte) minus 32, as
+// floats, exactly and without int-to-float conversions.
+fn q6_minus32(lo: u32, qh: u32) -> vec4<f32> {
+    let v = lo | ((qh & 0x03030303u) << 4u);
+    let b = (vec4<u32>(v) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(0xffu);
+    return bitcast<vec4<f32>>(b | vec4<u32>(0x4B000000u)) - vec4<f32>(8388640.0);
 }
 
 // The four signed bytes of w as floats without int-to-float conversions (quarter rate on
@@ -263,6 +271,64 @@ fn main(ids: ComputeIds) {
                 let nn = nib4_f32(qb >> 4u);
 #for c in 0..NC
                 acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dm.x * (sm_lo.x * (dot(nl, xl{{u}}[{{c}}]) + dot(nm, xm{{u}}[{{c}}])) + sm_hi.x * (dot(nh, xh{{u}}[{{c}}]) + dot(nn, xn{{u}}[{{c}}]))) - dm.y * (sm_lo.y * sx_lo[{{c}}] + sm_hi.y * sx_hi[{{c}}]);
+#endfor
+            }
+#endfor
+        }
+#endfor
+    }
+#endif
+#if QTYPE == q6_k
+    // Invocation p takes l = 4(p % 8)..+3 of half h = (p / 8) % 2 of block p / 16: one word of
+    // ql at 64h + l, one at 64h + 32 + l and one of qh at 32h + l give 16 weights (128h + 32g + l
+    // for g = 0..3) whose 6-bit values are assembled four bytes at a time; g's scale is
+    // scales[8h + l/16 + 2g]. Blocks are 210 bytes, so words are funnel-read (w_u32_at).
+    generic = false;
+    let np = P.k / 16u;
+    for (var p0 = ids.lid; p0 < np; p0 += {{UNROLL}}u * {{WG}}u) {
+#for u in 0..UNROLL
+        let p{{u}} = min(p0 + {{u}}u * {{WG}}u, np - 1u);
+        let h{{u}} = (p{{u}} >> 3u) & 1u;
+        let l{{u}} = 4u * (p{{u}} & 7u);
+#for r in 0..NR
+        let blk_{{u}}_{{r}} = rb{{r}} + 210u * (p{{u}} >> 4u);
+        let qa_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 64u * h{{u}} + l{{u}});
+        let qb_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 64u * h{{u}} + 32u + l{{u}});
+        let qh_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 128u + 32u * h{{u}} + l{{u}});
+        // Scale bytes s, s+2, s+4, s+6 with s = 192 + 8h + l/16: bytes 0 and 2 of the words
+        // read at s and s+4.
+        let sa_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 192u + 8u * h{{u}} + (l{{u}} >> 4u));
+        let sb_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 196u + 8u * h{{u}} + (l{{u}} >> 4u));
+        let d_{{u}}_{{r}} = w_f16_at(blk_{{u}}_{{r}} + 208u);
+#endfor
+        let xv{{u}} = x_base + 64u * (p{{u}} >> 4u) + 32u * h{{u}} + (l{{u}} >> 2u);
+        var x0{{u}}: array<vec4<f32>, {{NC}}>;
+        var x1{{u}}: array<vec4<f32>, {{NC}}>;
+        var x2{{u}}: array<vec4<f32>, {{NC}}>;
+        var x3{{u}}: array<vec4<f32>, {{NC}}>;
+#for c in 0..NC
+        x0{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col];
+        x1{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 8u];
+        x2{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 16u];
+        x3{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 24u];
+#endfor
+#endfor
+#for u in 0..UNROLL
+        {
+            let live = select(0.0, 1.0, p0 + {{u}}u * {{WG}}u < np);
+#for r in 0..NR
+            {
+                let qa = qa_{{u}}_{{r}};
+                let qb = qb_{{u}}_{{r}};
+                let qh = qh_{{u}}_{{r}};
+                let v0 = q6_minus32(qa & 0x0f0f0f0fu, qh);
+                let v1 = q6_minus32(qb & 0x0f0f0f0fu, qh >> 2u);
+                let v2 = q6_minus32((qa >> 4u) & 0x0f0f0f0fu, qh >> 4u);
+                let v3 = q6_minus32((qb >> 4u) & 0x0f0f0f0fu, qh >> 6u);
+                let sc = i8x4_to_f32((sa_{{u}}_{{r}} & 0x00ff00ffu) | ((sb_{{u}}_{{r}} & 0x00ff00ffu) << 8u));
+                let d = live * d_{{u}}_{{r}};
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += d * (sc.x * dot(v0, x0{{u}}[{{c}}]) + sc.z * dot(v1, x1{{u}}[{{c}}]) + sc.y * dot(v2, x2{{u}}[{{c}}]) + sc.w * dot(v3, x3{{u}}[{{c}}]));
 #endfor
             }
 #endfor
