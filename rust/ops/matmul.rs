@@ -83,10 +83,10 @@ struct MatmulParams {
 }
 
 /// Rows per workgroup and workgroup size of the mat-vec (kernels-perf.md §2.1: ggml uses 1–4 rows
-/// per workgroup and one to four subgroups). IQ4_XS defaults to 8 rows × 32 invocations, Q8_0 to
-/// 4 × 32, Q4_K to 4 × 64: best of the shapes swept on the H200 (2026-11-29, 256 MiB, K = 4096,
-/// one column: IQ4_XS 1.53 TB/s vs 1.01 at 2 × 64, Q8_0 2.3–2.4 vs 2.2, Q4_K 1.30 vs 1.14); the
-/// rest keep 2 × 64. `QK_MATVEC_NR` /
+/// per workgroup and one to four subgroups). IQ4_XS defaults to 8 rows × 32 invocations, Q8_0,
+/// Q4_K and Q6_K to 4 × 32: best of the shapes swept on the H200 (2026-11-29, 256 MiB, K = 4096,
+/// one column: IQ4_XS 1.53 TB/s vs 1.01 at 2 × 64, Q8_0 2.3–2.4 vs 2.2, Q4_K 1.29 vs 1.13, Q6_K
+/// 1.49 vs 1.39); the rest keep 2 × 64. `QK_MATVEC_NR` /
 /// `QK_MATVEC_WG` override every type for tuning runs (benches/kernels.rs); WG must be a power of
 /// two ≥ the subgroup size.
 fn matvec_shape(_gpu: &Gpu, ty: GgmlType) -> (u32, u32) {
@@ -97,8 +97,7 @@ fn matvec_shape(_gpu: &Gpu, ty: GgmlType) -> (u32, u32) {
     });
     let (nr_default, wg_default) = match ty {
         GgmlType::IQ4XS => (8, 32),
-        GgmlType::Q8_0 => (4, 32),
-        GgmlType::Q4K => (4, 64),
+        GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K => (4, 32),
         _ => (2, 64),
     };
     (
