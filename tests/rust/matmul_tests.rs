@@ -226,54 +226,62 @@ fn coop_nmse_max(acc: &str) -> f64 {
 
 #[test]
 fn matmul_cooperative_matrix_every_type() {
-    let Some(gpu) = test_gpu(false) else { return };
-    let Some(acc) = coop_accumulator(gpu) else {
-        // Not a pass: say so, and fail where the run demands the cooperative path (the H200 run).
-        let why = format!(
-            "cooperative-matrix mat-mat NOT exercised: {} offers no usable configuration \
-             (feature {}, configs {:?}, subgroups {}..{})",
-            gpu.adapter.name,
-            gpu.caps.cooperative_matrix,
-            gpu.caps.cooperative_matrix_configs,
-            gpu.caps.subgroup_min_size,
-            gpu.caps.subgroup_max_size
-        );
-        assert!(
-            std::env::var("QK_REQUIRE_COOP").as_deref() != Ok("1"),
-            "QK_REQUIRE_COOP=1: {why}"
-        );
-        println!("{why}");
-        eprintln!("{why}");
-        return;
-    };
-    let tol = coop_nmse_max(acc);
-    // 130 rows × 70 columns: two full 64-row tiles plus a partial one, a partial 64-column tile
-    // whose last 16-wide matrix is mostly padding.
-    let (m, k, n) = (130, 512, 70);
-    for (i, ty) in TYPES.into_iter().enumerate() {
-        let case = make(gpu, ty, m, k, 1, u64::MAX, 500 + i as u64);
-        let e = run_matvec(gpu, &case, m, k, n, Some(MatmulKernel::Coop));
-        println!("coop matmul {ty} ({acc} accumulators): NMSE {e:e}");
-        assert!(
-            e < tol,
-            "coop matmul {ty} ({acc} accumulators): NMSE {e:e} ≥ {tol:e}"
+    // With subgroups off the kernel finds its subgroup from the invocation index (fixed-size
+    // subgroups only): a different code path, so both devices run it.
+    for off in [false, true] {
+        let Some(gpu) = test_gpu(off) else { return };
+        let Some(acc) = coop_accumulator(gpu) else {
+            // Not a pass: say so, and fail where the run demands the cooperative path (the H200).
+            let why = format!(
+                "cooperative-matrix mat-mat NOT exercised (subgroups_off={off}): {} offers no \
+                 usable configuration (feature {}, configs {:?}, subgroups {}..{})",
+                gpu.adapter.name,
+                gpu.caps.cooperative_matrix,
+                gpu.caps.cooperative_matrix_configs,
+                gpu.caps.subgroup_min_size,
+                gpu.caps.subgroup_max_size
+            );
+            assert!(
+                std::env::var("QK_REQUIRE_COOP").as_deref() != Ok("1"),
+                "QK_REQUIRE_COOP=1: {why}"
+            );
+            println!("{why}");
+            eprintln!("{why}");
+            continue;
+        };
+        let tol = coop_nmse_max(acc);
+        // 130 rows × 70 columns: two full 64-row tiles plus a partial one, a partial 64-column
+        // tile whose last 16-wide matrix is mostly padding. The second device needs fewer types.
+        let (m, k, n) = (130, 512, 70);
+        for (i, ty) in TYPES.into_iter().enumerate() {
+            if off && !matches!(ty, GgmlType::Q8_0 | GgmlType::IQ4XS | GgmlType::F16) {
+                continue;
+            }
+            let case = make(gpu, ty, m, k, 1, u64::MAX, 500 + i as u64);
+            let e = run_matvec(gpu, &case, m, k, n, Some(MatmulKernel::Coop));
+            println!("coop matmul {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e}");
+            assert!(
+                e < tol,
+                "coop matmul {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e} ≥ {tol:e}"
+            );
+        }
+        // K = 200: not a multiple of the 32-wide K tile (zero padding), 33 columns.
+        for ty in [GgmlType::F16, GgmlType::F32, GgmlType::BF16] {
+            let case = make(gpu, ty, 65, 200, 1, u64::MAX, 9);
+            let e = run_matvec(gpu, &case, 65, 200, 33, Some(MatmulKernel::Coop));
+            assert!(e < tol, "coop matmul {ty} K=200: NMSE {e:e}");
+        }
+        // Windows of a few rows each: every dispatch is an edge tile.
+        let case = make(gpu, GgmlType::Q6K, 37, 256, 1, 1000, 5);
+        assert!(case.w.windows.len() > 3);
+        let e = run_matvec(gpu, &case, 37, 256, 40, Some(MatmulKernel::Coop));
+        assert!(e < tol, "windowed coop matmul Q6_K: NMSE {e:e}");
+        println!(
+            "cooperative-matrix mat-mat exercised on {} ({acc} accumulators, subgroup {}, \
+             subgroups_off={off})",
+            gpu.adapter.name, gpu.caps.subgroup_max_size
         );
     }
-    // K = 200: not a multiple of the 32-wide K tile (zero padding), 33 columns.
-    for ty in [GgmlType::F16, GgmlType::F32, GgmlType::BF16] {
-        let case = make(gpu, ty, 65, 200, 1, u64::MAX, 9);
-        let e = run_matvec(gpu, &case, 65, 200, 33, Some(MatmulKernel::Coop));
-        assert!(e < tol, "coop matmul {ty} K=200: NMSE {e:e}");
-    }
-    // Windows of a few rows each: every dispatch is an edge tile.
-    let case = make(gpu, GgmlType::Q6K, 37, 256, 1, 1000, 5);
-    assert!(case.w.windows.len() > 3);
-    let e = run_matvec(gpu, &case, 37, 256, 40, Some(MatmulKernel::Coop));
-    assert!(e < tol, "windowed coop matmul Q6_K: NMSE {e:e}");
-    println!(
-        "cooperative-matrix mat-mat exercised on {} ({acc} accumulators, subgroup {})",
-        gpu.adapter.name, gpu.caps.subgroup_max_size
-    );
 }
 
 #[test]
