@@ -1,12 +1,14 @@
 // Mat-vec for decode: Y[:, c] = W · X[:, c] for NC activation columns (1..8) that share one read of
-// the weights, W in any ggml type (dequantised on the fly by common_dequant), X and Y f32.
-// A workgroup computes NR consecutive rows; its WG invocations stride over K, then reduce across the
-// workgroup. IQ4_XS, Q8_0, Q4_K and Q6_K (the bulk of the weights) have their own steps: coalesced words, all
-// nibbles of a word decoded (IQ4 values looked up in workgroup memory), the block scale applied
-// once per dot product, two steps' loads issued before their arithmetic (the 4-bit decode was
-// bound by instructions per byte on the H200); every other type goes 8 weights at a time through
-// common_dequant. With MOE=1 the grid is (row groups, n_used, tokens) and each
-// workgroup reads its expert id from IDS (no CPU round trip) and skips experts outside this window.
+// the weights, W in any ggml type (dequantised on the fly), X and Y f32. A workgroup computes NR
+// consecutive rows; its WG invocations stride over K, then reduce across the workgroup.
+// IQ4_XS, Q8_0, Q4_K and Q6_K (the bulk of a model's weights) have their own steps: neighbouring
+// invocations read neighbouring words (coalesced), every nibble of a word is decoded (IQ4 values
+// looked up in workgroup memory), block scales apply once per dot product, ints become floats by
+// exact float-bit tricks instead of quarter-rate conversions, and UNROLL steps' loads are issued
+// before their arithmetic: the 4-bit decoders were bound by instructions per byte on the H200.
+// Every other type goes 8 weights at a time through common_dequant. With MOE=1 the grid is
+// (row groups, n_used, tokens) and each workgroup reads its expert id from IDS (no CPU round
+// trip) and skips experts outside this window.
 #include "common.wgsl"
 #include "common_dequant.wgsl"
 #include "common_reduce.wgsl"
@@ -16,8 +18,8 @@
 #define ACC4 1
 #define WG 64
 #define MOE 0
-// Steps per loop iteration of the IQ4_XS and Q8_0 paths (loads of all issued first); 1 for many
-// columns, whose activation registers would otherwise crowd out occupancy.
+// Steps per loop iteration of the word paths (loads of all issued first); 1 for many columns,
+// whose activation registers would otherwise crowd out occupancy.
 #define UNROLL 2
 #variants QTYPE=f32
 #variants QTYPE=f16 NC=4 ACC4=2
