@@ -5,6 +5,8 @@
 //!   QK_BENCH_SMOKE=1 cargo bench --no-default-features --bench kernels   # tiny sizes, CI
 //!
 //! QK_BENCH_TYPES=IQ4_XS,Q8_0 limits the mat-vec types, QK_BENCH_NO_MATMUL=1 skips mat-mat.
+//! Mat-mat runs the f32 tiled kernel and, where the adapter offers it, the cooperative-matrix one
+//! side by side; `auto` names the one prefill uses (QK_NO_COOP=1 forces the tiled one).
 //! QK_BENCH_MIB sets the mat-vec weight size (default 256 MiB; the H200 target is IQ4_XS and Q8_0
 //! mat-vec ≥ 70% of copy bandwidth from 64 MiB up). Timing is wall-clock around one submit of
 //! `iters` dependent dispatches, after a warm-up, so per-submit overhead (~0.2 ms) is amortised.
@@ -13,7 +15,7 @@ use std::time::Instant;
 
 use qk::gguf::GgmlType;
 use qk::gpu::{Gpu, GpuBuffer};
-use qk::ops::matmul::{Columns, matmul, matvec};
+use qk::ops::matmul::{Columns, MatmulKernel, coop_accumulator, matmul_kernel, matmul_with, matvec};
 
 struct Rng(u64);
 
@@ -190,24 +192,32 @@ fn main() {
             .expect("upload");
         let x: GpuBuffer = gpu.buffer_from_f32("x", &vec![0.5; mk * mn as usize]).expect("x");
         let y = gpu.buffer_zeroed("y", (mm * mn as usize * 4) as u64).expect("y");
-        let t = time_submit(&gpu, iters.min(5), |rec| {
-            matmul(
-                &gpu,
-                rec,
-                &w,
-                Columns::packed(&x, mk as u32),
-                Columns::packed(&y, mm as u32),
-                mn,
-            )
-            .expect("matmul")
-        });
         let flops = 2.0 * mm as f64 * mk as f64 * f64::from(mn);
-        println!(
-            "matmul {:<7} {mm}x{mk}x{mn}: {:>8.1} GFLOP/s ({:.2} ms)",
-            ty.name(),
-            flops / t / 1e9,
-            t * 1e3
-        );
+        let mut line = format!("matmul {:<7} {mm}x{mk}x{mn}:", ty.name());
+        let mut kernels = vec![MatmulKernel::Tiled];
+        if coop_accumulator(&gpu).is_some() {
+            kernels.push(MatmulKernel::Coop);
+        }
+        for kernel in kernels {
+            let t = time_submit(&gpu, iters.min(5), |rec| {
+                matmul_with(
+                    &gpu,
+                    rec,
+                    &w,
+                    Columns::packed(&x, mk as u32),
+                    Columns::packed(&y, mm as u32),
+                    mn,
+                    kernel,
+                )
+                .expect("matmul")
+            });
+            line += &format!(
+                "  {kernel:?}: {:>8.1} GFLOP/s ({:.3} ms)",
+                flops / t / 1e9,
+                t * 1e3
+            );
+        }
+        println!("{line}  auto={:?}", matmul_kernel(&gpu, mn));
     }
     let c = gpu.counters();
     println!(

@@ -9,13 +9,13 @@ struct W8 {
     b: vec4<f32>,
 }
 
+// Branch-free: invocations of one subgroup see both alignments (blocks of 34 bytes alternate), and
+// a branch would run both sides. `(next << 1) << (31 - s)` is `next << (32 - s)` without the
+// undefined 32-bit shift at s = 0 (it yields 0 there).
 fn w_u32_at(byte: u32) -> u32 {
     let i = byte >> 2u;
     let s = (byte & 3u) * 8u;
-    if s == 0u {
-        return W[i];
-    }
-    return (W[i] >> s) | (W[i + 1u] << (32u - s));
+    return (W[i] >> s) | ((W[i + 1u] << 1u) << (31u - s));
 }
 
 // A 4-aligned byte offset (IQ4_XS, Q4_K, Q5_K blocks are 8/16-byte multiples, so their fields
@@ -48,8 +48,7 @@ fn nibbles4(w: u32, high: bool) -> vec4<u32> {
 
 // Sign-extended bytes of w as floats.
 fn sbytes4(w: u32) -> vec4<f32> {
-    let v = vec4<i32>(bitcast<i32>(w << 24u), bitcast<i32>(w << 16u), bitcast<i32>(w << 8u), bitcast<i32>(w));
-    return vec4<f32>(v >> vec4<u32>(24u));
+    return vec4<f32>(unpack4xI8(w));
 }
 
 // kvalues_iq4nl {-127,-104,-83,-65,-49,-35,-22,-10,1,13,25,38,53,69,89,113} as packed int8, four

@@ -1,8 +1,14 @@
 // Mat-vec for decode: Y[:, c] = W · X[:, c] for NC activation columns (1..8) that share one read of
-// the weights, W in any ggml type (dequantised on the fly by common_dequant), X and Y f32.
-// A workgroup computes NR consecutive rows; its WG invocations stride over K eight weights at a time,
-// then reduce across the workgroup. With MOE=1 the grid is (row groups, n_used, tokens) and each
-// workgroup reads its expert id from IDS (no CPU round trip) and skips experts outside this window.
+// the weights, W in any ggml type (dequantised on the fly), X and Y f32. A workgroup computes NR
+// consecutive rows; its WG invocations stride over K, then reduce across the workgroup.
+// IQ4_XS, Q8_0, Q4_K and Q6_K (the bulk of a model's weights) have their own steps: neighbouring
+// invocations read neighbouring words (coalesced), every nibble of a word is decoded (IQ4 values
+// looked up in workgroup memory), block scales apply once per dot product, ints become floats by
+// exact float-bit tricks instead of quarter-rate conversions, and UNROLL steps' loads are issued
+// before their arithmetic: the 4-bit decoders were bound by instructions per byte on the H200.
+// Every other type goes 8 weights at a time through common_dequant. With MOE=1 the grid is
+// (row groups, n_used, tokens) and each workgroup reads its expert id from IDS (no CPU round
+// trip) and skips experts outside this window.
 #include "common.wgsl"
 #include "common_dequant.wgsl"
 #include "common_reduce.wgsl"
@@ -12,6 +18,9 @@
 #define ACC4 1
 #define WG 64
 #define MOE 0
+// Steps per loop iteration of the word paths (loads of all issued first); 1 for many columns,
+// whose activation registers would otherwise crowd out occupancy.
+#define UNROLL 2
 #variants QTYPE=f32
 #variants QTYPE=f16 NC=4 ACC4=2
 #variants QTYPE=bf16
@@ -22,6 +31,8 @@
 #variants QTYPE=iq4_nl
 #variants QTYPE=iq4_xs MOE=1
 #variants QTYPE=iq4_xs WG=128 NR=4 ACC4=2
+#variants QTYPE=iq4_xs NC=8 NR=2 ACC4=4 UNROLL=1
+#variants QTYPE=q8_0 NC=3 NR=2 ACC4=2 MOE=1
 
 struct MatvecParams {
     // Weights per row, rows to compute (per expert with MOE), bytes per row.
@@ -56,8 +67,67 @@ var<immediate> P: MatvecParams;
 var<workgroup> moe_expert: u32;
 #endif
 
+#if QTYPE == iq4_xs
+// kvalues_iq4nl as floats: a 16-entry table in workgroup memory is one shared load per weight (no
+// bank conflicts: distinct entries sit in distinct banks), fewer instructions than select chains.
+var<workgroup> kv_table: array<f32, 16>;
+#endif
+
+#if QTYPE == iq4_xs
+// The IQ4 values of the low (high) nibbles of the four bytes of q.
+fn kv_word_lo(q: u32) -> vec4<f32> {
+    return vec4<f32>(kv_table[q & 15u], kv_table[(q >> 8u) & 15u], kv_table[(q >> 16u) & 15u], kv_table[(q >> 24u) & 15u]);
+}
+
+fn kv_word_hi(q: u32) -> vec4<f32> {
+    return vec4<f32>(kv_table[(q >> 4u) & 15u], kv_table[(q >> 12u) & 15u], kv_table[(q >> 20u) & 15u], kv_table[q >> 28u]);
+}
+#endif
+
+// The low nibbles of the four bytes of w as floats (2^23 + n as float bits, minus 2^23: exact,
+// no int-to-float conversion).
+fn nib4_f32(w: u32) -> vec4<f32> {
+    let n = (vec4<u32>(w) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(15u);
+    return bitcast<vec4<f32>>(n | vec4<u32>(0x4B000000u)) - vec4<f32>(8388608.0);
+}
+
+// Q4_K's 6-bit (scale, min) of sub-block j (0..7) from its 12 scale bytes in words s0, s1, s2
+// (get_scale_min_k4), as floats; branch-free since neighbouring invocations differ in j.
+fn k4_scale_min(s0: u32, s1: u32, s2: u32, j: u32) -> vec2<f32> {
+    let k = 8u * (j & 3u);
+    let a = (s0 >> k) & 0xffu;
+    let b = (s1 >> k) & 0xffu;
+    let c = (s2 >> k) & 0xffu;
+    let lo = vec2<u32>(a & 63u, b & 63u);
+    let hi = vec2<u32>((c & 15u) | ((a >> 6u) << 4u), (c >> 4u) | ((b >> 6u) << 4u));
+    let v = select(lo, hi, j >= 4u);
+    return bitcast<vec2<f32>>(v | vec2<u32>(0x4B000000u)) - vec2<f32>(8388608.0);
+}
+
+// Q6_K: the four bytes (low nibble | two high bits from qh's bits 0-1 of each byte) minus 32, as
+// floats, exactly and without int-to-float conversions.
+fn q6_minus32(lo: u32, qh: u32) -> vec4<f32> {
+    let v = lo | ((qh & 0x03030303u) << 4u);
+    let b = (vec4<u32>(v) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(0xffu);
+    return bitcast<vec4<f32>>(b | vec4<u32>(0x4B000000u)) - vec4<f32>(8388640.0);
+}
+
+// The four signed bytes of w as floats without int-to-float conversions (quarter rate on
+// NVIDIA): flipping the sign bits gives b + 128 in 0..255; 2^23 + that as float bits, minus
+// 2^23 + 128, is b exactly.
+fn i8x4_to_f32(w: u32) -> vec4<f32> {
+    let u = (vec4<u32>(w ^ 0x80808080u) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(0xffu);
+    return bitcast<vec4<f32>>(u | vec4<u32>(0x4B000000u)) - vec4<f32>(8388736.0);
+}
+
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
+#if QTYPE == iq4_xs
+    if ids.lid < 16u {
+        kv_table[ids.lid] = kv_iq4nl4(vec4<u32>(ids.lid)).x;
+    }
+    workgroupBarrier();
+#endif
 #if MOE
     let row0 = ids.wid.x * {{NR}}u;
     let slot = ids.wid.y;
@@ -83,30 +153,262 @@ fn main(ids: ComputeIds) {
         return;
     }
     var acc: array<vec4<f32>, {{ACC4}}>;
-    let groups = P.k / 8u;
     let x_base = (P.x_offset + x_col0 * P.x_stride) / 4u;
-    for (var g = ids.lid; g < groups; g += {{WG}}u) {
-        // Unrolled (#for): constant indices keep xa, xb and acc in registers.
-        var xa: array<vec4<f32>, {{NC}}>;
-        var xb: array<vec4<f32>, {{NC}}>;
-#for c in 0..NC
-        xa[{{c}}] = X[x_base + {{c}}u * (P.x_stride / 4u) + 2u * g];
-        xb[{{c}}] = X[x_base + {{c}}u * (P.x_stride / 4u) + 2u * g + 1u];
-#endfor
+    let x_col = P.x_stride / 4u;
+    // Rows past the end compute a copy of the last row and are not stored: no per-row branch, so
+    // the loads of all NR rows sit in one basic block and are issued back to back.
 #for r in 0..NR
-        if row0 + {{r}}u < P.rows {
-            let w = dq8_{{QTYPE}}(w_base + (row0 + {{r}}u) * P.row_bytes, g);
+    let rb{{r}} = w_base + min(row0 + {{r}}u, P.rows - 1u) * P.row_bytes;
+#endfor
+    var generic = true;
+#if QTYPE == iq4_xs
+    // Invocation p takes quant words 2p, 2p+1 of the row (block p / 16, words i, i+1 of its 32),
+    // so a subgroup reads 256 contiguous quant bytes per load pair and each block header as a
+    // broadcast, decoded once for both words. Word i belongs to sub-block i / 4: its low nibbles
+    // are weights 4(i % 4)..+3 of that sub-block, its high nibbles the same 16 further on. Two
+    // pairs per iteration, all loads first, keep more bytes in flight per invocation. IQ4_XS rows
+    // (136-byte multiples) always start 4-aligned.
+    generic = false;
+    let np = P.k / 16u;
+    for (var p0 = ids.lid; p0 < np; p0 += {{UNROLL}}u * {{WG}}u) {
+#for u in 0..UNROLL
+        // Past the end (second pair only): re-read the last pair, weighted 0 below.
+        let p{{u}} = min(p0 + {{u}}u * {{WG}}u, np - 1u);
+        let blk{{u}} = 34u * (p{{u}} >> 4u);
+        let i{{u}} = 2u * (p{{u}} & 15u);
+#for r in 0..NR
+        let h0_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}}];
+        let h1_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 1u];
+        let qa_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 2u + i{{u}}];
+        let qb_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 3u + i{{u}}];
+#endfor
+        let xv{{u}} = x_base + 64u * (p{{u}} >> 4u) + 8u * (i{{u}} >> 2u) + (i{{u}} & 3u);
+        var xl{{u}}: array<vec4<f32>, {{NC}}>;
+        var xm{{u}}: array<vec4<f32>, {{NC}}>;
+        var xh{{u}}: array<vec4<f32>, {{NC}}>;
+        var xn{{u}}: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-            acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dot(w.a, xa[{{c}}]) + dot(w.b, xb[{{c}}]);
+        xl{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col];
+        xm{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 1u];
+        xh{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 4u];
+        xn{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 5u];
+#endfor
+#endfor
+#for u in 0..UNROLL
+        {
+            let ib = i{{u}} >> 2u;
+            let live = select(0.0, 1.0, p0 + {{u}}u * {{WG}}u < np);
+#for r in 0..NR
+            {
+                let h0 = h0_{{u}}_{{r}};
+                let ls = ((h1_{{u}}_{{r}} >> (4u * ib)) & 15u) | (((h0 >> (16u + 2u * ib)) & 3u) << 4u);
+                // ls - 32 without an int-to-float conversion (quarter rate on NVIDIA): 2^23 + ls
+                // as float bits, minus 2^23 + 32, exact.
+                let dl = live * unpack2x16float(h0).x * (bitcast<f32>(ls | 0x4B000000u) - 8388640.0);
+                let wl = kv_word_lo(qa_{{u}}_{{r}});
+                let wm = kv_word_lo(qb_{{u}}_{{r}});
+                let wh = kv_word_hi(qa_{{u}}_{{r}});
+                let wn = kv_word_hi(qb_{{u}}_{{r}});
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dl * (dot(wl, xl{{u}}[{{c}}]) + dot(wm, xm{{u}}[{{c}}]) + dot(wh, xh{{u}}[{{c}}]) + dot(wn, xn{{u}}[{{c}}]));
+#endfor
+            }
 #endfor
         }
 #endfor
     }
+#endif
+#if QTYPE == q4_k
+    // As IQ4_XS: invocation p takes quant words 2p, 2p+1 of the row (block p / 16, words i, i+1
+    // of its 32; chunk c = i / 8 of 64 weights: low nibbles are sub-block 2c, high nibbles 2c+1).
+    // Σ (d·sc·q − dmin·m)·x = d·sc·Σ q·x − dmin·m·Σ x, so the nibbles are dotted unscaled and the
+    // activation sums are shared by all rows. Q4_K rows (144-byte multiples) start 4-aligned.
+    generic = false;
+    let np = P.k / 16u;
+    for (var p0 = ids.lid; p0 < np; p0 += {{UNROLL}}u * {{WG}}u) {
+#for u in 0..UNROLL
+        let p{{u}} = min(p0 + {{u}}u * {{WG}}u, np - 1u);
+        let blk{{u}} = 36u * (p{{u}} >> 4u);
+        let i{{u}} = 2u * (p{{u}} & 15u);
+#for r in 0..NR
+        let h0_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}}];
+        let s0_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 1u];
+        let s1_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 2u];
+        let s2_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 3u];
+        let qa_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 4u + i{{u}}];
+        let qb_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 5u + i{{u}}];
+#endfor
+        let xv{{u}} = x_base + 64u * (p{{u}} >> 4u) + 16u * (i{{u}} >> 3u) + (i{{u}} & 7u);
+        var xl{{u}}: array<vec4<f32>, {{NC}}>;
+        var xm{{u}}: array<vec4<f32>, {{NC}}>;
+        var xh{{u}}: array<vec4<f32>, {{NC}}>;
+        var xn{{u}}: array<vec4<f32>, {{NC}}>;
+#for c in 0..NC
+        xl{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col];
+        xm{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 1u];
+        xh{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 8u];
+        xn{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 9u];
+#endfor
+#endfor
+#for u in 0..UNROLL
+        {
+            let j = 2u * (i{{u}} >> 3u); // 2c: the low-nibble sub-block
+            let live = select(0.0, 1.0, p0 + {{u}}u * {{WG}}u < np);
+            var sx_lo: array<f32, {{NC}}>;
+            var sx_hi: array<f32, {{NC}}>;
+#for c in 0..NC
+            sx_lo[{{c}}] = dot(xl{{u}}[{{c}}] + xm{{u}}[{{c}}], vec4<f32>(1.0));
+            sx_hi[{{c}}] = dot(xh{{u}}[{{c}}] + xn{{u}}[{{c}}], vec4<f32>(1.0));
+#endfor
+#for r in 0..NR
+            {
+                let dm = live * unpack2x16float(h0_{{u}}_{{r}});
+                let sm_lo = k4_scale_min(s0_{{u}}_{{r}}, s1_{{u}}_{{r}}, s2_{{u}}_{{r}}, j);
+                let sm_hi = k4_scale_min(s0_{{u}}_{{r}}, s1_{{u}}_{{r}}, s2_{{u}}_{{r}}, j + 1u);
+                let qa = qa_{{u}}_{{r}};
+                let qb = qb_{{u}}_{{r}};
+                let nl = nib4_f32(qa);
+                let nm = nib4_f32(qb);
+                let nh = nib4_f32(qa >> 4u);
+                let nn = nib4_f32(qb >> 4u);
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dm.x * (sm_lo.x * (dot(nl, xl{{u}}[{{c}}]) + dot(nm, xm{{u}}[{{c}}])) + sm_hi.x * (dot(nh, xh{{u}}[{{c}}]) + dot(nn, xn{{u}}[{{c}}]))) - dm.y * (sm_lo.y * sx_lo[{{c}}] + sm_hi.y * sx_hi[{{c}}]);
+#endfor
+            }
+#endfor
+        }
+#endfor
+    }
+#endif
+#if QTYPE == q6_k
+    // Invocation p takes l = 4(p % 8)..+3 of half h = (p / 8) % 2 of block p / 16: one word of
+    // ql at 64h + l, one at 64h + 32 + l and one of qh at 32h + l give 16 weights (128h + 32g + l
+    // for g = 0..3) whose 6-bit values are assembled four bytes at a time; g's scale is
+    // scales[8h + l/16 + 2g]. Blocks are 210 bytes, so words are funnel-read (w_u32_at).
+    generic = false;
+    let np = P.k / 16u;
+    for (var p0 = ids.lid; p0 < np; p0 += {{UNROLL}}u * {{WG}}u) {
+#for u in 0..UNROLL
+        let p{{u}} = min(p0 + {{u}}u * {{WG}}u, np - 1u);
+        let h{{u}} = (p{{u}} >> 3u) & 1u;
+        let l{{u}} = 4u * (p{{u}} & 7u);
+#for r in 0..NR
+        let blk_{{u}}_{{r}} = rb{{r}} + 210u * (p{{u}} >> 4u);
+        let qa_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 64u * h{{u}} + l{{u}});
+        let qb_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 64u * h{{u}} + 32u + l{{u}});
+        let qh_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 128u + 32u * h{{u}} + l{{u}});
+        // Scale bytes s, s+2, s+4, s+6 with s = 192 + 8h + l/16: bytes 0 and 2 of the words
+        // read at s and s+4.
+        let sa_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 192u + 8u * h{{u}} + (l{{u}} >> 4u));
+        let sb_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 196u + 8u * h{{u}} + (l{{u}} >> 4u));
+        let d_{{u}}_{{r}} = w_f16_at(blk_{{u}}_{{r}} + 208u);
+#endfor
+        let xv{{u}} = x_base + 64u * (p{{u}} >> 4u) + 32u * h{{u}} + (l{{u}} >> 2u);
+        var x0{{u}}: array<vec4<f32>, {{NC}}>;
+        var x1{{u}}: array<vec4<f32>, {{NC}}>;
+        var x2{{u}}: array<vec4<f32>, {{NC}}>;
+        var x3{{u}}: array<vec4<f32>, {{NC}}>;
+#for c in 0..NC
+        x0{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col];
+        x1{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 8u];
+        x2{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 16u];
+        x3{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 24u];
+#endfor
+#endfor
+#for u in 0..UNROLL
+        {
+            let live = select(0.0, 1.0, p0 + {{u}}u * {{WG}}u < np);
+#for r in 0..NR
+            {
+                let qa = qa_{{u}}_{{r}};
+                let qb = qb_{{u}}_{{r}};
+                let qh = qh_{{u}}_{{r}};
+                let v0 = q6_minus32(qa & 0x0f0f0f0fu, qh);
+                let v1 = q6_minus32(qb & 0x0f0f0f0fu, qh >> 2u);
+                let v2 = q6_minus32((qa >> 4u) & 0x0f0f0f0fu, qh >> 4u);
+                let v3 = q6_minus32((qb >> 4u) & 0x0f0f0f0fu, qh >> 6u);
+                let sc = i8x4_to_f32((sa_{{u}}_{{r}} & 0x00ff00ffu) | ((sb_{{u}}_{{r}} & 0x00ff00ffu) << 8u));
+                let d = live * d_{{u}}_{{r}};
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += d * (sc.x * dot(v0, x0{{u}}[{{c}}]) + sc.z * dot(v1, x1{{u}}[{{c}}]) + sc.y * dot(v2, x2{{u}}[{{c}}]) + sc.w * dot(v3, x3{{u}}[{{c}}]));
+#endfor
+            }
+#endfor
+        }
+#endfor
+    }
+#endif
+#if QTYPE == q8_0
+    // Invocation g takes weights 8g..8g+7 (block g / 4, quarter g % 4): neighbours read
+    // neighbouring 8-byte runs. Blocks are 34 bytes, so the run starts 2- or 4-aligned: three
+    // words cover it either way and are funnel-shifted without a branch. The block scale applies
+    // once to the dot product. Two groups per iteration, loads first, as for IQ4_XS.
+    generic = false;
+    let ng = P.k / 8u;
+    for (var g0 = ids.lid; g0 < ng; g0 += {{UNROLL}}u * {{WG}}u) {
+#for u in 0..UNROLL
+        let g{{u}} = min(g0 + {{u}}u * {{WG}}u, ng - 1u);
+        let blk{{u}} = 34u * (g{{u}} >> 2u);
+#for r in 0..NR
+        let db_{{u}}_{{r}} = rb{{r}} + blk{{u}};
+        let qb_{{u}}_{{r}} = db_{{u}}_{{r}} + 2u + 8u * (g{{u}} & 3u);
+        let dw_{{u}}_{{r}} = W[db_{{u}}_{{r}} >> 2u];
+        let wa_{{u}}_{{r}} = W[qb_{{u}}_{{r}} >> 2u];
+        let wb_{{u}}_{{r}} = W[(qb_{{u}}_{{r}} >> 2u) + 1u];
+        let wc_{{u}}_{{r}} = W[(qb_{{u}}_{{r}} >> 2u) + 2u];
+#endfor
+        var xa{{u}}: array<vec4<f32>, {{NC}}>;
+        var xb{{u}}: array<vec4<f32>, {{NC}}>;
+#for c in 0..NC
+        xa{{u}}[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g{{u}}];
+        xb{{u}}[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g{{u}} + 1u];
+#endfor
+#endfor
+#for u in 0..UNROLL
+        {
+            let live = select(0.0, 1.0, g0 + {{u}}u * {{WG}}u < ng);
+#for r in 0..NR
+            {
+                let sh = (qb_{{u}}_{{r}} & 3u) * 8u;
+                let q0 = (wa_{{u}}_{{r}} >> sh) | ((wb_{{u}}_{{r}} << 1u) << (31u - sh));
+                let q1 = (wb_{{u}}_{{r}} >> sh) | ((wc_{{u}}_{{r}} << 1u) << (31u - sh));
+                let d = live * unpack2x16float(dw_{{u}}_{{r}} >> ((db_{{u}}_{{r}} & 2u) * 8u)).x;
+                let w0 = i8x4_to_f32(q0);
+                let w1 = i8x4_to_f32(q1);
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += d * (dot(w0, xa{{u}}[{{c}}]) + dot(w1, xb{{u}}[{{c}}]));
+#endfor
+            }
+#endfor
+        }
+#endfor
+    }
+#endif
+    if generic {
+        for (var g = ids.lid; g < P.k / 8u; g += {{WG}}u) {
+            // Unrolled (#for): constant indices keep xa, xb and acc in registers.
+            var xa: array<vec4<f32>, {{NC}}>;
+            var xb: array<vec4<f32>, {{NC}}>;
+#for c in 0..NC
+            xa[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g];
+            xb[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g + 1u];
+#endfor
+#for r in 0..NR
+            // The branch (not the clamp) measured faster for the heavier generic decoders (Q4_K).
+            if row0 + {{r}}u < P.rows {
+                let w = dq8_{{QTYPE}}(rb{{r}}, g);
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dot(w.a, xa[{{c}}]) + dot(w.b, xb[{{c}}]);
+#endfor
+            }
+#endfor
+        }
+    }
 #for a in 0..ACC4
     acc[{{a}}] = wg_sum4(acc[{{a}}], ids);
 #endfor
-    let i = ids.lid;
-    if i < {{NR}}u * {{NC}}u {
+    // NR·NC outputs may outnumber the invocations (8 rows × 8 columns with 32).
+    for (var i = ids.lid; i < {{NR}}u * {{NC}}u; i += {{WG}}u) {
         let r = i / {{NC}}u;
         let c = i % {{NC}}u;
         if row0 + r < P.rows {

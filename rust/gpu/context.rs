@@ -42,6 +42,9 @@ pub struct Caps {
     pub shader_f16: bool,
     pub timestamps: bool,
     pub cooperative_matrix: bool,
+    /// The cooperative-matrix shapes and types the adapter offers (empty without the feature);
+    /// kernels pick a configuration from it rather than assuming one.
+    pub cooperative_matrix_configs: Vec<wgpu::CooperativeMatrixProperties>,
     pub max_binding_size: u64,
     pub max_buffer_size: u64,
     pub max_workgroup_storage: u32,
@@ -275,6 +278,12 @@ impl Gpu {
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             cooperative_matrix: features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX),
+            cooperative_matrix_configs: if features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+            {
+                adapter.cooperative_matrix_properties()
+            } else {
+                Vec::new()
+            },
             max_binding_size: limits.max_storage_buffer_binding_size,
             max_buffer_size: limits.max_buffer_size,
             max_workgroup_storage: limits.max_compute_workgroup_storage_size,

@@ -1,5 +1,6 @@
 //! Matrix kernels over resident GGUF weights: mat-vec for decode (1..8 columns per weight read),
-//! tiled mat-mat for prefill, and the MoE mat-vec whose experts come from ids in a GPU buffer.
+//! mat-mat for prefill (cooperative-matrix tiles where the adapter offers them, f32 register tiles
+//! otherwise), and the MoE mat-vec whose experts come from ids in a GPU buffer.
 //! Activations are f32 columns (one per token) in storage buffers.
 
 use crate::error::{QkError, Result};
@@ -8,6 +9,7 @@ use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile, WeightTensor};
 
 pub const MATVEC: ShaderFile = crate::shader_file!("matvec");
 pub const MATMUL: ShaderFile = crate::shader_file!("matmul");
+pub const MATMUL_COOP: ShaderFile = crate::shader_file!("matmul_coop");
 
 /// Most activation columns one mat-vec dispatch takes (the accumulators live in registers).
 pub const MATVEC_MAX_COLS: u32 = 8;
@@ -81,16 +83,41 @@ struct MatmulParams {
 }
 
 /// Rows per workgroup and workgroup size of the mat-vec (kernels-perf.md §2.1: ggml uses 1–4 rows
-/// per workgroup and one to four subgroups). `QK_MATVEC_NR` / `QK_MATVEC_WG` override them for
-/// tuning runs (benches/kernels.rs); WG must be a power of two ≥ the subgroup size.
-fn matvec_shape(_gpu: &Gpu) -> (u32, u32) {
-    static SHAPE: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
-    *SHAPE.get_or_init(|| {
-        let env = |k: &str, d: u32| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
-        let nr = env("QK_MATVEC_NR", 2).clamp(1, 8);
-        let wg = env("QK_MATVEC_WG", 64).clamp(8, 1024).next_power_of_two();
-        (nr, wg)
-    })
+/// per workgroup and one to four subgroups). IQ4_XS defaults to 8 rows × 32 invocations, Q8_0,
+/// Q4_K and Q6_K to 4 × 32: best of the shapes swept on the H200 (2026-11-29, 256 MiB, K = 4096,
+/// one column: IQ4_XS 1.53 TB/s vs 1.01 at 2 × 64, Q8_0 2.3–2.4 vs 2.2, Q4_K 1.29 vs 1.13, Q6_K
+/// 1.49 vs 1.39); the rest keep 2 × 64. `QK_MATVEC_NR` /
+/// `QK_MATVEC_WG` override every type for tuning runs (benches/kernels.rs); WG must be a power of
+/// two ≥ the subgroup size.
+fn matvec_shape(_gpu: &Gpu, ty: GgmlType) -> (u32, u32) {
+    static OVERRIDE: std::sync::OnceLock<(Option<u32>, Option<u32>)> = std::sync::OnceLock::new();
+    let (nr, wg) = *OVERRIDE.get_or_init(|| {
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+        (env("QK_MATVEC_NR"), env("QK_MATVEC_WG"))
+    });
+    let (nr_default, wg_default) = match ty {
+        GgmlType::IQ4XS => (8, 32),
+        GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K => (4, 32),
+        _ => (2, 64),
+    };
+    (
+        nr.unwrap_or(nr_default).clamp(1, 8),
+        wg.unwrap_or(wg_default).clamp(8, 1024).next_power_of_two(),
+    )
+}
+
+/// Steps per loop iteration of the word paths (IQ4_XS, Q8_0, Q4_K): 2 for one or two columns,
+/// 1 beyond (their activation registers would crowd out occupancy). `QK_MATVEC_UNROLL` overrides
+/// it for tuning runs.
+fn matvec_unroll(ncols: u32) -> u32 {
+    static OVERRIDE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let forced = *OVERRIDE.get_or_init(|| {
+        std::env::var("QK_MATVEC_UNROLL")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .map(|u| u.clamp(1, 4))
+    });
+    forced.unwrap_or(if ncols <= 2 { 2 } else { 1 })
 }
 
 fn matvec_pipeline(
@@ -99,7 +126,7 @@ fn matvec_pipeline(
     ncols: u32,
     moe: bool,
 ) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
-    let (nr, wg) = matvec_shape(gpu);
+    let (nr, wg) = matvec_shape(gpu, ty);
     gpu.pipeline(
         &MATVEC,
         &[
@@ -109,6 +136,7 @@ fn matvec_pipeline(
             ("ACC4", (nr * ncols).div_ceil(4).to_string()),
             ("WG", wg.to_string()),
             ("MOE", u32::from(moe).to_string()),
+            ("UNROLL", matvec_unroll(ncols).to_string()),
         ],
         &[],
     )
@@ -159,7 +187,7 @@ pub fn matvec(
     }
     check_columns(&w.name, &x, w.cols, u64::from(ncols), true)?;
     check_columns(&w.name, &y, w.rows, u64::from(ncols), false)?;
-    let (nr, _) = matvec_shape(gpu);
+    let (nr, _) = matvec_shape(gpu, w.ty);
     let mut done = 0u32;
     while done < ncols {
         let nc = (ncols - done).min(MATVEC_MAX_COLS);
@@ -247,7 +275,7 @@ pub fn matvec_id(
             w.name
         )));
     }
-    let (nr, _) = matvec_shape(gpu);
+    let (nr, _) = matvec_shape(gpu, w.ty);
     let pipe = matvec_pipeline(gpu, w.ty, 1, true)?;
     let (x_col_token, x_col_slot) = match input {
         MoeInput::PerToken => (1, 0),
@@ -287,7 +315,68 @@ pub fn matvec_id(
     Ok(())
 }
 
-/// Tiled mat-mat for prefill: y[:, j] = W · x[:, j] for j < ncols (64×64 output tiles).
+/// Which mat-mat kernel runs a prefill product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// f32 register tiles (matmul.wgsl): every adapter, f32 throughout.
+    Tiled,
+    /// Cooperative-matrix tiles (matmul_coop.wgsl): f16 inputs, `coop_accumulator` accumulators.
+    Coop,
+}
+
+/// Fewest activation columns for which the cooperative kernel is chosen: below one 16-wide
+/// matrix most of its tile is padding.
+pub const COOP_MIN_COLS: u32 = 16;
+
+/// Workgroup memory of matmul_coop.wgsl: two 64×40 f16 tiles and a 64×64 accumulator tile.
+const COOP_WG_BYTES: u32 = 2 * 64 * 40 * 2 + 64 * 64 * 4;
+
+/// The accumulator scalar (`"f32"` or `"f16"`) the cooperative mat-mat uses on this device, or
+/// None where it cannot run: it needs a 16×16×16 configuration with f16 A/B among the adapter's
+/// cooperative-matrix list (f32 accumulation preferred), shader f16, a fixed subgroup size (its
+/// workgroup is exactly four subgroups) and room for its tiles.
+pub fn coop_accumulator(gpu: &Gpu) -> Option<&'static str> {
+    use wgpu::CooperativeScalarType as S;
+    let caps = &gpu.caps;
+    if !caps.cooperative_matrix
+        || !caps.shader_f16
+        || caps.subgroup_min_size != caps.subgroup_max_size
+        || caps.subgroup_max_size == 0
+        || 4 * caps.subgroup_max_size > caps.max_invocations
+        || caps.max_workgroup_storage < COOP_WG_BYTES
+    {
+        return None;
+    }
+    let offered = |cr: S| {
+        caps.cooperative_matrix_configs
+            .iter()
+            .any(|c| (c.m_size, c.n_size, c.k_size) == (16, 16, 16) && c.ab_type == S::F16 && c.cr_type == cr)
+    };
+    if offered(S::F32) {
+        Some("f32")
+    } else if offered(S::F16) {
+        Some("f16")
+    } else {
+        None
+    }
+}
+
+/// The kernel `matmul` uses for `ncols` columns: cooperative where available and the product is
+/// wide enough, unless `QK_NO_COOP=1` forces the tiled fallback (for side-by-side measurements).
+pub fn matmul_kernel(gpu: &Gpu, ncols: u32) -> MatmulKernel {
+    static NO_COOP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let no_coop = *NO_COOP.get_or_init(|| {
+        std::env::var("QK_NO_COOP").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+    });
+    if !no_coop && ncols >= COOP_MIN_COLS && coop_accumulator(gpu).is_some() {
+        MatmulKernel::Coop
+    } else {
+        MatmulKernel::Tiled
+    }
+}
+
+/// Mat-mat for prefill: y[:, j] = W · x[:, j] for j < ncols (64×64 output tiles), by the kernel
+/// `matmul_kernel` picks.
 pub fn matmul(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -295,6 +384,19 @@ pub fn matmul(
     x: Columns<'_>,
     y: Columns<'_>,
     ncols: u32,
+) -> Result<()> {
+    matmul_with(gpu, rec, w, x, y, ncols, matmul_kernel(gpu, ncols))
+}
+
+/// `matmul` with an explicit kernel; `Coop` on a device without it is an error.
+pub fn matmul_with(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    kernel: MatmulKernel,
 ) -> Result<()> {
     if w.experts != 1 {
         return Err(QkError::Engine(format!(
@@ -304,7 +406,26 @@ pub fn matmul(
     }
     check_columns(&w.name, &x, w.cols, u64::from(ncols), true)?;
     check_columns(&w.name, &y, w.rows, u64::from(ncols), false)?;
-    let pipe = gpu.pipeline(&MATMUL, &[("QTYPE", qtype_name(w.ty).into())], &[])?;
+    let pipe = match kernel {
+        MatmulKernel::Tiled => gpu.pipeline(&MATMUL, &[("QTYPE", qtype_name(w.ty).into())], &[])?,
+        MatmulKernel::Coop => {
+            let acc = coop_accumulator(gpu).ok_or_else(|| {
+                QkError::Engine(format!(
+                    "{}: cooperative mat-mat requested but {} does not offer it",
+                    w.name, gpu.adapter.name
+                ))
+            })?;
+            gpu.pipeline(
+                &MATMUL_COOP,
+                &[
+                    ("QTYPE", qtype_name(w.ty).into()),
+                    ("SG", gpu.caps.subgroup_max_size.to_string()),
+                    ("ACC", acc.into()),
+                ],
+                &[],
+            )?
+        }
+    };
     let col_tiles = ncols.div_ceil(64);
     if col_tiles > gpu.caps.max_workgroups_per_dim {
         return Err(QkError::Engine(format!(

@@ -11,7 +11,9 @@ use qk::gguf::GgmlType;
 use qk::gguf::dequant::dequantize;
 use qk::gpu::{Gpu, WeightTensor};
 use qk::ops::embed::embed;
-use qk::ops::matmul::{Columns, ExpertIds, MoeInput, matmul, matvec, matvec_id};
+use qk::ops::matmul::{
+    Columns, ExpertIds, MatmulKernel, MoeInput, coop_accumulator, matmul_with, matvec, matvec_id,
+};
 
 use crate::gpu_tests::test_gpu;
 
@@ -119,15 +121,17 @@ fn make(gpu: &Gpu, ty: GgmlType, m: usize, k: usize, experts: usize, window: u64
     Case { w, dense }
 }
 
-fn run_matvec(gpu: &Gpu, case: &Case, m: usize, k: usize, cols: usize, use_matmul: bool) -> f64 {
+/// Mat-vec when `mat_mat` is None, else the given mat-mat kernel (the f32 tests name `Tiled` so
+/// the cooperative path, with its own tolerance, never runs under `NMSE_MAX`).
+fn run_matvec(gpu: &Gpu, case: &Case, m: usize, k: usize, cols: usize, mat_mat: Option<MatmulKernel>) -> f64 {
     let mut rng = Rng(7 + cols as u64);
     let x: Vec<f32> = (0..k * cols).map(|_| rng.f32()).collect();
     let xb = gpu.buffer_from_f32("x", &x).unwrap();
     let yb = gpu.buffer_zeroed("y", (m * cols * 4) as u64).unwrap();
     let mut rec = gpu.recorder();
     let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
-    if use_matmul {
-        matmul(gpu, &mut rec, &case.w, xc, yc, cols as u32).unwrap();
+    if let Some(kernel) = mat_mat {
+        matmul_with(gpu, &mut rec, &case.w, xc, yc, cols as u32, kernel).unwrap();
     } else {
         matvec(gpu, &mut rec, &case.w, xc, yc, cols as u32).unwrap();
     }
@@ -145,7 +149,7 @@ fn matvec_every_type_subgroups_on_and_off() {
         for (i, ty) in TYPES.into_iter().enumerate() {
             let case = make(gpu, ty, m, k, 1, u64::MAX, 100 + i as u64);
             for cols in [1, 3, 8, 11] {
-                let e = run_matvec(gpu, &case, m, k, cols, false);
+                let e = run_matvec(gpu, &case, m, k, cols, None);
                 assert!(
                     e < NMSE_MAX,
                     "matvec {ty} cols={cols} subgroups_off={off}: NMSE {e:e}"
@@ -164,10 +168,10 @@ fn matvec_windows_cut_on_rows() {
         let case = make(gpu, ty, m, k, 1, 1000, 5);
         assert!(case.w.windows.len() > 3, "{ty}: expected several windows");
         for cols in [1, 2] {
-            let e = run_matvec(gpu, &case, m, k, cols, false);
+            let e = run_matvec(gpu, &case, m, k, cols, None);
             assert!(e < NMSE_MAX, "windowed matvec {ty}: NMSE {e:e}");
         }
-        let e = run_matvec(gpu, &case, m, k, 70, true);
+        let e = run_matvec(gpu, &case, m, k, 70, Some(MatmulKernel::Tiled));
         assert!(e < NMSE_MAX, "windowed matmul {ty}: NMSE {e:e}");
     }
 }
@@ -184,7 +188,7 @@ fn matmul_every_type() {
                 break;
             }
             let case = make(gpu, ty, m, k, 1, u64::MAX, 200 + i as u64);
-            let e = run_matvec(gpu, &case, m, k, n, true);
+            let e = run_matvec(gpu, &case, m, k, n, Some(MatmulKernel::Tiled));
             assert!(e < NMSE_MAX, "matmul {ty}: NMSE {e:e}");
         }
     }
@@ -197,10 +201,86 @@ fn matmul_inner_dim_not_a_tile_multiple() {
     for ty in [GgmlType::F16, GgmlType::F32, GgmlType::BF16] {
         let (m, k) = (65, 200);
         let case = make(gpu, ty, m, k, 1, u64::MAX, 9);
-        let e = run_matvec(gpu, &case, m, k, 33, true);
+        let e = run_matvec(gpu, &case, m, k, 33, Some(MatmulKernel::Tiled));
         assert!(e < NMSE_MAX, "matmul {ty} K=200: NMSE {e:e}");
-        let e = run_matvec(gpu, &case, m, k, 3, false);
+        let e = run_matvec(gpu, &case, m, k, 3, None);
         assert!(e < NMSE_MAX, "matvec {ty} K=200: NMSE {e:e}");
+    }
+    // Q8_0 with K = 224 (7 blocks): rows of 238 bytes are not 4-aligned and K is no multiple of
+    // the 64-weight block pair, so its mat-vec takes the generic path instead of the word path.
+    let case = make(gpu, GgmlType::Q8_0, 45, 224, 1, u64::MAX, 11);
+    for cols in [1, 4] {
+        let e = run_matvec(gpu, &case, 45, 224, cols, None);
+        assert!(e < NMSE_MAX, "matvec Q8_0 K=224 cols={cols}: NMSE {e:e}");
+    }
+}
+
+/// The cooperative-matrix mat-mat runs with f16 inputs. Each product w·x then carries two f16
+/// roundings (relative error uniform within ±2⁻¹¹, variance 2⁻²²/3 each); with independent errors
+/// NMSE ≈ 2·2⁻²²/3 ≈ 1.6e-7 for f32 accumulators, so 1e-6 has a 6× margin. With f16 accumulators
+/// (only where a device offers no f32 ones) each of the K/16 partial sums is rounded too, adding
+/// ≈ (K/16)/2 · 2⁻²²/3 ≈ 1.3e-6 at K = 512: 1e-5 there.
+fn coop_nmse_max(acc: &str) -> f64 {
+    if acc == "f32" { 1e-6 } else { 1e-5 }
+}
+
+#[test]
+fn matmul_cooperative_matrix_every_type() {
+    // With subgroups off the kernel finds its subgroup from the invocation index (fixed-size
+    // subgroups only): a different code path, so both devices run it.
+    for off in [false, true] {
+        let Some(gpu) = test_gpu(off) else { return };
+        let Some(acc) = coop_accumulator(gpu) else {
+            // Not a pass: say so, and fail where the run demands the cooperative path (the H200).
+            let why = format!(
+                "cooperative-matrix mat-mat NOT exercised (subgroups_off={off}): {} offers no \
+                 usable configuration (feature {}, configs {:?}, subgroups {}..{})",
+                gpu.adapter.name,
+                gpu.caps.cooperative_matrix,
+                gpu.caps.cooperative_matrix_configs,
+                gpu.caps.subgroup_min_size,
+                gpu.caps.subgroup_max_size
+            );
+            assert!(
+                std::env::var("QK_REQUIRE_COOP").as_deref() != Ok("1"),
+                "QK_REQUIRE_COOP=1: {why}"
+            );
+            println!("{why}");
+            eprintln!("{why}");
+            continue;
+        };
+        let tol = coop_nmse_max(acc);
+        // 130 rows × 70 columns: two full 64-row tiles plus a partial one, a partial 64-column
+        // tile whose last 16-wide matrix is mostly padding. The second device needs fewer types.
+        let (m, k, n) = (130, 512, 70);
+        for (i, ty) in TYPES.into_iter().enumerate() {
+            if off && !matches!(ty, GgmlType::Q8_0 | GgmlType::IQ4XS | GgmlType::F16) {
+                continue;
+            }
+            let case = make(gpu, ty, m, k, 1, u64::MAX, 500 + i as u64);
+            let e = run_matvec(gpu, &case, m, k, n, Some(MatmulKernel::Coop));
+            println!("coop matmul {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e}");
+            assert!(
+                e < tol,
+                "coop matmul {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e} ≥ {tol:e}"
+            );
+        }
+        // K = 200: not a multiple of the 32-wide K tile (zero padding), 33 columns.
+        for ty in [GgmlType::F16, GgmlType::F32, GgmlType::BF16] {
+            let case = make(gpu, ty, 65, 200, 1, u64::MAX, 9);
+            let e = run_matvec(gpu, &case, 65, 200, 33, Some(MatmulKernel::Coop));
+            assert!(e < tol, "coop matmul {ty} K=200: NMSE {e:e}");
+        }
+        // Windows of a few rows each: every dispatch is an edge tile.
+        let case = make(gpu, GgmlType::Q6K, 37, 256, 1, 1000, 5);
+        assert!(case.w.windows.len() > 3);
+        let e = run_matvec(gpu, &case, 37, 256, 40, Some(MatmulKernel::Coop));
+        assert!(e < tol, "windowed coop matmul Q6_K: NMSE {e:e}");
+        println!(
+            "cooperative-matrix mat-mat exercised on {} ({acc} accumulators, subgroup {}, \
+             subgroups_off={off})",
+            gpu.adapter.name, gpu.caps.subgroup_max_size
+        );
     }
 }
 
@@ -315,6 +395,6 @@ fn matvec_tensor_larger_than_128_mib() {
     if gpu.caps.max_binding_size < case.w.row_bytes * m as u64 {
         assert!(case.w.windows.len() >= 2);
     }
-    let e = run_matvec(gpu, &case, m, k, 1, false);
+    let e = run_matvec(gpu, &case, m, k, 1, None);
     assert!(e < NMSE_MAX, "large Q8_0 matvec: NMSE {e:e}");
 }

@@ -8,6 +8,12 @@ use std::path::Path;
 use qk::gpu::ShaderFile;
 use qk::gpu::shaders::{LIBRARY, expand, listed_variants, validate};
 
+/// SPIR-V with naga's default options, which allow every capability (CooperativeMatrixKHR for
+/// matmul_coop.wgsl included). naga 30's MSL writer also accepts the cooperative-matrix shader
+/// (as simdgroup matrices, MSL ≥ 2.3), but Metal's simdgroup matrices are 8×8 while that shader
+/// uses 16×16, so its MSL would not compile on a Mac: the runtime only picks it from an adapter's
+/// 16×16 configuration list, which Metal never offers. Its MSL translation is still checked here
+/// so a naga change that refuses it is noticed.
 fn translate(name: &str, module: &naga::Module, info: &naga::valid::ModuleInfo) -> Result<(), String> {
     naga::back::spv::write_vec(module, info, &naga::back::spv::Options::default(), None)
         .map_err(|e| format!("{name}: SPIR-V: {e}"))?;
