@@ -3,6 +3,7 @@
 # Rust and no registry) into .device/ (git-ignored; carried by the device tool):
 #   qk-*.whl          the abi3 wheel (same dev profile as every other build)
 #   rust-tests        the cargo integration-test binary (GPU kernel tests, run there on real hardware)
+#   kernels-bench     the kernel micro-benchmark (benches/kernels.rs)
 #   gguf-py/          llama.cpp's gguf-py from the sdist (writes the random 80B-shaped model)
 #   vocab/            the qwen2 vocabulary GGUF from the sdist
 #   make_big.py       ../shared/tools' random 80B-shaped model writer
@@ -20,6 +21,14 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "rust":
         print(m["executable"])')
 cp "$bin" .device/rust-tests
+bench=$(cargo build --no-default-features --bench kernels --message-format=json 2>/dev/null \
+  | python -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kernels":
+        print(m["executable"])')
+cp "$bench" .device/kernels-bench
+strip .device/rust-tests .device/kernels-bench
 cp -r "$(python scripts/sdist.py gguf-py)" .device/gguf-py
 cp "$(python scripts/sdist.py llama.cpp)/models/ggml-vocab-qwen2.gguf" .device/vocab/
 # The random full-size model writer is a shared tool beside the checkout (shared/ does not travel).

@@ -6,7 +6,8 @@
 # one), then qk and llama.cpp are measured side by side on the same file.
 # usage: bash benches/h200_engine.sh [LAYERS]   (12 by default: the iteration size)
 # env: QK_SKIP_TESTS=1, QK_SKIP_QK=1, QK_SKIP_LLAMA=1 leave a part out; QK_REUSE=1 adds the turn-2 TTFT
-# bench, QK_SPLIT=1 the unsplit-vs-2-stage loopback bench (benches/split_bench.py).
+# bench, QK_SPLIT=1 the unsplit-vs-2-stage loopback bench (benches/split_bench.py), QK_KERNELS=1 the
+# kernel micro-benchmark (cooperative matrix on and off).
 set -uo pipefail
 LAYERS="${1:-12}"
 OUT="${OUT:-/tmp/qk-out}"; mkdir -p "$OUT"
@@ -37,9 +38,16 @@ MAKE=$!
 which cmake ninja nvcc
 [ "${QK_SKIP_TESTS:-0}" = 1 ] || {
 echo "== GPU kernel tests (cargo test binary)"
-QK_REQUIRE_GPU=1 .device/rust-tests --test-threads=1 2>&1 | grep -E "^test result|FAILED|panicked|failures" | head -20
+QK_REQUIRE_GPU=1 QK_REQUIRE_COOP=1 .device/rust-tests --test-threads=1 2>&1 | grep -E "^test result|FAILED|panicked|failures" | head -20
+echo "== cooperative-matrix mat-mat against the CPU reference"
+QK_REQUIRE_GPU=1 QK_REQUIRE_COOP=1 .device/rust-tests matmul_cooperative --test-threads=1 --nocapture 2>&1 | grep -iE "coop|exercised|test result"
 echo "== engine tests against the committed goldens (no llama.cpp here)"
 QK_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -m "not oracle" tests/test_engine*.py 2>&1 | tail -5
+}
+[ "${QK_KERNELS:-0}" = 1 ] && [ -x .device/kernels-bench ] && {
+  echo "== kernel micro-benchmark (cooperative matrix on, then off)"
+  .device/kernels-bench 2>&1 | tee "$OUT/kernels-bench.txt"
+  QK_NO_COOP=1 .device/kernels-bench 2>&1 | grep -i "matmul\|tiled\|coop" | tee "$OUT/kernels-bench-nocoop.txt"
 }
 wait $MAKE
 [ "${QK_SKIP_QK:-0}" = 1 ] || {
