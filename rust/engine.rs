@@ -8,9 +8,11 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Instant;
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
+use crate::gpu::record::{OpLabel, SubmitProfile};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
 use crate::model::forward::{Batch, LayerState, Model, Scratch, SlotState};
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
@@ -60,6 +62,137 @@ pub struct Memory {
     pub total: u64,
 }
 
+/// Host-side times of one decode step, always measured (two clock reads, nothing allocated).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTiming {
+    /// Slots stepped (tokens produced).
+    pub rows: u32,
+    /// From the call to the submit: checks, input upload and recording every dispatch.
+    pub record_us: f64,
+    /// Submit, GPU execution and the readback map (the host waits).
+    pub submit_wait_us: f64,
+    /// The whole call, including unpacking the results.
+    pub total_us: f64,
+}
+
+/// One op instance of a profiled step (or, aggregated over layers, one op family).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpProfile {
+    pub op: &'static str,
+    /// None for the embedding and head, and for a family aggregated over layers.
+    pub layer: Option<u32>,
+    /// Distinct kernels (pipeline labels) its dispatches used.
+    pub kernels: Vec<String>,
+    pub dispatches: u32,
+    /// Sum of its dispatches' GPU times; None without timestamp queries.
+    pub gpu_us: Option<f64>,
+    /// Weight (and recurrent-state) bytes the op reads.
+    pub bytes: u64,
+}
+
+impl OpProfile {
+    /// Achieved bandwidth over the op's weight bytes (None without timestamps or bytes).
+    pub fn gb_per_s(&self) -> Option<f64> {
+        match self.gpu_us {
+            Some(us) if us > 0.0 && self.bytes > 0 => Some(self.bytes as f64 / (us * 1e3)),
+            _ => None,
+        }
+    }
+}
+
+/// A profiled decode step: every dispatch labelled and (where the adapter has timestamp queries)
+/// timed on the GPU, the counters it moved, and host times. `normal` is the timing of the last
+/// unprofiled step (profiling's pass per dispatch inflates the profiled step's own host times).
+#[derive(Clone, Debug)]
+pub struct StepProfile {
+    pub rows: u32,
+    pub submit: SubmitProfile,
+    pub counters: CounterSnapshot,
+    pub timing: StepTiming,
+    pub normal: Option<StepTiming>,
+}
+
+impl StepProfile {
+    /// One entry per op instance (layer and op), in recording order.
+    pub fn ops(&self) -> Vec<OpProfile> {
+        let timed = self.submit.timestamps;
+        let mut out: Vec<(usize, OpProfile)> = Vec::new();
+        for d in &self.submit.dispatches {
+            if out.last().is_none_or(|(i, _)| *i != d.op_index) {
+                out.push((d.op_index, empty_op(d.op, timed)));
+            }
+            if let Some((_, o)) = out.last_mut() {
+                add_dispatch(o, &d.kernel, d.gpu_ns);
+            }
+        }
+        out.into_iter().map(|(_, o)| o).collect()
+    }
+
+    /// Ops aggregated over layers by name, the most GPU time (or dispatches) first.
+    pub fn families(&self) -> Vec<OpProfile> {
+        let mut fams: Vec<OpProfile> = Vec::new();
+        for o in self.ops() {
+            let i = match fams.iter().position(|f| f.op == o.op) {
+                Some(i) => i,
+                None => {
+                    let label = OpLabel {
+                        op: o.op,
+                        layer: None,
+                        bytes: 0,
+                    };
+                    fams.push(empty_op(label, o.gpu_us.is_some()));
+                    fams.len() - 1
+                }
+            };
+            let f = &mut fams[i];
+            f.dispatches += o.dispatches;
+            f.bytes += o.bytes;
+            f.gpu_us = f.gpu_us.zip(o.gpu_us).map(|(a, b)| a + b);
+            for k in o.kernels {
+                if !f.kernels.contains(&k) {
+                    f.kernels.push(k);
+                }
+            }
+        }
+        fams.sort_by(|a, b| {
+            b.gpu_us
+                .unwrap_or(0.0)
+                .total_cmp(&a.gpu_us.unwrap_or(0.0))
+                .then(b.dispatches.cmp(&a.dispatches))
+        });
+        fams
+    }
+
+    /// Sum of every dispatch's GPU time (None without timestamps).
+    pub fn gpu_busy_us(&self) -> Option<f64> {
+        self.submit
+            .dispatches
+            .iter()
+            .map(|d| d.gpu_ns)
+            .sum::<Option<f64>>()
+            .map(|ns| ns / 1e3)
+    }
+}
+
+fn empty_op(label: OpLabel, timed: bool) -> OpProfile {
+    OpProfile {
+        op: label.op,
+        layer: label.layer,
+        kernels: Vec::new(),
+        dispatches: 0,
+        gpu_us: timed.then_some(0.0),
+        bytes: label.bytes,
+    }
+}
+
+fn add_dispatch(o: &mut OpProfile, kernel: &str, gpu_ns: Option<f64>) {
+    o.dispatches += 1;
+    o.gpu_us = o.gpu_us.zip(gpu_ns).map(|(a, b)| a + b / 1e3);
+    if !o.kernels.iter().any(|k| k == kernel) {
+        o.kernels.push(kernel.to_string());
+    }
+}
+
 pub struct EngineOptions {
     pub layers: Option<(u32, u32)>,
     pub slots: u32,
@@ -74,6 +207,7 @@ pub struct Engine {
     slots: Vec<SlotState>,
     scratch: Scratch,
     snapshots: HashMap<u64, Snapshot>,
+    last_step: Option<StepTiming>,
 }
 
 impl Engine {
@@ -127,6 +261,7 @@ impl Engine {
             slots,
             scratch,
             snapshots: HashMap::new(),
+            last_step: None,
         };
         let m = engine.memory();
         progress(&format!(
@@ -391,6 +526,56 @@ impl Engine {
     /// One decode position for each of `slots` (distinct) in one recorded pass: token i (or hidden
     /// row i) goes to slots[i] at its current position. Returns one output per slot.
     pub fn step(&mut self, slots: &[usize], input: StageInput<'_>, topk: u32) -> Result<Vec<StageOutput>> {
+        Ok(self.step_inner(slots, input, topk, false)?.0)
+    }
+
+    /// Host timing of the last [`Engine::step`] (None before the first).
+    pub fn last_step_timing(&self) -> Option<StepTiming> {
+        self.last_step
+    }
+
+    /// [`Engine::step`] with every dispatch labelled and, where the adapter has timestamp queries,
+    /// timed on the GPU (one pass per dispatch; results are the same bytes as `step`'s). Creates
+    /// query sets and buffers, so it is for measurement, not for serving.
+    pub fn profile_step(
+        &mut self,
+        slots: &[usize],
+        input: StageInput<'_>,
+        topk: u32,
+    ) -> Result<(Vec<StageOutput>, StepProfile)> {
+        let normal = self.last_step;
+        let before = self.gpu.counters();
+        let (out, submit, timing) = self.step_inner(slots, input, topk, true)?;
+        let after = self.gpu.counters();
+        let submit =
+            submit.ok_or_else(|| QkError::Engine("profiling recorder returned no profile".into()))?;
+        self.last_step = normal;
+        let counters = CounterSnapshot {
+            pipelines: after.pipelines - before.pipelines,
+            bind_groups: after.bind_groups - before.bind_groups,
+            buffers: after.buffers - before.buffers,
+            submits: after.submits - before.submits,
+            readbacks: after.readbacks - before.readbacks,
+            dispatches: after.dispatches - before.dispatches,
+        };
+        let profile = StepProfile {
+            rows: slots.len() as u32,
+            submit,
+            counters,
+            timing,
+            normal,
+        };
+        Ok((out, profile))
+    }
+
+    fn step_inner(
+        &mut self,
+        slots: &[usize],
+        input: StageInput<'_>,
+        topk: u32,
+        profile: bool,
+    ) -> Result<(Vec<StageOutput>, Option<SubmitProfile>, StepTiming)> {
+        let started = Instant::now();
         self.check_input(&input)?;
         let n = slots.len();
         crate::ensure!(n > 0, QkError::Engine("step with no slots".into()));
@@ -427,7 +612,11 @@ impl Engine {
         let s = &self.scratch;
         let gpu = &self.gpu;
         let states: Vec<&SlotState> = slots.iter().map(|&i| &self.slots[i]).collect();
-        let mut rec = gpu.recorder();
+        let mut rec = if profile {
+            gpu.profiling_recorder()
+        } else {
+            gpu.recorder()
+        };
         if matches!(input, StageInput::Tokens(_)) {
             model.record_embed(gpu, &mut rec, s, n as u32)?;
         }
@@ -452,7 +641,9 @@ impl Engine {
         } else {
             tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);
         }
-        let out = rec.finish_and_read()?;
+        let recorded = Instant::now();
+        let (out, submit_profile) = rec.finish_and_read_profiled()?;
+        let waited = Instant::now();
         let mut results = Vec::with_capacity(n);
         if last {
             for t in &tickets {
@@ -476,7 +667,15 @@ impl Engine {
         for (&sl, &p) in slots.iter().zip(&positions) {
             self.slots[sl].pos = p + 1;
         }
-        Ok(results)
+        let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
+        let timing = StepTiming {
+            rows: n as u32,
+            record_us: us(started, recorded),
+            submit_wait_us: us(recorded, waited),
+            total_us: us(started, Instant::now()),
+        };
+        self.last_step = Some(timing);
+        Ok((results, submit_profile, timing))
     }
 
     /// Greedy generation on one slot from position 0: the prompt, then `max_new` tokens.

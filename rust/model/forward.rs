@@ -8,7 +8,7 @@ use super::weights::{
     AttnProjection, BetaAlpha, DeltaNetProjection, ExpertGateUp, LayerWeights, Mixer, Weights,
 };
 use crate::error::{QkError, Result};
-use crate::gpu::{Gpu, GpuBuffer, Recorder};
+use crate::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
 use crate::ops::attention::{self, AttnArgs, AttnParams};
 use crate::ops::conv::{self, ConvParams};
 use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
@@ -276,6 +276,17 @@ pub struct Model {
     pub ctx: u32,
 }
 
+/// Bytes of a dense weight matrix (what one mat-vec reads).
+fn dense_bytes(w: &WeightTensor) -> u64 {
+    w.rows * w.row_bytes * w.experts
+}
+
+/// Bytes of the experts a MoE mat-vec over `t` tokens reads: n_used per token, counted as
+/// distinct (an upper bound when tokens share experts).
+fn expert_bytes(w: &WeightTensor, n_used: u32, t: u32) -> u64 {
+    w.rows * w.row_bytes * (u64::from(n_used) * u64::from(t)).min(w.experts)
+}
+
 fn cols(buf: &GpuBuffer, offset: u32, stride: u32) -> Columns<'_> {
     Columns { buf, offset, stride }
 }
@@ -310,6 +321,7 @@ impl Model {
         let table = self.weights.embed.as_ref().ok_or_else(|| {
             QkError::Engine("this stage has no embedding (layers do not start at 0): pass hidden rows".into())
         })?;
+        rec.op("embed", None, u64::from(n) * table.row_bytes);
         embed(
             gpu,
             rec,
@@ -356,6 +368,8 @@ impl Model {
         let rows_e = RowLayout::packed(e, 1);
         let x = &s.x[cur];
         let x_next = &s.x[1 - cur];
+        let layer = Some(lw.index);
+        rec.op("attn_norm", layer, 0);
         norm::record(
             gpu,
             rec,
@@ -370,10 +384,11 @@ impl Model {
             },
         )?;
         match &lw.mixer {
-            Mixer::DeltaNet(w) => self.record_deltanet(gpu, rec, s, w, states, batch)?,
-            Mixer::Attention(w) => self.record_attention(gpu, rec, s, w, states, batch)?,
+            Mixer::DeltaNet(w) => self.record_deltanet(gpu, rec, s, w, states, batch, layer)?,
+            Mixer::Attention(w) => self.record_attention(gpu, rec, s, w, states, batch, layer)?,
         }
         // h = x + mixer; xn = RMSNorm(h) (spec §3.1).
+        rec.op("post_norm", layer, 0);
         norm::record(
             gpu,
             rec,
@@ -387,9 +402,10 @@ impl Model {
                 sum: Some(x_next),
             },
         )?;
-        self.record_moe(gpu, rec, s, lw, t, x_next)
+        self.record_moe(gpu, rec, s, lw, t, x_next, layer)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn record_deltanet(
         &self,
         gpu: &Gpu,
@@ -398,6 +414,7 @@ impl Model {
         w: &super::weights::DeltaNetWeights,
         states: &[&LayerState],
         batch: Batch<'_>,
+        layer: Option<u32>,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let t = batch.rows();
@@ -407,14 +424,18 @@ impl Model {
         let xn = Columns::packed(&s.xn, e);
         match &w.proj {
             DeltaNetProjection::Split { qkv, gate } => {
+                rec.op("dn.qkv", layer, dense_bytes(qkv));
                 mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
+                rec.op("dn.gate", layer, dense_bytes(gate));
                 mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
             }
             DeltaNetProjection::Legacy(qkvz) => {
                 // One projection, then per k-head group four row copies into the q ‖ k ‖ v and z
                 // layouts the conv and gated norm read (4·nk small dispatches: legacy files only).
                 let lw = cd + vd;
+                rec.op("dn.qkvz", layer, dense_bytes(qkvz));
                 mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
+                rec.op("dn.qkvz_regroup", layer, 0);
                 let (dk, key_dim) = (cfg.dk, cfg.k_heads * cfg.dk);
                 let rv = (nv / cfg.k_heads) * cfg.dv;
                 let group = 2 * dk + 2 * rv;
@@ -442,8 +463,12 @@ impl Model {
             }
         }
         match &w.ba {
-            BetaAlpha::Grouped(ba) => mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?,
+            BetaAlpha::Grouped(ba) => {
+                rec.op("dn.ba", layer, dense_bytes(ba));
+                mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?
+            }
             BetaAlpha::Split { beta, alpha } => {
+                rec.op("dn.ba", layer, dense_bytes(beta) + dense_bytes(alpha));
                 mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
                 mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
             }
@@ -469,6 +494,7 @@ impl Model {
                     dst_token_stride: cd,
                     state_offset: 0,
                 };
+                rec.op("dn.conv", layer, conv_state.size);
                 conv::record(gpu, rec, &cp, &s.gproj, &w.conv, conv_state, &s.conv_out)?;
                 let args = DeltaArgs {
                     qkv: &s.conv_out,
@@ -484,6 +510,8 @@ impl Model {
                     first_token: first,
                     ..dp
                 };
+                // S is read and written once per call.
+                rec.op("dn.delta", layer, 2 * ssm.size);
                 match base {
                     Some(b) => deltanet::record_prefill(gpu, rec, &p, b, &args),
                     None => deltanet::record_recurrent(gpu, rec, &p, &args),
@@ -499,6 +527,7 @@ impl Model {
         }
         // Gated RMSNorm per v-head, then the output projection (spec §3.2 steps 9-10).
         let heads = RowLayout::packed(cfg.dv, nv);
+        rec.op("dn.gated_norm", layer, 0);
         norm::record(
             gpu,
             rec,
@@ -512,6 +541,7 @@ impl Model {
                 sum: None,
             },
         )?;
+        rec.op("dn.out", layer, dense_bytes(&w.out));
         mul(
             gpu,
             rec,
@@ -522,6 +552,7 @@ impl Model {
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn record_attention(
         &self,
         gpu: &Gpu,
@@ -530,6 +561,7 @@ impl Model {
         w: &super::weights::AttentionWeights,
         states: &[&LayerState],
         batch: Batch<'_>,
+        layer: Option<u32>,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let t = batch.rows();
@@ -540,11 +572,19 @@ impl Model {
         let xn = Columns::packed(&s.xn, e);
         match &w.proj {
             AttnProjection::Separate { q, k, v } => {
+                rec.op(
+                    "attn.qkv",
+                    layer,
+                    dense_bytes(q) + dense_bytes(k) + dense_bytes(v),
+                );
                 mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
                 mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
                 mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
             }
-            AttnProjection::Fused(qkv) => mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?,
+            AttnProjection::Fused(qkv) => {
+                rec.op("attn.qkv", layer, dense_bytes(qkv));
+                mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
+            }
         }
         // Per-head RMSNorm of q (the first half of each head's q+gate slice), before RoPE.
         let q_src = RowLayout {
@@ -553,6 +593,7 @@ impl Model {
             head_stride: 2 * hd,
         };
         let q_dst = RowLayout::packed(hd, cfg.heads);
+        rec.op("attn.q_norm", layer, 0);
         norm::record(
             gpu,
             rec,
@@ -588,6 +629,7 @@ impl Model {
                 token_stride: kvw,
                 head_stride: hd,
             };
+            rec.op("attn.k_norm", layer, 0);
             norm::record(
                 gpu,
                 rec,
@@ -610,6 +652,7 @@ impl Model {
                 head_stride: hd,
                 pos_base: pos,
             };
+            rec.op("attn.rope_k", layer, 0);
             rope::record(gpu, rec, &rp, kc, &self.freqs, None)?;
             let rq = RopeParams {
                 heads: cfg.heads,
@@ -617,6 +660,7 @@ impl Model {
                 token_stride: q_rows,
                 ..rp
             };
+            rec.op("attn.rope_q", layer, 0);
             rope::record(gpu, rec, &rq, &s.q, &self.freqs, None)?;
             let vp = EwParams {
                 rows: n,
@@ -627,6 +671,7 @@ impl Model {
                 out_stride: kvw,
                 ..Default::default()
             };
+            rec.op("attn.v_store", layer, 0);
             ew(gpu, rec, EwKind::CopyRows, &vp, &s.aproj, None, vc)?;
             let ap = AttnParams {
                 tokens: n,
@@ -655,6 +700,8 @@ impl Model {
                 v_cache: vc,
                 out: &s.attn_out,
             };
+            // K and V rows of every position so far.
+            rec.op("attn.core", layer, 2 * u64::from(pos + n) * u64::from(kvw) * 4);
             if decode {
                 attention::record_decode(gpu, rec, &ap.with_decode_splits(), &args, &s.part_out, &s.part_ml)
             } else {
@@ -669,6 +716,7 @@ impl Model {
                 }
             }
         }
+        rec.op("attn.out", layer, dense_bytes(&w.out));
         mul(
             gpu,
             rec,
@@ -680,6 +728,7 @@ impl Model {
     }
 
     /// MoE + shared expert of the normed rows in xn, added to `out` (spec §3.6).
+    #[allow(clippy::too_many_arguments)]
     fn record_moe(
         &self,
         gpu: &Gpu,
@@ -688,12 +737,14 @@ impl Model {
         lw: &LayerWeights,
         t: u32,
         out: &GpuBuffer,
+        layer: Option<u32>,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let w = &lw.moe;
         let e = cfg.n_embd;
         let (k, ff, sff) = (cfg.experts_used, cfg.expert_ff, cfg.shared_ff);
         let xn = Columns::packed(&s.xn, e);
+        rec.op("moe.router_mv", layer, dense_bytes(&w.router));
         mul(
             gpu,
             rec,
@@ -709,6 +760,7 @@ impl Model {
             logits_offset: 0,
             logits_token_stride: cfg.experts,
         };
+        rec.op("moe.route", layer, 0);
         router::record(gpu, rec, &rp, &s.router_logits, &s.expert_ids, &s.expert_w)?;
         let ids = ExpertIds {
             buf: &s.expert_ids,
@@ -718,6 +770,11 @@ impl Model {
         };
         match &w.gate_up {
             ExpertGateUp::Separate { gate, up } => {
+                rec.op(
+                    "moe.gate_up",
+                    layer,
+                    expert_bytes(gate, k, t) + expert_bytes(up, k, t),
+                );
                 matvec_id(
                     gpu,
                     rec,
@@ -738,6 +795,7 @@ impl Model {
                 )?;
             }
             ExpertGateUp::Fused(gu) => {
+                rec.op("moe.gate_up", layer, expert_bytes(gu, k, t));
                 matvec_id(
                     gpu,
                     rec,
@@ -760,6 +818,7 @@ impl Model {
             out_stride: n,
             ..Default::default()
         };
+        rec.op("moe.silu", layer, 0);
         ew(
             gpu,
             rec,
@@ -769,6 +828,7 @@ impl Model {
             Some(&s.gate_up),
             &s.act,
         )?;
+        rec.op("moe.down", layer, expert_bytes(&w.down, k, t));
         matvec_id(
             gpu,
             rec,
@@ -778,8 +838,14 @@ impl Model {
             ids,
             MoeInput::PerSlot,
         )?;
+        rec.op(
+            "shexp.gate_up",
+            layer,
+            dense_bytes(&w.shared_gate) + dense_bytes(&w.shared_up),
+        );
         mul(gpu, rec, &w.shared_gate, xn, cols(&s.sh_gate_up, 0, 2 * sff), t)?;
         mul(gpu, rec, &w.shared_up, xn, cols(&s.sh_gate_up, sff, 2 * sff), t)?;
+        rec.op("shexp.silu", layer, 0);
         ew(
             gpu,
             rec,
@@ -789,6 +855,7 @@ impl Model {
             Some(&s.sh_gate_up),
             &s.sh_act,
         )?;
+        rec.op("shexp.down", layer, dense_bytes(&w.shared_down));
         mul(
             gpu,
             rec,
@@ -797,6 +864,7 @@ impl Model {
             Columns::packed(&s.sh_down, e),
             t,
         )?;
+        rec.op("shexp.gate_inp", layer, dense_bytes(&w.shared_gate_inp));
         mul(
             gpu,
             rec,
@@ -821,6 +889,7 @@ impl Model {
             gate_offset: 0,
             gate_stride: 1,
         };
+        rec.op("moe.combine", layer, 0);
         elementwise::record(
             gpu,
             rec,
@@ -855,6 +924,7 @@ impl Model {
         };
         let e = self.cfg.n_embd;
         let rows_e = RowLayout::packed(e, 1);
+        rec.op("head.norm", None, 0);
         norm::record(
             gpu,
             rec,
@@ -869,6 +939,7 @@ impl Model {
             },
         )?;
         // mat-vec for a few rows (weights read once for all of them), tiled mat-mat for more.
+        rec.op("head.lm", None, dense_bytes(head));
         mul(
             gpu,
             rec,
@@ -893,6 +964,7 @@ impl Model {
             .results
             .get(row as usize)
             .ok_or_else(|| QkError::Engine(format!("top-k row {row} beyond the scratch")))?;
+        rec.op("head.topk", None, u64::from(self.cfg.vocab) * 4);
         topk::record(gpu, rec, &p, &s.logits, &s.topk_candidates, result)
     }
 }
