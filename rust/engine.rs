@@ -67,10 +67,13 @@ pub struct Memory {
 pub struct StepTiming {
     /// Slots stepped (tokens produced).
     pub rows: u32,
-    /// From the call to the submit: checks, input upload and recording every dispatch.
+    /// From the call to the encoded commands: checks, input upload, recording every dispatch
+    /// and wgpu's validation and translation of the pass (host CPU).
     pub record_us: f64,
-    /// Submit, GPU execution and the readback map (the host waits).
-    pub submit_wait_us: f64,
+    /// `queue.submit` (host CPU: wgpu's submission work and the driver's).
+    pub submit_us: f64,
+    /// From the submit to the results on the host: GPU execution and the readback map.
+    pub wait_us: f64,
     /// The whole call, including unpacking the results.
     pub total_us: f64,
 }
@@ -641,9 +644,7 @@ impl Engine {
         } else {
             tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);
         }
-        let recorded = Instant::now();
-        let (out, submit_profile) = rec.finish_and_read_profiled()?;
-        let waited = Instant::now();
+        let (out, finished) = rec.finish_and_read_timed()?;
         let mut results = Vec::with_capacity(n);
         if last {
             for t in &tickets {
@@ -670,12 +671,13 @@ impl Engine {
         let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
         let timing = StepTiming {
             rows: n as u32,
-            record_us: us(started, recorded),
-            submit_wait_us: us(recorded, waited),
+            record_us: us(started, finished.encoded),
+            submit_us: us(finished.encoded, finished.submitted),
+            wait_us: us(finished.submitted, finished.done),
             total_us: us(started, Instant::now()),
         };
         self.last_step = Some(timing);
-        Ok((results, submit_profile, timing))
+        Ok((results, finished.profile, timing))
     }
 
     /// Greedy generation on one slot from position 0: the prompt, then `max_new` tokens.

@@ -46,8 +46,8 @@ pub struct DispatchProfile {
 }
 
 /// What a profiled submit measured: its dispatches in order, the CPU time spent recording (from
-/// the recorder's creation to the submit), submitting and waiting, and the GPU span from the
-/// first dispatch's begin to the last one's end.
+/// the recorder's creation to the encoded commands), submitting and waiting, and the GPU span
+/// from the first dispatch's begin to the last one's end.
 #[derive(Clone, Debug, Default)]
 pub struct SubmitProfile {
     pub dispatches: Vec<DispatchProfile>,
@@ -282,11 +282,12 @@ impl Recorder<'_> {
 
     /// Submit, wait, and return the queued readbacks in order (one staging buffer, one map).
     pub fn finish_and_read(self) -> Result<Vec<Vec<u8>>> {
-        Ok(self.finish_and_read_profiled()?.0)
+        Ok(self.finish_and_read_timed()?.0)
     }
 
-    /// [`Recorder::finish_and_read`], plus what a profiling recorder measured (None otherwise).
-    pub fn finish_and_read_profiled(mut self) -> Result<(Vec<Vec<u8>>, Option<SubmitProfile>)> {
+    /// [`Recorder::finish_and_read`], plus when encoding ended, the submit returned and the
+    /// results were in, and what a profiling recorder measured.
+    pub fn finish_and_read_timed(mut self) -> Result<(Vec<Vec<u8>>, Finished)> {
         self.end_pass();
         let mut profile = self.profile.take();
         let mut enc = self.encoder.take().ok_or_else(finished)?;
@@ -294,7 +295,6 @@ impl Recorder<'_> {
             Some(p) if !p.query_sets.is_empty() => Some(resolve_timestamps(self.gpu, &mut enc, p)?),
             _ => None,
         };
-        let record_end = Instant::now();
         let total: u64 = self.reads.iter().map(|r| r.2).sum();
         let staging = if total > 0 {
             Some(self.gpu.staging_buffer(total)?)
@@ -308,13 +308,24 @@ impl Recorder<'_> {
                 at += size;
             }
         }
-        self.gpu.queue.submit([enc.finish()]);
+        let commands = enc.finish();
+        let encoded = Instant::now();
+        self.gpu.queue.submit([commands]);
         Counters::bump(&self.gpu.counters.submits);
         let submitted = Instant::now();
         let Some(st) = staging else {
             self.gpu.wait()?;
-            let prof = finish_profile(self.gpu, profile, timestamps, record_end, submitted)?;
-            return Ok((Vec::new(), prof));
+            let done = Instant::now();
+            let profile = finish_profile(self.gpu, profile, timestamps, encoded, submitted, done)?;
+            return Ok((
+                Vec::new(),
+                Finished {
+                    encoded,
+                    submitted,
+                    done,
+                    profile,
+                },
+            ));
         };
         let (tx, rx) = std::sync::mpsc::channel();
         st.buffer.slice(..total).map_async(wgpu::MapMode::Read, move |r| {
@@ -339,9 +350,30 @@ impl Recorder<'_> {
         st.buffer.unmap();
         self.gpu.return_staging(st);
         Counters::bump(&self.gpu.counters.readbacks);
-        let prof = finish_profile(self.gpu, profile, timestamps, record_end, submitted)?;
-        Ok((out, prof))
+        let done = Instant::now();
+        let profile = finish_profile(self.gpu, profile, timestamps, encoded, submitted, done)?;
+        Ok((
+            out,
+            Finished {
+                encoded,
+                submitted,
+                done,
+                profile,
+            },
+        ))
     }
+}
+
+/// When a submit's phases ended on the host (plain clock reads), and a profiling recorder's
+/// measurements.
+pub struct Finished {
+    /// Commands encoded (wgpu validates and translates the passes by here).
+    pub encoded: Instant,
+    /// `queue.submit` returned.
+    pub submitted: Instant,
+    /// The GPU finished and the readbacks were copied out.
+    pub done: Instant,
+    pub profile: Option<SubmitProfile>,
 }
 
 /// Resolve every query set into a mappable buffer (copied there in the same submit).
@@ -377,16 +409,16 @@ fn finish_profile(
     gpu: &Gpu,
     profile: Option<Box<Profiling>>,
     timestamps: Option<wgpu::Buffer>,
-    record_end: Instant,
+    encoded: Instant,
     submitted: Instant,
+    done: Instant,
 ) -> Result<Option<SubmitProfile>> {
     let Some(p) = profile else { return Ok(None) };
-    let done = Instant::now();
     let ns = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e9;
     let mut out = SubmitProfile {
         timestamps: timestamps.is_some(),
-        record_ns: ns(p.started, record_end),
-        submit_ns: ns(record_end, submitted),
+        record_ns: ns(p.started, encoded),
+        submit_ns: ns(encoded, submitted),
         wait_ns: ns(submitted, done),
         dispatches: p.dispatches,
         gpu_span_ns: None,

@@ -224,7 +224,7 @@ impl PyEngine {
         Ok(d)
     }
 
-    /// Host µs of the last `step` (rows, record_us, submit_wait_us, total_us), or None.
+    /// Host µs of the last `step` (rows, record_us, submit_us, wait_us, total_us), or None.
     fn last_step_timing<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let t = self.lock()?.last_step_timing();
         t.map(|t| timing_dict(py, &t)).transpose()
@@ -307,7 +307,8 @@ fn timing_dict<'py>(py: Python<'py>, t: &StepTiming) -> PyResult<Bound<'py, PyDi
     let d = PyDict::new(py);
     d.set_item("rows", t.rows)?;
     d.set_item("record_us", t.record_us)?;
-    d.set_item("submit_wait_us", t.submit_wait_us)?;
+    d.set_item("submit_us", t.submit_us)?;
+    d.set_item("wait_us", t.wait_us)?;
     d.set_item("total_us", t.total_us)?;
     Ok(d)
 }
