@@ -5,7 +5,7 @@
 
 use super::config::{Arch, LayerKind, ModelConfig};
 use super::weights::{
-    AttnProjection, BetaAlpha, DeltaNetProjection, ExpertGateUp, LayerWeights, Mixer, Weights,
+    AttnProjection, BetaAlpha, DeltaNetProjection, ExpertGateUp, LayerWeights, Mixer, Stacked, Weights,
 };
 use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
@@ -190,11 +190,13 @@ impl Scratch {
             attn_out: buf("attn.out", r * hd)?,
             part_out: buf("attn.partial_out", po)?,
             part_ml: buf("attn.partial_ml", pml)?,
-            router_logits: buf("moe.router", r * u64::from(cfg.experts))?,
+            // Expert logits, then (stacked router) the shared expert's gate logit, per row.
+            router_logits: buf("moe.router", r * u64::from(cfg.experts + 1))?,
             expert_ids: buf("moe.ids", r * k)?,
             expert_w: buf("moe.weights", r * k)?,
-            gate_up: buf("moe.gate_up", r * k * 2 * ff)?,
-            act: buf("moe.act", r * k * ff)?,
+            // The expert columns, then (ff == shared_ff) the shared expert's t columns.
+            gate_up: buf("moe.gate_up", r * (k + 1) * 2 * ff)?,
+            act: buf("moe.act", r * (k + 1) * ff)?,
             down: buf("moe.down", r * k * e)?,
             sh_gate_up: buf("shexp.gate_up", r * 2 * sff)?,
             sh_act: buf("shexp.act", r * sff)?,
@@ -744,21 +746,30 @@ impl Model {
         let e = cfg.n_embd;
         let (k, ff, sff) = (cfg.experts_used, cfg.expert_ff, cfg.shared_ff);
         let xn = Columns::packed(&s.xn, e);
-        rec.op("moe.router_mv", layer, dense_bytes(&w.router));
-        mul(
-            gpu,
-            rec,
-            &w.router,
-            xn,
-            Columns::packed(&s.router_logits, cfg.experts),
-            t,
-        )?;
+        rec.op("moe.router_mv", layer, w.router.bytes());
+        // The shared expert's gate logit: beside the expert logits when the router is stacked.
+        let (logit_stride, gate_buf, gate_offset, gate_stride) = match &w.router {
+            Stacked::One(router) => {
+                let stride = cfg.experts + 1;
+                mul(gpu, rec, router, xn, Columns::packed(&s.router_logits, stride), t)?;
+                (stride, &s.router_logits, cfg.experts, stride)
+            }
+            Stacked::Parts(parts) => {
+                let [router, gate_inp] = parts.as_slice() else {
+                    return Err(QkError::Engine("router: expected router and shared gate".into()));
+                };
+                let logits = Columns::packed(&s.router_logits, cfg.experts);
+                mul(gpu, rec, router, xn, logits, t)?;
+                mul(gpu, rec, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
+                (cfg.experts, &s.sh_gate, 0, 1)
+            }
+        };
         let rp = RouterParams {
             tokens: t,
             experts: cfg.experts,
             k,
             logits_offset: 0,
-            logits_token_stride: cfg.experts,
+            logits_token_stride: logit_stride,
         };
         rec.op("moe.route", layer, 0);
         router::record(gpu, rec, &rp, &s.router_logits, &s.expert_ids, &s.expert_w)?;
@@ -818,16 +829,48 @@ impl Model {
             out_stride: n,
             ..Default::default()
         };
+        // With ff == shared_ff (every Qwen3-Next / Qwen3.5-MoE shape) the shared expert's gate/up
+        // rows sit after the t·k expert columns of gate_up, so one SiLU·mul covers both.
+        let joint = ff == sff;
+        let (sh_gu, sh_gu_offset, sh_act, sh_act_offset) = if joint {
+            (&s.gate_up, t * k * 2 * ff, &s.act, t * k * ff)
+        } else {
+            (&s.sh_gate_up, 0, &s.sh_act, 0)
+        };
+        rec.op("shexp.gate_up", layer, w.shared_gate_up.bytes());
+        match &w.shared_gate_up {
+            Stacked::One(gu) => mul(gpu, rec, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
+            Stacked::Parts(parts) => {
+                let [gate, up] = parts.as_slice() else {
+                    return Err(QkError::Engine("shared expert: expected gate and up".into()));
+                };
+                mul(gpu, rec, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
+                mul(gpu, rec, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
+            }
+        }
+        let expert_rows = if joint { t * k + t } else { t * k };
         rec.op("moe.silu", layer, 0);
         ew(
             gpu,
             rec,
             EwKind::SiluMul,
-            &silu(t * k, ff),
+            &silu(expert_rows, ff),
             &s.gate_up,
             Some(&s.gate_up),
             &s.act,
         )?;
+        if !joint {
+            rec.op("shexp.silu", layer, 0);
+            ew(
+                gpu,
+                rec,
+                EwKind::SiluMul,
+                &silu(t, sff),
+                &s.sh_gate_up,
+                Some(&s.sh_gate_up),
+                &s.sh_act,
+            )?;
+        }
         rec.op("moe.down", layer, expert_bytes(&w.down, k, t));
         matvec_id(
             gpu,
@@ -838,39 +881,13 @@ impl Model {
             ids,
             MoeInput::PerSlot,
         )?;
-        rec.op(
-            "shexp.gate_up",
-            layer,
-            dense_bytes(&w.shared_gate) + dense_bytes(&w.shared_up),
-        );
-        mul(gpu, rec, &w.shared_gate, xn, cols(&s.sh_gate_up, 0, 2 * sff), t)?;
-        mul(gpu, rec, &w.shared_up, xn, cols(&s.sh_gate_up, sff, 2 * sff), t)?;
-        rec.op("shexp.silu", layer, 0);
-        ew(
-            gpu,
-            rec,
-            EwKind::SiluMul,
-            &silu(t, sff),
-            &s.sh_gate_up,
-            Some(&s.sh_gate_up),
-            &s.sh_act,
-        )?;
         rec.op("shexp.down", layer, dense_bytes(&w.shared_down));
         mul(
             gpu,
             rec,
             &w.shared_down,
-            Columns::packed(&s.sh_act, sff),
+            cols(sh_act, sh_act_offset, sff),
             Columns::packed(&s.sh_down, e),
-            t,
-        )?;
-        rec.op("shexp.gate_inp", layer, dense_bytes(&w.shared_gate_inp));
-        mul(
-            gpu,
-            rec,
-            &w.shared_gate_inp,
-            xn,
-            Columns::packed(&s.sh_gate, 1),
             t,
         )?;
         let cp = EwParams {
@@ -886,8 +903,8 @@ impl Model {
             weights_stride: k,
             experts: k,
             accumulate: 1,
-            gate_offset: 0,
-            gate_stride: 1,
+            gate_offset,
+            gate_stride,
         };
         rec.op("moe.combine", layer, 0);
         elementwise::record(
@@ -900,7 +917,7 @@ impl Model {
                 b: Some(&s.sh_down),
                 out,
                 weights: Some(&s.expert_w),
-                gate: Some(&s.sh_gate),
+                gate: Some(gate_buf),
             },
         )
     }
