@@ -45,10 +45,23 @@ pub enum StageOutput {
     Ids { ids: Vec<u32>, topk: Vec<(u32, f32)> },
 }
 
-/// A saved slot state (KV rows up to `pos`, conv rows, S).
+/// A saved slot state (KV rows up to `pos`, conv rows, S), packed back to back in one buffer in
+/// the order of [`state_parts`] (one allocation per save, not two per layer).
 struct Snapshot {
     pos: u32,
-    layers: Vec<Vec<GpuBuffer>>,
+    buffer: GpuBuffer,
+}
+
+/// The slot's state buffers and the bytes of each a snapshot at `pos` holds, in layer order.
+fn state_parts(st: &SlotState, pos: u32, kv_row_bytes: u64) -> Vec<(&GpuBuffer, u64)> {
+    let kv = u64::from(pos) * kv_row_bytes;
+    st.layers
+        .iter()
+        .flat_map(|l| match l {
+            LayerState::Attention { k, v } => [(k, kv), (v, kv)],
+            LayerState::DeltaNet { conv, s } => [(conv, conv.size), (s, s.size)],
+        })
+        .collect()
 }
 
 /// Device memory held, in bytes.
@@ -313,12 +326,7 @@ impl Engine {
         let n_dn = local.len() as u64 - n_attn;
         let kv = n_attn * 2 * u64::from(self.model.ctx) * u64::from(cfg.kv_row()) * 4;
         let dn = n_dn * (crate::model::forward::conv_bytes(cfg) + crate::model::forward::ssm_bytes(cfg));
-        let snaps: u64 = self
-            .snapshots
-            .values()
-            .flat_map(|s| s.layers.iter().flatten())
-            .map(|b| b.size)
-            .sum();
+        let snaps: u64 = self.snapshots.values().map(|s| s.buffer.size).sum();
         let weights = self.model.weights.bytes;
         let scratch = self.scratch.bytes;
         let slots = self.slots.len() as u64;
@@ -710,27 +718,20 @@ impl Engine {
     pub fn state_save(&mut self, slot: usize, idx: u64) -> Result<()> {
         let st = self.slot(slot)?;
         let pos = st.pos;
-        let row = u64::from(self.model.cfg.kv_row()) * 4;
+        let parts = state_parts(st, pos, u64::from(self.model.cfg.kv_row()) * 4);
+        let total: u64 = parts.iter().map(|(_, b)| b).sum();
         let gpu = &self.gpu;
+        let buffer = gpu.buffer_zeroed(&format!("snapshot{idx}"), total.max(4))?;
         let mut rec = gpu.recorder();
-        let mut layers = Vec::new();
-        for (li, l) in st.layers.iter().enumerate() {
-            let srcs: Vec<(&GpuBuffer, u64)> = match l {
-                LayerState::Attention { k, v } => vec![(k, u64::from(pos) * row), (v, u64::from(pos) * row)],
-                LayerState::DeltaNet { conv, s } => vec![(conv, conv.size), (s, s.size)],
-            };
-            let mut bufs = Vec::new();
-            for (j, (src, bytes)) in srcs.into_iter().enumerate() {
-                let dst = gpu.buffer_zeroed(&format!("snapshot{idx}.{li}.{j}"), bytes.max(4))?;
-                if bytes > 0 {
-                    rec.copy(src, 0, &dst, 0, bytes)?;
-                }
-                bufs.push(dst);
+        let mut at = 0;
+        for (src, bytes) in parts {
+            if bytes > 0 {
+                rec.copy(src, 0, &buffer, at, bytes)?;
             }
-            layers.push(bufs);
+            at += bytes;
         }
         rec.submit()?;
-        self.snapshots.insert(idx, Snapshot { pos, layers });
+        self.snapshots.insert(idx, Snapshot { pos, buffer });
         Ok(())
     }
 
@@ -741,21 +742,18 @@ impl Engine {
             .snapshots
             .get(&idx)
             .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))?;
-        let row = u64::from(self.model.cfg.kv_row()) * 4;
-        let gpu = &self.gpu;
-        let mut rec = gpu.recorder();
-        for (l, bufs) in self.slots[slot].layers.iter().zip(&snap.layers) {
-            let dsts: Vec<(&GpuBuffer, u64)> = match l {
-                LayerState::Attention { k, v } => {
-                    vec![(k, u64::from(snap.pos) * row), (v, u64::from(snap.pos) * row)]
-                }
-                LayerState::DeltaNet { conv, s } => vec![(conv, conv.size), (s, s.size)],
-            };
-            for ((dst, bytes), src) in dsts.into_iter().zip(bufs) {
-                if bytes > 0 {
-                    rec.copy(src, 0, dst, 0, bytes)?;
-                }
+        let parts = state_parts(
+            &self.slots[slot],
+            snap.pos,
+            u64::from(self.model.cfg.kv_row()) * 4,
+        );
+        let mut rec = self.gpu.recorder();
+        let mut at = 0;
+        for (dst, bytes) in parts {
+            if bytes > 0 {
+                rec.copy(&snap.buffer, at, dst, 0, bytes)?;
             }
+            at += bytes;
         }
         rec.submit()?;
         self.slots[slot].pos = snap.pos;

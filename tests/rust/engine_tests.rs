@@ -143,10 +143,11 @@ fn profile_step_labels_every_dispatch() {
         Some(normal),
         "a profile is not a normal step's timing"
     );
+    // The counters belong to the device, which tests running in parallel share: they can only add
+    // (tests/test_engine.py checks equality in a process of its own).
     let n = prof.submit.dispatches.len() as u64;
-    assert_eq!(n, after.dispatches - before.dispatches);
-    assert_eq!(prof.counters.dispatches, n);
-    assert_eq!(prof.counters.submits, 1);
+    assert!(n > 0 && after.dispatches - before.dispatches >= n);
+    assert!(prof.counters.dispatches >= n && prof.counters.submits >= 1);
     assert!(prof.submit.dispatches.iter().all(|d| !d.op.op.is_empty()));
     // Every layer's ops carry its index; embed and head carry none.
     let cfg = eng.config().clone();
@@ -195,4 +196,33 @@ fn profile_step_labels_every_dispatch() {
         assert!(prof.submit.dispatches.iter().all(|d| d.gpu_ns.is_none()));
         assert!(prof.gpu_busy_us().is_none() && head.gb_per_s().is_none());
     }
+}
+
+/// A snapshot is one buffer holding exactly the state at its position (what the reuse table
+/// accounts: DeltaNet state plus KV rows up to the position), and restoring it continues exactly
+/// as never stopping.
+#[test]
+fn snapshot_is_one_exact_buffer_and_resumes() {
+    let Some(mut eng) = engine(None) else { return };
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 5 + 1) % 456).collect();
+    let StageOutput::Ids { ids: straight, .. } = eng.stage_run(0, StageInput::Tokens(&prompt), 0, 0).unwrap()
+    else {
+        panic!("last stage returned hidden rows")
+    };
+    eng.stage_run(1, StageInput::Tokens(&prompt[..30]), 0, 0).unwrap();
+    eng.state_save(1, 2).unwrap();
+    let m = eng.memory();
+    let kv_at_30 = m.kv_per_slot * 30 / u64::from(eng.ctx());
+    assert_eq!(m.snapshots, m.deltanet_per_slot + kv_at_30);
+    eng.stage_run(1, StageInput::Tokens(&[3, 4]), 0, 0).unwrap();
+    eng.state_load(1, 2).unwrap();
+    let StageOutput::Ids { ids: resumed, .. } = eng
+        .stage_run(1, StageInput::Tokens(&prompt[30..]), 30, 0)
+        .unwrap()
+    else {
+        panic!("last stage returned hidden rows")
+    };
+    assert_eq!(resumed, straight[30..]);
+    eng.state_drop(2).unwrap();
+    assert_eq!(eng.memory().snapshots, 0);
 }
