@@ -31,10 +31,15 @@ def profile_report(eng, slots: list[int], toks: list[int], top: int) -> dict:
     """One plain step (its host timing is the one quoted), then one profiled step of `slots`."""
     eng.step(slots, toks)
     prof = eng.profile_step(slots, toks)
+    return print_profile(prof, f"decode step: {len(slots)} slot(s)", top)
+
+
+def print_profile(prof: dict, title: str, top: int) -> dict:
+    """The profile's tables on stderr; its summary for the JSON result."""
     st = prof["step"]
     rows = st["rows"]
     out = sys.stderr
-    print(f"\n== profiled decode step: {rows} slot(s), timestamps {st['timestamps']}", file=out)
+    print(f"\n== profiled {title}, timestamps {st['timestamps']}", file=out)
     print(
         f"{'op family':<18}{'disp':>6}{'GPU us':>10}{'%GPU':>7}{'MB read':>10}{'GB/s':>9}  kernels", file=out
     )
@@ -160,7 +165,10 @@ def main() -> None:
         "step_ms_by_slots": step_ms,
         "counters": eng.counters(),
     }
-    if profiles:
+    if a.profile:
+        # One prefill piece (64 tokens from position 0: the DeltaNet chunk) on slot 0.
+        prof = eng.profile_stage_run(0, prompt[:64], 0)
+        profiles.append(print_profile(prof, "prefill piece: 64 tokens", a.top))
         res["profile"] = profiles
     print(json.dumps(res, indent=1, default=str))
 

@@ -190,6 +190,17 @@ impl StepProfile {
     }
 }
 
+fn counter_delta(before: &CounterSnapshot, after: &CounterSnapshot) -> CounterSnapshot {
+    CounterSnapshot {
+        pipelines: after.pipelines - before.pipelines,
+        bind_groups: after.bind_groups - before.bind_groups,
+        buffers: after.buffers - before.buffers,
+        submits: after.submits - before.submits,
+        readbacks: after.readbacks - before.readbacks,
+        dispatches: after.dispatches - before.dispatches,
+    }
+}
+
 fn empty_op(label: OpLabel, timed: bool) -> OpProfile {
     OpProfile {
         op: label.op,
@@ -430,8 +441,58 @@ impl Engine {
         base: u32,
         topk: u32,
     ) -> Result<StageOutput> {
-        let (out, _) = self.run(slot, input, base, topk, false)?;
+        let (out, _) = self.run(slot, input, base, topk, false, None)?;
         Ok(out)
+    }
+
+    /// [`Engine::stage_run`] profiled like [`Engine::profile_step`]: the dispatches of every
+    /// prefill piece (one submit per piece of at most 64 rows) in one profile, host times summed
+    /// over the pieces.
+    pub fn profile_stage_run(
+        &mut self,
+        slot: usize,
+        input: StageInput<'_>,
+        base: u32,
+        topk: u32,
+    ) -> Result<(StageOutput, StepProfile)> {
+        let rows = input.len(self.model.cfg.n_embd) as u32;
+        let before = self.gpu.counters();
+        let started = Instant::now();
+        let mut pieces = Vec::new();
+        let (out, _) = self.run(slot, input, base, topk, false, Some(&mut pieces))?;
+        let total_us = started.elapsed().as_secs_f64() * 1e6;
+        let after = self.gpu.counters();
+        let mut submit = SubmitProfile {
+            timestamps: !pieces.is_empty() && pieces.iter().all(|p| p.timestamps),
+            gpu_span_ns: Some(0.0),
+            ..Default::default()
+        };
+        for p in pieces {
+            let ops_before = submit.dispatches.last().map_or(0, |d| d.op_index + 1);
+            submit.record_ns += p.record_ns;
+            submit.submit_ns += p.submit_ns;
+            submit.wait_ns += p.wait_ns;
+            submit.gpu_span_ns = submit.gpu_span_ns.zip(p.gpu_span_ns).map(|(a, b)| a + b);
+            submit.dispatches.extend(p.dispatches.into_iter().map(|mut d| {
+                d.op_index += ops_before;
+                d
+            }));
+        }
+        let timing = StepTiming {
+            rows,
+            record_us: submit.record_ns / 1e3,
+            submit_us: submit.submit_ns / 1e3,
+            wait_us: submit.wait_ns / 1e3,
+            total_us,
+        };
+        let profile = StepProfile {
+            rows,
+            submit,
+            counters: counter_delta(&before, &after),
+            timing,
+            normal: None,
+        };
+        Ok((out, profile))
     }
 
     /// Logits [n, vocab] of every position (tests; last stage only).
@@ -440,7 +501,7 @@ impl Engine {
             self.is_last(),
             QkError::Engine("logits need the LM head (last stage)".into())
         );
-        let (_, logits) = self.run(slot, StageInput::Tokens(tokens), base, 1, true)?;
+        let (_, logits) = self.run(slot, StageInput::Tokens(tokens), base, 1, true, None)?;
         Ok(logits)
     }
 
@@ -451,6 +512,7 @@ impl Engine {
         base: u32,
         topk: u32,
         want_logits: bool,
+        mut profiles: Option<&mut Vec<SubmitProfile>>,
     ) -> Result<(StageOutput, Vec<f32>)> {
         self.check_input(&input)?;
         let n = input.len(self.model.cfg.n_embd);
@@ -480,7 +542,11 @@ impl Engine {
             let gpu = &self.gpu;
             let st = &self.slots[slot];
             let t = len as u32;
-            let mut rec = gpu.recorder();
+            let mut rec = if profiles.is_some() {
+                gpu.profiling_recorder()
+            } else {
+                gpu.recorder()
+            };
             if matches!(input, StageInput::Tokens(_)) {
                 model.record_embed(gpu, &mut rec, s, t)?;
             }
@@ -494,26 +560,33 @@ impl Engine {
             let mut logits_ticket = None;
             if last {
                 model.record_head(gpu, &mut rec, s, cur, t)?;
-                for row in 0..t {
-                    let k = if final_piece && row == t - 1 {
-                        topk.max(1)
-                    } else {
-                        1
-                    };
-                    model.record_topk(gpu, &mut rec, s, row, k)?;
-                    tickets.push((rec.read(&s.results[row as usize], 0, u64::from(k) * 8)?, k));
+                // Argmax of every row but the last in one batch; the last row gets its own k.
+                if t > 1 {
+                    model.record_topk_rows(gpu, &mut rec, s, 0, t - 1, 1, &s.results)?;
+                    tickets.push((rec.read(&s.results, 0, u64::from(t - 1) * 8)?, 1));
                 }
+                let k = if final_piece { topk.max(1) } else { 1 };
+                model.record_topk_rows(gpu, &mut rec, s, t - 1, 1, k, &s.result_last)?;
+                tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
                 if want_logits {
                     logits_ticket = Some(rec.read(&s.logits, 0, (len * vocab * 4) as u64)?);
                 }
             } else {
                 hidden_ticket = Some(rec.read(&s.x[cur], 0, (len * e * 4) as u64)?);
             }
-            let out = rec.finish_and_read()?;
+            let (out, finished) = rec.finish_and_read_timed()?;
+            if let (Some(list), Some(p)) = (profiles.as_mut(), finished.profile) {
+                list.push(p);
+            }
             for (i, (ticket, k)) in tickets.iter().enumerate() {
                 let pairs: &[IdLogit] = bytemuck::cast_slice(&out[*ticket]);
+                if i + 1 < tickets.len() {
+                    // The batch of k = 1 rows: one pair per row.
+                    ids.extend(pairs.iter().map(|p| p.id));
+                    continue;
+                }
                 ids.push(pairs[0].id);
-                if final_piece && i + 1 == tickets.len() && topk > 0 {
+                if final_piece && topk > 0 {
                     top = pairs[..*k as usize].iter().map(|p| (p.id, p.logit)).collect();
                 }
             }
@@ -561,14 +634,7 @@ impl Engine {
         let submit =
             submit.ok_or_else(|| QkError::Engine("profiling recorder returned no profile".into()))?;
         self.last_step = normal;
-        let counters = CounterSnapshot {
-            pipelines: after.pipelines - before.pipelines,
-            bind_groups: after.bind_groups - before.bind_groups,
-            buffers: after.buffers - before.buffers,
-            submits: after.submits - before.submits,
-            readbacks: after.readbacks - before.readbacks,
-            dispatches: after.dispatches - before.dispatches,
-        };
+        let counters = counter_delta(&before, &after);
         let profile = StepProfile {
             rows: slots.len() as u32,
             submit,
@@ -645,9 +711,9 @@ impl Engine {
         let mut tickets = Vec::new();
         if last {
             model.record_head(gpu, &mut rec, s, cur, n as u32)?;
-            for row in 0..n as u32 {
-                model.record_topk(gpu, &mut rec, s, row, k)?;
-                tickets.push(rec.read(&s.results[row as usize], 0, u64::from(k) * 8)?);
+            model.record_topk_rows(gpu, &mut rec, s, 0, n as u32, k, &s.results)?;
+            for row in 0..n as u64 {
+                tickets.push(rec.read(&s.results, row * u64::from(k) * 8, u64::from(k) * 8)?);
             }
         } else {
             tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);

@@ -244,6 +244,21 @@ def test_profile_step_labels_every_dispatch_and_changes_nothing():
         assert all(t is None for t in times) and st["gpu_busy_us"] is None
 
 
+def test_profile_stage_run_equals_stage_run():
+    name = F32[0]
+    eng = engine(name)
+    p = prompt(name)[:70]
+    plain = eng.stage_run(0, p, 0, topk=2)
+    before = eng.counters()
+    prof = eng.profile_stage_run(1, p, 0, topk=2)
+    after = eng.counters()
+    assert prof["output"] == plain
+    st = prof["step"]
+    assert st["rows"] == 70 and st["submits"] == 2  # pieces of 64 and 6 rows
+    assert st["dispatches"] == after["dispatches"] - before["dispatches"] == len(prof["dispatches"])
+    assert [d["op"] for d in prof["dispatches"]].count("embed") == 2
+
+
 # --- gate 5: snapshots ----------------------------------------------------------------------------
 
 

@@ -119,8 +119,10 @@ pub struct Scratch {
     pub logits: GpuBuffer,
     pub tokens: GpuBuffer,
     topk_candidates: GpuBuffer,
-    /// One top-k result (MAX_K pairs) per row.
-    pub results: Vec<GpuBuffer>,
+    /// Top-k results of a batch of rows: rows × k pairs (k ≤ MAX_K), row-major.
+    pub results: GpuBuffer,
+    /// The final row of a prefill piece (its own k).
+    pub result_last: GpuBuffer,
     pub bytes: u64,
 }
 
@@ -160,12 +162,6 @@ impl Scratch {
         let vocab = u64::from(cfg.vocab);
         let head_rows = if has_head { r } else { 0 };
         let topk_probe = TopkParams::new(cfg.vocab.max(MAX_K), MAX_K, 0)?;
-        let mut results = Vec::new();
-        if has_head {
-            for i in 0..rows {
-                results.push(buf(&format!("topk.result{i}"), 2 * u64::from(MAX_K))?);
-            }
-        }
         Ok(Scratch {
             rows,
             x: [buf("x0", r * e)?, buf("x1", r * e)?],
@@ -204,8 +200,12 @@ impl Scratch {
             sh_gate: buf("shexp.gate", r)?,
             logits: buf("logits", head_rows * vocab)?,
             tokens: buf("tokens", r)?,
-            topk_candidates: buf("topk.candidates", 2 * u64::from(topk_probe.candidates()))?,
-            results,
+            topk_candidates: buf(
+                "topk.candidates",
+                head_rows * 2 * u64::from(topk_probe.candidates()),
+            )?,
+            results: buf("topk.results", head_rows * 2 * u64::from(MAX_K))?,
+            result_last: buf("topk.result_last", 2 * u64::from(MAX_K))?,
             bytes,
         })
     }
@@ -967,21 +967,25 @@ impl Model {
         )
     }
 
-    /// Top-k of row `row` of the logits into `s.results[row]`.
-    pub fn record_topk(
+    /// Top-k of logits rows [first, first + rows) in one pair of dispatches: row first + r's k
+    /// pairs land at pair r·k of `result` (`s.results` or `s.result_last`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_topk_rows(
         &self,
         gpu: &Gpu,
         rec: &mut Recorder<'_>,
         s: &Scratch,
-        row: u32,
+        first: u32,
+        rows: u32,
         k: u32,
+        result: &GpuBuffer,
     ) -> Result<()> {
-        let p = TopkParams::new(self.cfg.vocab, k, row * self.cfg.vocab)?;
-        let result = s
-            .results
-            .get(row as usize)
-            .ok_or_else(|| QkError::Engine(format!("top-k row {row} beyond the scratch")))?;
-        rec.op("head.topk", None, u64::from(self.cfg.vocab) * 4);
-        topk::record(gpu, rec, &p, &s.logits, &s.topk_candidates, result)
+        crate::ensure!(
+            first + rows <= s.rows,
+            QkError::Engine(format!("top-k rows {first}..{} beyond the scratch", first + rows))
+        );
+        let p = TopkParams::new(self.cfg.vocab, k, first * self.cfg.vocab)?;
+        rec.op("head.topk", None, u64::from(rows) * u64::from(self.cfg.vocab) * 4);
+        topk::record_rows(gpu, rec, &p, rows, &s.logits, &s.topk_candidates, result)
     }
 }

@@ -226,3 +226,30 @@ fn snapshot_is_one_exact_buffer_and_resumes() {
     eng.state_drop(2).unwrap();
     assert_eq!(eng.memory().snapshots, 0);
 }
+
+/// A profiled prefill over two pieces gives the plain prefill's ids and labels every dispatch of
+/// both submits.
+#[test]
+fn profile_stage_run_covers_every_piece() {
+    let Some(mut eng) = engine(None) else { return };
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 3 + 4) % 456).collect();
+    let plain = eng.stage_run(0, StageInput::Tokens(&prompt), 0, 2).unwrap();
+    let (profiled, prof) = eng
+        .profile_stage_run(1, StageInput::Tokens(&prompt), 0, 2)
+        .unwrap();
+    assert_eq!(plain, profiled);
+    assert_eq!(prof.rows, 70);
+    let embeds = prof
+        .submit
+        .dispatches
+        .iter()
+        .filter(|d| d.op.op == "embed")
+        .count();
+    assert_eq!(embeds, 2, "one embedding per piece (64 + 6 rows)");
+    assert!(prof.counters.submits >= 2 && prof.counters.dispatches >= prof.submit.dispatches.len() as u64);
+    assert_eq!(
+        prof.ops().iter().map(|o| o.dispatches as usize).sum::<usize>(),
+        prof.submit.dispatches.len()
+    );
+    assert_eq!(prof.submit.timestamps, eng.gpu.caps.timestamps);
+}
