@@ -3,16 +3,91 @@
 aggregate decode rate of several slots stepped together. Host overhead (Python, one readback per
 step) is included, as a server sees it.
 
+--profile adds a profiled decode step of 1 slot and of all slots (Engine.profile_step): per op family
+the dispatches, GPU µs (timestamp queries; "n/a" where the adapter has none) and achieved GB/s over
+the weight bytes it reads, then dispatches and submits per token and the host µs of a plain step
+(recording vs submit+wait), and the slowest single ops. The tables go to stderr; the JSON result
+gains a "profile" entry.
+
 usage: python benches/engine_bench.py MODEL.gguf [--prompt 512] [--decode 128] [--slots 2] [--ctx 8192]
+       [--profile] [--top 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
+
+
+def fmt(v: float | None, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def profile_report(eng, slots: list[int], toks: list[int], top: int) -> dict:
+    """One plain step (its host timing is the one quoted), then one profiled step of `slots`."""
+    eng.step(slots, toks)
+    prof = eng.profile_step(slots, toks)
+    return print_profile(prof, f"decode step: {len(slots)} slot(s)", top)
+
+
+def print_profile(prof: dict, title: str, top: int) -> dict:
+    """The profile's tables on stderr; its summary for the JSON result."""
+    st = prof["step"]
+    rows = st["rows"]
+    out = sys.stderr
+    print(f"\n== profiled {title}, timestamps {st['timestamps']}", file=out)
+    print(
+        f"{'op family':<18}{'disp':>6}{'GPU us':>10}{'%GPU':>7}{'MB read':>10}{'GB/s':>9}  kernels", file=out
+    )
+    busy = st["gpu_busy_us"]
+    for f in prof["families"]:
+        share = None if busy in (None, 0) or f["gpu_us"] is None else 100 * f["gpu_us"] / busy
+        kernels = ", ".join(sorted({k.split("[")[0] for k in f["kernels"]}))
+        print(
+            f"{f['op']:<18}{f['dispatches']:>6}{fmt(f['gpu_us'], '.1f'):>10}{fmt(share, '.1f'):>7}"
+            f"{f['bytes'] / 1e6:>10.2f}{fmt(f['gb_s'], '.1f'):>9}  {kernels}",
+            file=out,
+        )
+    normal = st["normal"] or {}
+    prof_t = st["profiled"]
+    print(
+        f"per token: {st['dispatches'] / rows:.1f} dispatches, {st['submits'] / rows:.2f} submits; "
+        f"step created {st['created_pipelines']} pipelines, {st['created_bind_groups']} bind groups",
+        file=out,
+    )
+    print(
+        f"GPU: busy {fmt(busy, '.1f')} us (sum of dispatches), span {fmt(st['gpu_span_us'], '.1f')} us "
+        "(profiled: one pass per dispatch)",
+        file=out,
+    )
+    print(
+        f"host, plain step: record+encode {fmt(normal.get('record_us'), '.1f')} us, submit "
+        f"{fmt(normal.get('submit_us'), '.1f')} us, GPU+readback wait {fmt(normal.get('wait_us'), '.1f')} us, "
+        f"total {fmt(normal.get('total_us'), '.1f')} us; "
+        f"profiled step: record {prof_t['record_us']:.1f} us, total {prof_t['total_us']:.1f} us",
+        file=out,
+    )
+    if top > 0 and st["timestamps"]:
+        print(f"slowest {top} ops:", file=out)
+        ops = sorted(prof["ops"], key=lambda o: -(o["gpu_us"] or 0.0))[:top]
+        for o in ops:
+            print(
+                f"  L{o['layer'] if o['layer'] is not None else '-':<4}{o['op']:<18}{o['dispatches']:>4}"
+                f"{o['gpu_us']:>10.1f} us{fmt(o['gb_s'], '.1f'):>9} GB/s  {', '.join(o['kernels'])}",
+                file=out,
+            )
+    # The JSON keeps the step summary and the eight heaviest families (the tables hold the rest).
+    return {
+        "rows": rows,
+        "step": st,
+        "families": [
+            {k: f[k] for k in ("op", "dispatches", "gpu_us", "bytes", "gb_s")} for f in prof["families"][:8]
+        ],
+    }
 
 
 def main() -> None:
@@ -23,6 +98,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
+    ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
 
     import qk
@@ -62,6 +139,17 @@ def main() -> None:
         toks = [o[0][-1] for o in outs]
         base += 1
     multi_s = time.perf_counter() - t0
+    step_ms = {}
+    for n in sorted({1, a.slots}):
+        t0 = time.perf_counter()
+        for _ in range(a.decode):
+            outs = eng.step(slots[:n], toks[:n])
+            toks[:n] = [o[0][-1] for o in outs]
+        step_ms[n] = round(1000 * (time.perf_counter() - t0) / a.decode, 3)
+    profiles = []
+    if a.profile:
+        for n in sorted({1, a.slots}):
+            profiles.append(profile_report(eng, slots[:n], toks[:n], a.top))
 
     res = {
         "adapter": info.get("adapter"),
@@ -74,8 +162,14 @@ def main() -> None:
         "decode_tok_s": round(a.decode / decode_s, 1),
         "slots": a.slots,
         "multi_slot_aggregate_tok_s": round(a.slots * a.decode / multi_s, 1),
+        "step_ms_by_slots": step_ms,
         "counters": eng.counters(),
     }
+    if a.profile:
+        # One prefill piece (64 tokens from position 0: the DeltaNet chunk) on slot 0.
+        prof = eng.profile_stage_run(0, prompt[:64], 0)
+        profiles.append(print_profile(prof, "prefill piece: 64 tokens", a.top))
+        res["profile"] = profiles
     print(json.dumps(res, indent=1, default=str))
 
 

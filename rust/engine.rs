@@ -8,9 +8,11 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Instant;
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
+use crate::gpu::record::{OpLabel, SubmitProfile};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
 use crate::model::forward::{Batch, LayerState, Model, Scratch, SlotState};
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
@@ -43,10 +45,23 @@ pub enum StageOutput {
     Ids { ids: Vec<u32>, topk: Vec<(u32, f32)> },
 }
 
-/// A saved slot state (KV rows up to `pos`, conv rows, S).
+/// A saved slot state (KV rows up to `pos`, conv rows, S), packed back to back in one buffer in
+/// the order of [`state_parts`] (one allocation per save, not two per layer).
 struct Snapshot {
     pos: u32,
-    layers: Vec<Vec<GpuBuffer>>,
+    buffer: GpuBuffer,
+}
+
+/// The slot's state buffers and the bytes of each a snapshot at `pos` holds, in layer order.
+fn state_parts(st: &SlotState, pos: u32, kv_row_bytes: u64) -> Vec<(&GpuBuffer, u64)> {
+    let kv = u64::from(pos) * kv_row_bytes;
+    st.layers
+        .iter()
+        .flat_map(|l| match l {
+            LayerState::Attention { k, v } => [(k, kv), (v, kv)],
+            LayerState::DeltaNet { conv, s } => [(conv, conv.size), (s, s.size)],
+        })
+        .collect()
 }
 
 /// Device memory held, in bytes.
@@ -58,6 +73,151 @@ pub struct Memory {
     pub scratch: u64,
     pub snapshots: u64,
     pub total: u64,
+}
+
+/// Host-side times of one decode step, always measured (two clock reads, nothing allocated).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTiming {
+    /// Slots stepped (tokens produced).
+    pub rows: u32,
+    /// From the call to the encoded commands: checks, input upload, recording every dispatch
+    /// and wgpu's validation and translation of the pass (host CPU).
+    pub record_us: f64,
+    /// `queue.submit` (host CPU: wgpu's submission work and the driver's).
+    pub submit_us: f64,
+    /// From the submit to the results on the host: GPU execution and the readback map.
+    pub wait_us: f64,
+    /// The whole call, including unpacking the results.
+    pub total_us: f64,
+}
+
+/// One op instance of a profiled step (or, aggregated over layers, one op family).
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpProfile {
+    pub op: &'static str,
+    /// None for the embedding and head, and for a family aggregated over layers.
+    pub layer: Option<u32>,
+    /// Distinct kernels (pipeline labels) its dispatches used.
+    pub kernels: Vec<String>,
+    pub dispatches: u32,
+    /// Sum of its dispatches' GPU times; None without timestamp queries.
+    pub gpu_us: Option<f64>,
+    /// Weight (and recurrent-state) bytes the op reads.
+    pub bytes: u64,
+}
+
+impl OpProfile {
+    /// Achieved bandwidth over the op's weight bytes (None without timestamps or bytes).
+    pub fn gb_per_s(&self) -> Option<f64> {
+        match self.gpu_us {
+            Some(us) if us > 0.0 && self.bytes > 0 => Some(self.bytes as f64 / (us * 1e3)),
+            _ => None,
+        }
+    }
+}
+
+/// A profiled decode step: every dispatch labelled and (where the adapter has timestamp queries)
+/// timed on the GPU, the counters it moved, and host times. `normal` is the timing of the last
+/// unprofiled step (profiling's pass per dispatch inflates the profiled step's own host times).
+#[derive(Clone, Debug)]
+pub struct StepProfile {
+    pub rows: u32,
+    pub submit: SubmitProfile,
+    pub counters: CounterSnapshot,
+    pub timing: StepTiming,
+    pub normal: Option<StepTiming>,
+}
+
+impl StepProfile {
+    /// One entry per op instance (layer and op), in recording order.
+    pub fn ops(&self) -> Vec<OpProfile> {
+        let timed = self.submit.timestamps;
+        let mut out: Vec<(usize, OpProfile)> = Vec::new();
+        for d in &self.submit.dispatches {
+            if out.last().is_none_or(|(i, _)| *i != d.op_index) {
+                out.push((d.op_index, empty_op(d.op, timed)));
+            }
+            if let Some((_, o)) = out.last_mut() {
+                add_dispatch(o, &d.kernel, d.gpu_ns);
+            }
+        }
+        out.into_iter().map(|(_, o)| o).collect()
+    }
+
+    /// Ops aggregated over layers by name, the most GPU time (or dispatches) first.
+    pub fn families(&self) -> Vec<OpProfile> {
+        let mut fams: Vec<OpProfile> = Vec::new();
+        for o in self.ops() {
+            let i = match fams.iter().position(|f| f.op == o.op) {
+                Some(i) => i,
+                None => {
+                    let label = OpLabel {
+                        op: o.op,
+                        layer: None,
+                        bytes: 0,
+                    };
+                    fams.push(empty_op(label, o.gpu_us.is_some()));
+                    fams.len() - 1
+                }
+            };
+            let f = &mut fams[i];
+            f.dispatches += o.dispatches;
+            f.bytes += o.bytes;
+            f.gpu_us = f.gpu_us.zip(o.gpu_us).map(|(a, b)| a + b);
+            for k in o.kernels {
+                if !f.kernels.contains(&k) {
+                    f.kernels.push(k);
+                }
+            }
+        }
+        fams.sort_by(|a, b| {
+            b.gpu_us
+                .unwrap_or(0.0)
+                .total_cmp(&a.gpu_us.unwrap_or(0.0))
+                .then(b.dispatches.cmp(&a.dispatches))
+        });
+        fams
+    }
+
+    /// Sum of every dispatch's GPU time (None without timestamps).
+    pub fn gpu_busy_us(&self) -> Option<f64> {
+        self.submit
+            .dispatches
+            .iter()
+            .map(|d| d.gpu_ns)
+            .sum::<Option<f64>>()
+            .map(|ns| ns / 1e3)
+    }
+}
+
+fn counter_delta(before: &CounterSnapshot, after: &CounterSnapshot) -> CounterSnapshot {
+    CounterSnapshot {
+        pipelines: after.pipelines - before.pipelines,
+        bind_groups: after.bind_groups - before.bind_groups,
+        buffers: after.buffers - before.buffers,
+        submits: after.submits - before.submits,
+        readbacks: after.readbacks - before.readbacks,
+        dispatches: after.dispatches - before.dispatches,
+    }
+}
+
+fn empty_op(label: OpLabel, timed: bool) -> OpProfile {
+    OpProfile {
+        op: label.op,
+        layer: label.layer,
+        kernels: Vec::new(),
+        dispatches: 0,
+        gpu_us: timed.then_some(0.0),
+        bytes: label.bytes,
+    }
+}
+
+fn add_dispatch(o: &mut OpProfile, kernel: &str, gpu_ns: Option<f64>) {
+    o.dispatches += 1;
+    o.gpu_us = o.gpu_us.zip(gpu_ns).map(|(a, b)| a + b / 1e3);
+    if !o.kernels.iter().any(|k| k == kernel) {
+        o.kernels.push(kernel.to_string());
+    }
 }
 
 pub struct EngineOptions {
@@ -74,6 +234,7 @@ pub struct Engine {
     slots: Vec<SlotState>,
     scratch: Scratch,
     snapshots: HashMap<u64, Snapshot>,
+    last_step: Option<StepTiming>,
 }
 
 impl Engine {
@@ -127,6 +288,7 @@ impl Engine {
             slots,
             scratch,
             snapshots: HashMap::new(),
+            last_step: None,
         };
         let m = engine.memory();
         progress(&format!(
@@ -175,12 +337,7 @@ impl Engine {
         let n_dn = local.len() as u64 - n_attn;
         let kv = n_attn * 2 * u64::from(self.model.ctx) * u64::from(cfg.kv_row()) * 4;
         let dn = n_dn * (crate::model::forward::conv_bytes(cfg) + crate::model::forward::ssm_bytes(cfg));
-        let snaps: u64 = self
-            .snapshots
-            .values()
-            .flat_map(|s| s.layers.iter().flatten())
-            .map(|b| b.size)
-            .sum();
+        let snaps: u64 = self.snapshots.values().map(|s| s.buffer.size).sum();
         let weights = self.model.weights.bytes;
         let scratch = self.scratch.bytes;
         let slots = self.slots.len() as u64;
@@ -284,8 +441,58 @@ impl Engine {
         base: u32,
         topk: u32,
     ) -> Result<StageOutput> {
-        let (out, _) = self.run(slot, input, base, topk, false)?;
+        let (out, _) = self.run(slot, input, base, topk, false, None)?;
         Ok(out)
+    }
+
+    /// [`Engine::stage_run`] profiled like [`Engine::profile_step`]: the dispatches of every
+    /// prefill piece (one submit per piece of at most 64 rows) in one profile, host times summed
+    /// over the pieces.
+    pub fn profile_stage_run(
+        &mut self,
+        slot: usize,
+        input: StageInput<'_>,
+        base: u32,
+        topk: u32,
+    ) -> Result<(StageOutput, StepProfile)> {
+        let rows = input.len(self.model.cfg.n_embd) as u32;
+        let before = self.gpu.counters();
+        let started = Instant::now();
+        let mut pieces = Vec::new();
+        let (out, _) = self.run(slot, input, base, topk, false, Some(&mut pieces))?;
+        let total_us = started.elapsed().as_secs_f64() * 1e6;
+        let after = self.gpu.counters();
+        let mut submit = SubmitProfile {
+            timestamps: !pieces.is_empty() && pieces.iter().all(|p| p.timestamps),
+            gpu_span_ns: Some(0.0),
+            ..Default::default()
+        };
+        for p in pieces {
+            let ops_before = submit.dispatches.last().map_or(0, |d| d.op_index + 1);
+            submit.record_ns += p.record_ns;
+            submit.submit_ns += p.submit_ns;
+            submit.wait_ns += p.wait_ns;
+            submit.gpu_span_ns = submit.gpu_span_ns.zip(p.gpu_span_ns).map(|(a, b)| a + b);
+            submit.dispatches.extend(p.dispatches.into_iter().map(|mut d| {
+                d.op_index += ops_before;
+                d
+            }));
+        }
+        let timing = StepTiming {
+            rows,
+            record_us: submit.record_ns / 1e3,
+            submit_us: submit.submit_ns / 1e3,
+            wait_us: submit.wait_ns / 1e3,
+            total_us,
+        };
+        let profile = StepProfile {
+            rows,
+            submit,
+            counters: counter_delta(&before, &after),
+            timing,
+            normal: None,
+        };
+        Ok((out, profile))
     }
 
     /// Logits [n, vocab] of every position (tests; last stage only).
@@ -294,7 +501,7 @@ impl Engine {
             self.is_last(),
             QkError::Engine("logits need the LM head (last stage)".into())
         );
-        let (_, logits) = self.run(slot, StageInput::Tokens(tokens), base, 1, true)?;
+        let (_, logits) = self.run(slot, StageInput::Tokens(tokens), base, 1, true, None)?;
         Ok(logits)
     }
 
@@ -305,6 +512,7 @@ impl Engine {
         base: u32,
         topk: u32,
         want_logits: bool,
+        mut profiles: Option<&mut Vec<SubmitProfile>>,
     ) -> Result<(StageOutput, Vec<f32>)> {
         self.check_input(&input)?;
         let n = input.len(self.model.cfg.n_embd);
@@ -334,7 +542,11 @@ impl Engine {
             let gpu = &self.gpu;
             let st = &self.slots[slot];
             let t = len as u32;
-            let mut rec = gpu.recorder();
+            let mut rec = if profiles.is_some() {
+                gpu.profiling_recorder()
+            } else {
+                gpu.recorder()
+            };
             if matches!(input, StageInput::Tokens(_)) {
                 model.record_embed(gpu, &mut rec, s, t)?;
             }
@@ -348,26 +560,33 @@ impl Engine {
             let mut logits_ticket = None;
             if last {
                 model.record_head(gpu, &mut rec, s, cur, t)?;
-                for row in 0..t {
-                    let k = if final_piece && row == t - 1 {
-                        topk.max(1)
-                    } else {
-                        1
-                    };
-                    model.record_topk(gpu, &mut rec, s, row, k)?;
-                    tickets.push((rec.read(&s.results[row as usize], 0, u64::from(k) * 8)?, k));
+                // Argmax of every row but the last in one batch; the last row gets its own k.
+                if t > 1 {
+                    model.record_topk_rows(gpu, &mut rec, s, 0, t - 1, 1, &s.results)?;
+                    tickets.push((rec.read(&s.results, 0, u64::from(t - 1) * 8)?, 1));
                 }
+                let k = if final_piece { topk.max(1) } else { 1 };
+                model.record_topk_rows(gpu, &mut rec, s, t - 1, 1, k, &s.result_last)?;
+                tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
                 if want_logits {
                     logits_ticket = Some(rec.read(&s.logits, 0, (len * vocab * 4) as u64)?);
                 }
             } else {
                 hidden_ticket = Some(rec.read(&s.x[cur], 0, (len * e * 4) as u64)?);
             }
-            let out = rec.finish_and_read()?;
+            let (out, finished) = rec.finish_and_read_timed()?;
+            if let (Some(list), Some(p)) = (profiles.as_mut(), finished.profile) {
+                list.push(p);
+            }
             for (i, (ticket, k)) in tickets.iter().enumerate() {
                 let pairs: &[IdLogit] = bytemuck::cast_slice(&out[*ticket]);
+                if i + 1 < tickets.len() {
+                    // The batch of k = 1 rows: one pair per row.
+                    ids.extend(pairs.iter().map(|p| p.id));
+                    continue;
+                }
                 ids.push(pairs[0].id);
-                if final_piece && i + 1 == tickets.len() && topk > 0 {
+                if final_piece && topk > 0 {
                     top = pairs[..*k as usize].iter().map(|p| (p.id, p.logit)).collect();
                 }
             }
@@ -391,6 +610,49 @@ impl Engine {
     /// One decode position for each of `slots` (distinct) in one recorded pass: token i (or hidden
     /// row i) goes to slots[i] at its current position. Returns one output per slot.
     pub fn step(&mut self, slots: &[usize], input: StageInput<'_>, topk: u32) -> Result<Vec<StageOutput>> {
+        Ok(self.step_inner(slots, input, topk, false)?.0)
+    }
+
+    /// Host timing of the last [`Engine::step`] (None before the first).
+    pub fn last_step_timing(&self) -> Option<StepTiming> {
+        self.last_step
+    }
+
+    /// [`Engine::step`] with every dispatch labelled and, where the adapter has timestamp queries,
+    /// timed on the GPU (one pass per dispatch; results are the same bytes as `step`'s). Creates
+    /// query sets and buffers, so it is for measurement, not for serving.
+    pub fn profile_step(
+        &mut self,
+        slots: &[usize],
+        input: StageInput<'_>,
+        topk: u32,
+    ) -> Result<(Vec<StageOutput>, StepProfile)> {
+        let normal = self.last_step;
+        let before = self.gpu.counters();
+        let (out, submit, timing) = self.step_inner(slots, input, topk, true)?;
+        let after = self.gpu.counters();
+        let submit =
+            submit.ok_or_else(|| QkError::Engine("profiling recorder returned no profile".into()))?;
+        self.last_step = normal;
+        let counters = counter_delta(&before, &after);
+        let profile = StepProfile {
+            rows: slots.len() as u32,
+            submit,
+            counters,
+            timing,
+            normal,
+        };
+        Ok((out, profile))
+    }
+
+    fn step_inner(
+        &mut self,
+        slots: &[usize],
+        input: StageInput<'_>,
+        topk: u32,
+        profile: bool,
+    ) -> Result<(Vec<StageOutput>, Option<SubmitProfile>, StepTiming)> {
+        let started = Instant::now();
         self.check_input(&input)?;
         let n = slots.len();
         crate::ensure!(n > 0, QkError::Engine("step with no slots".into()));
@@ -427,7 +689,11 @@ impl Engine {
         let s = &self.scratch;
         let gpu = &self.gpu;
         let states: Vec<&SlotState> = slots.iter().map(|&i| &self.slots[i]).collect();
-        let mut rec = gpu.recorder();
+        let mut rec = if profile {
+            gpu.profiling_recorder()
+        } else {
+            gpu.recorder()
+        };
         if matches!(input, StageInput::Tokens(_)) {
             model.record_embed(gpu, &mut rec, s, n as u32)?;
         }
@@ -445,14 +711,14 @@ impl Engine {
         let mut tickets = Vec::new();
         if last {
             model.record_head(gpu, &mut rec, s, cur, n as u32)?;
-            for row in 0..n as u32 {
-                model.record_topk(gpu, &mut rec, s, row, k)?;
-                tickets.push(rec.read(&s.results[row as usize], 0, u64::from(k) * 8)?);
+            model.record_topk_rows(gpu, &mut rec, s, 0, n as u32, k, &s.results)?;
+            for row in 0..n as u64 {
+                tickets.push(rec.read(&s.results, row * u64::from(k) * 8, u64::from(k) * 8)?);
             }
         } else {
             tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);
         }
-        let out = rec.finish_and_read()?;
+        let (out, finished) = rec.finish_and_read_timed()?;
         let mut results = Vec::with_capacity(n);
         if last {
             for t in &tickets {
@@ -476,7 +742,16 @@ impl Engine {
         for (&sl, &p) in slots.iter().zip(&positions) {
             self.slots[sl].pos = p + 1;
         }
-        Ok(results)
+        let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
+        let timing = StepTiming {
+            rows: n as u32,
+            record_us: us(started, finished.encoded),
+            submit_us: us(finished.encoded, finished.submitted),
+            wait_us: us(finished.submitted, finished.done),
+            total_us: us(started, Instant::now()),
+        };
+        self.last_step = Some(timing);
+        Ok((results, finished.profile, timing))
     }
 
     /// Greedy generation on one slot from position 0: the prompt, then `max_new` tokens.
@@ -509,27 +784,20 @@ impl Engine {
     pub fn state_save(&mut self, slot: usize, idx: u64) -> Result<()> {
         let st = self.slot(slot)?;
         let pos = st.pos;
-        let row = u64::from(self.model.cfg.kv_row()) * 4;
+        let parts = state_parts(st, pos, u64::from(self.model.cfg.kv_row()) * 4);
+        let total: u64 = parts.iter().map(|(_, b)| b).sum();
         let gpu = &self.gpu;
+        let buffer = gpu.buffer_zeroed(&format!("snapshot{idx}"), total.max(4))?;
         let mut rec = gpu.recorder();
-        let mut layers = Vec::new();
-        for (li, l) in st.layers.iter().enumerate() {
-            let srcs: Vec<(&GpuBuffer, u64)> = match l {
-                LayerState::Attention { k, v } => vec![(k, u64::from(pos) * row), (v, u64::from(pos) * row)],
-                LayerState::DeltaNet { conv, s } => vec![(conv, conv.size), (s, s.size)],
-            };
-            let mut bufs = Vec::new();
-            for (j, (src, bytes)) in srcs.into_iter().enumerate() {
-                let dst = gpu.buffer_zeroed(&format!("snapshot{idx}.{li}.{j}"), bytes.max(4))?;
-                if bytes > 0 {
-                    rec.copy(src, 0, &dst, 0, bytes)?;
-                }
-                bufs.push(dst);
+        let mut at = 0;
+        for (src, bytes) in parts {
+            if bytes > 0 {
+                rec.copy(src, 0, &buffer, at, bytes)?;
             }
-            layers.push(bufs);
+            at += bytes;
         }
         rec.submit()?;
-        self.snapshots.insert(idx, Snapshot { pos, layers });
+        self.snapshots.insert(idx, Snapshot { pos, buffer });
         Ok(())
     }
 
@@ -540,21 +808,18 @@ impl Engine {
             .snapshots
             .get(&idx)
             .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))?;
-        let row = u64::from(self.model.cfg.kv_row()) * 4;
-        let gpu = &self.gpu;
-        let mut rec = gpu.recorder();
-        for (l, bufs) in self.slots[slot].layers.iter().zip(&snap.layers) {
-            let dsts: Vec<(&GpuBuffer, u64)> = match l {
-                LayerState::Attention { k, v } => {
-                    vec![(k, u64::from(snap.pos) * row), (v, u64::from(snap.pos) * row)]
-                }
-                LayerState::DeltaNet { conv, s } => vec![(conv, conv.size), (s, s.size)],
-            };
-            for ((dst, bytes), src) in dsts.into_iter().zip(bufs) {
-                if bytes > 0 {
-                    rec.copy(src, 0, dst, 0, bytes)?;
-                }
+        let parts = state_parts(
+            &self.slots[slot],
+            snap.pos,
+            u64::from(self.model.cfg.kv_row()) * 4,
+        );
+        let mut rec = self.gpu.recorder();
+        let mut at = 0;
+        for (dst, bytes) in parts {
+            if bytes > 0 {
+                rec.copy(&snap.buffer, at, dst, 0, bytes)?;
             }
+            at += bytes;
         }
         rec.submit()?;
         self.slots[slot].pos = snap.pos;

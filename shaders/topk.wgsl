@@ -1,7 +1,8 @@
 // Top-k (k <= 256, k = 1 is argmax) over a full vocabulary of f32 logits, ties to the lowest id,
 // writing (id, logit) pairs in descending order. Two passes: topk_block finds the top k of each
 // block of block_len logits (grid = blocks), topk_merge (one workgroup) the top k of those
-// candidates. Each invocation owns a strided subset of its entries and caches the best one not yet
+// candidates. Several rows (grid z = row) run in the same two dispatches: row r reads logits from
+// offset + r * row_stride and writes its k pairs at r * k. Each invocation owns a strided subset of its entries and caches the best one not yet
 // taken; since entries are taken in strictly decreasing (logit desc, id asc) order, "not yet taken"
 // is "ordered after the last one this invocation gave", so nothing has to be marked.
 #include "common.wgsl"
@@ -20,6 +21,8 @@ struct TopkParams {
     offset: u32,
     block_len: u32,
     blocks: u32,
+    // Floats between the logits of consecutive rows.
+    row_stride: u32,
 }
 
 const NONE: u32 = 0xffffffffu;
@@ -33,6 +36,10 @@ var<immediate> P: TopkParams;
 @group(0) @binding(0) var<storage, read> CANDIDATES: array<Pair>;
 @group(0) @binding(1) var<storage, read_write> RESULT: array<Pair>;
 #endif
+
+// This workgroup's row: where its logits start, and where its candidates start.
+var<private> logits_base: u32;
+var<private> candidates_base: u32;
 
 var<workgroup> red_id: array<u32, {{WG}}>;
 var<workgroup> red_logit: array<f32, {{WG}}>;
@@ -76,7 +83,7 @@ fn workgroup_best(lid: u32, mine: Pair) -> Pair {
 fn block_scan(lid: u32, start: u32, end: u32, has_last: bool, last: Pair) -> Pair {
     var best = Pair(NONE, LOWEST);
     for (var i = start + lid; i < end; i += {{WG}}u) {
-        let entry = Pair(i, sanitize(LOGITS[P.offset + i]));
+        let entry = Pair(i, sanitize(LOGITS[logits_base + i]));
         if (!has_last || before(last, entry)) && before(entry, best) {
             best = entry;
         }
@@ -90,7 +97,7 @@ fn block_scan(lid: u32, start: u32, end: u32, has_last: bool, last: Pair) -> Pai
 fn merge_scan(lid: u32, count: u32, has_last: bool, last: Pair) -> Pair {
     var best = Pair(NONE, LOWEST);
     for (var i = lid; i < count; i += {{WG}}u) {
-        let entry = CANDIDATES[i];
+        let entry = CANDIDATES[candidates_base + i];
         if (!has_last || before(last, entry)) && before(entry, best) {
             best = entry;
         }
@@ -105,6 +112,8 @@ fn merge_scan(lid: u32, count: u32, has_last: bool, last: Pair) -> Pair {
 fn main(ids: ComputeIds) {
     let lid = ids.lid;
     let b = group_index(ids);
+    logits_base = P.offset + ids.wid.z * P.row_stride;
+    candidates_base = ids.wid.z * P.blocks * P.k;
     let start = b * P.block_len;
     let end = min(start + P.block_len, P.n);
     var last = Pair(NONE, LOWEST);
@@ -113,7 +122,7 @@ fn main(ids: ComputeIds) {
     for (var it = 0u; it < P.k; it++) {
         let best = workgroup_best(lid, mine);
         if lid == 0u {
-            CANDIDATES[b * P.k + it] = best;
+            CANDIDATES[candidates_base + b * P.k + it] = best;
         }
         if best.id != NONE && best.id == mine.id {
             last = mine;
@@ -130,13 +139,14 @@ fn main(ids: ComputeIds) {
 fn main(ids: ComputeIds) {
     let lid = ids.lid;
     let count = P.blocks * P.k;
+    candidates_base = ids.wid.z * count;
     var last = Pair(NONE, LOWEST);
     var has_last = false;
     var mine = merge_scan(lid, count, has_last, last);
     for (var it = 0u; it < P.k; it++) {
         let best = workgroup_best(lid, mine);
         if lid == 0u {
-            RESULT[it] = best;
+            RESULT[ids.wid.z * P.k + it] = best;
         }
         if best.id != NONE && best.id == mine.id {
             last = mine;

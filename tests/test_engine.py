@@ -211,6 +211,54 @@ def test_step_is_one_submit_and_creates_nothing():
     assert delta["submits"] == 1 and delta["readbacks"] == 1
 
 
+def test_profile_step_labels_every_dispatch_and_changes_nothing():
+    """The profiled step returns the plain step's tokens, one labelled entry per dispatch the
+    counters saw, and GPU times exactly when the adapter has timestamp queries."""
+    name = F32[0]
+    eng = engine(name)
+    p = prompt(name)[:30]
+    eng.stage_run(0, p, 0)
+    eng.stage_run(1, p, 0)
+    plain = eng.step([0], [p[-1]], topk=3)
+    timing = eng.last_step_timing()
+    assert timing["rows"] == 1 and timing["total_us"] >= timing["record_us"] > 0
+    before = eng.counters()
+    prof = eng.profile_step([1], [p[-1]], topk=3)
+    after = eng.counters()
+    assert prof["outputs"] == plain
+    st = prof["step"]
+    assert st["dispatches"] == after["dispatches"] - before["dispatches"] == len(prof["dispatches"])
+    assert st["submits"] == 1 and st["normal"] == timing
+    n_layer = eng.info()["n_layer"]
+    assert {d["layer"] for d in prof["dispatches"]} == set(range(n_layer)) | {None}
+    assert sum(f["dispatches"] for f in prof["families"]) == st["dispatches"]
+    assert sum(o["dispatches"] for o in prof["ops"]) == st["dispatches"]
+    head = next(f for f in prof["families"] if f["op"] == "head.lm")
+    assert head["bytes"] > 0
+    times = [d["gpu_us"] for d in prof["dispatches"]]
+    if st["timestamps"]:
+        assert all(t is not None and t >= 0 for t in times) and head["gb_s"] is not None
+        # Dispatches run one after another: their sum fits in the span (1 µs of tick rounding).
+        assert st["gpu_busy_us"] <= st["gpu_span_us"] * 1.01 + 1
+    else:
+        assert all(t is None for t in times) and st["gpu_busy_us"] is None
+
+
+def test_profile_stage_run_equals_stage_run():
+    name = F32[0]
+    eng = engine(name)
+    p = prompt(name)[:70]
+    plain = eng.stage_run(0, p, 0, topk=2)
+    before = eng.counters()
+    prof = eng.profile_stage_run(1, p, 0, topk=2)
+    after = eng.counters()
+    assert prof["output"] == plain
+    st = prof["step"]
+    assert st["rows"] == 70 and st["submits"] == 2  # pieces of 64 and 6 rows
+    assert st["dispatches"] == after["dispatches"] - before["dispatches"] == len(prof["dispatches"])
+    assert [d["op"] for d in prof["dispatches"]].count("embed") == 2
+
+
 # --- gate 5: snapshots ----------------------------------------------------------------------------
 
 

@@ -34,9 +34,52 @@ pub struct Pipeline {
 type PipelineKey = (&'static str, Vec<(String, String)>, Vec<(String, u64)>);
 type BindKey = (u64, Vec<(u64, u64, u64)>);
 
+/// A request exactly as a call site made it (defines in its order), for the allocation-free hit
+/// path: ops ask for their pipeline on every dispatch, so a hit must cost a hash, not a map build.
+struct Request {
+    file: &'static str,
+    defines: Vec<(String, String)>,
+    constants: Vec<(String, u64)>,
+    pipeline: Arc<Pipeline>,
+}
+
+impl Request {
+    fn matches(&self, file: &ShaderFile, defines: &[(&str, String)], constants: &[(&str, f64)]) -> bool {
+        self.file == file.name
+            && self.defines.len() == defines.len()
+            && self
+                .defines
+                .iter()
+                .zip(defines)
+                .all(|((k, v), (k2, v2))| k == k2 && v == v2)
+            && self.constants.len() == constants.len()
+            && self
+                .constants
+                .iter()
+                .zip(constants)
+                .all(|((k, v), (k2, v2))| k == k2 && *v == v2.to_bits())
+    }
+}
+
+fn request_hash(file: &ShaderFile, defines: &[(&str, String)], constants: &[(&str, f64)]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    file.name.hash(&mut h);
+    for (k, v) in defines {
+        k.hash(&mut h);
+        v.hash(&mut h);
+    }
+    for (k, v) in constants {
+        k.hash(&mut h);
+        v.to_bits().hash(&mut h);
+    }
+    h.finish()
+}
+
 #[derive(Default)]
 pub(crate) struct Cache {
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
+    requests: Mutex<HashMap<u64, Vec<Request>>>,
     bind_groups: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
     pub(crate) staging: Mutex<Option<super::buffers::GpuBuffer>>,
 }
@@ -94,6 +137,43 @@ impl Gpu {
     /// The pipeline of `file` with `defines` (overriding the file's `#define` defaults) and WGSL
     /// `override` constants; built and validated on first use, then served from the cache.
     pub fn pipeline(
+        &self,
+        file: &ShaderFile,
+        defines: &[(&str, String)],
+        constants: &[(&str, f64)],
+    ) -> Result<Arc<Pipeline>> {
+        let hash = request_hash(file, defines, constants);
+        if let Some(hit) = self
+            .cache
+            .requests
+            .lock()
+            .map_err(poisoned)?
+            .get(&hash)
+            .and_then(|v| v.iter().find(|r| r.matches(file, defines, constants)))
+        {
+            return Ok(hit.pipeline.clone());
+        }
+        let pipeline = self.pipeline_by_key(file, defines, constants)?;
+        self.cache
+            .requests
+            .lock()
+            .map_err(poisoned)?
+            .entry(hash)
+            .or_default()
+            .push(Request {
+                file: file.name,
+                defines: defines.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+                constants: constants
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_bits()))
+                    .collect(),
+                pipeline: pipeline.clone(),
+            });
+        Ok(pipeline)
+    }
+
+    /// The pipeline for the canonical key (defines merged with the defaults); built on a miss.
+    fn pipeline_by_key(
         &self,
         file: &ShaderFile,
         defines: &[(&str, String)],

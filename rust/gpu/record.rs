@@ -1,5 +1,9 @@
 //! Command recording: many dispatches in one encoder and (between copies) one compute pass,
-//! then one submit, optionally with readbacks folded into the same submit.
+//! then one submit, optionally with readbacks folded into the same submit. An opt-in profiling
+//! recorder also labels every dispatch and, where the adapter has timestamp queries, times each
+//! one on the GPU (one pass per dispatch, its begin/end timestamps).
+
+use std::time::Instant;
 
 use super::buffers::{Binding, GpuBuffer};
 use super::context::{Counters, Gpu};
@@ -14,6 +18,54 @@ pub struct Recorder<'g> {
     encoder: Option<wgpu::CommandEncoder>,
     pass: Option<wgpu::ComputePass<'static>>,
     reads: Vec<(GpuBuffer, u64, u64)>,
+    /// What the dispatches recorded next belong to (a `Copy` of static data: free when not profiling).
+    op: OpLabel,
+    profile: Option<Box<Profiling>>,
+}
+
+/// The op the next dispatches belong to: a name (`"moe.gate_up"`), the model layer (None for the
+/// embedding and head), and the bytes of weights (and recurrent state) the op reads, for GB/s.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpLabel {
+    pub op: &'static str,
+    pub layer: Option<u32>,
+    pub bytes: u64,
+}
+
+/// One recorded dispatch of a profiled submit.
+#[derive(Clone, Debug)]
+pub struct DispatchProfile {
+    /// Index of the op (one [`Recorder::op`] call) it belongs to.
+    pub op_index: usize,
+    pub op: OpLabel,
+    /// The pipeline's label (shader file and defines).
+    pub kernel: String,
+    pub groups: [u32; 3],
+    /// GPU time between the dispatch's pass begin and end timestamps; None without timestamps.
+    pub gpu_ns: Option<f64>,
+}
+
+/// What a profiled submit measured: its dispatches in order, the CPU time spent recording (from
+/// the recorder's creation to the encoded commands), submitting and waiting, and the GPU span
+/// from the first dispatch's begin to the last one's end.
+#[derive(Clone, Debug, Default)]
+pub struct SubmitProfile {
+    pub dispatches: Vec<DispatchProfile>,
+    pub timestamps: bool,
+    pub record_ns: f64,
+    pub submit_ns: f64,
+    pub wait_ns: f64,
+    pub gpu_span_ns: Option<f64>,
+}
+
+/// wgpu's cap on queries per set; a longer step takes several sets.
+const QUERIES_PER_SET: u32 = 4096;
+
+struct Profiling {
+    started: Instant,
+    ops: usize,
+    dispatches: Vec<DispatchProfile>,
+    query_sets: Vec<wgpu::QuerySet>,
 }
 
 impl Gpu {
@@ -28,7 +80,22 @@ impl Gpu {
             encoder: Some(encoder),
             pass: None,
             reads: Vec::new(),
+            op: OpLabel::default(),
+            profile: None,
         }
+    }
+
+    /// A recorder that labels every dispatch and (with `caps.timestamps`) gives each its own
+    /// timestamped pass: slower, and it creates query sets and buffers, so only for profiles.
+    pub fn profiling_recorder(&self) -> Recorder<'_> {
+        let mut rec = self.recorder();
+        rec.profile = Some(Box::new(Profiling {
+            started: Instant::now(),
+            ops: 0,
+            dispatches: Vec::new(),
+            query_sets: Vec::new(),
+        }));
+        rec
     }
 }
 
@@ -47,6 +114,55 @@ impl Recorder<'_> {
 
     fn end_pass(&mut self) {
         self.pass = None;
+    }
+
+    /// Name the op the following dispatches belong to (see [`OpLabel`]); a plain store when not
+    /// profiling.
+    pub fn op(&mut self, op: &'static str, layer: Option<u32>, bytes: u64) {
+        self.op = OpLabel { op, layer, bytes };
+        if let Some(p) = self.profile.as_mut() {
+            p.ops += 1;
+        }
+    }
+
+    pub fn is_profiling(&self) -> bool {
+        self.profile.is_some()
+    }
+
+    /// Profiling: the pass for dispatch number `index`, with its begin/end timestamps when the
+    /// adapter has them.
+    fn timed_pass(&mut self, index: usize) -> Result<&mut wgpu::ComputePass<'static>> {
+        self.end_pass();
+        let timestamps = self.gpu.caps.timestamps;
+        let (set, slot) = (
+            index as u32 / (QUERIES_PER_SET / 2),
+            index as u32 % (QUERIES_PER_SET / 2),
+        );
+        let prof = self.profile.as_mut().ok_or_else(finished)?;
+        if timestamps && prof.query_sets.len() <= set as usize {
+            prof.query_sets
+                .push(self.gpu.device.create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("qk profile"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: QUERIES_PER_SET,
+                }));
+        }
+        let writes = prof
+            .query_sets
+            .get(set as usize)
+            .filter(|_| timestamps)
+            .map(|qs| wgpu::ComputePassTimestampWrites {
+                query_set: qs,
+                beginning_of_pass_write_index: Some(2 * slot),
+                end_of_pass_write_index: Some(2 * slot + 1),
+            });
+        let enc = self.encoder.as_mut().ok_or_else(finished)?;
+        let pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: None,
+            timestamp_writes: writes,
+        });
+        self.pass = Some(pass.forget_lifetime());
+        self.pass.as_mut().ok_or_else(finished)
     }
 
     /// Record one dispatch of `pipe` over `groups` workgroups. `immediates` is the kernel's
@@ -80,13 +196,33 @@ impl Recorder<'_> {
         let size = pipe.immediate_size as usize;
         let mut imm = [0u8; 256];
         imm[..immediates.len()].copy_from_slice(immediates);
-        let pass = self.pass()?;
+        let index = match self.profile.as_mut() {
+            Some(p) => {
+                p.dispatches.push(DispatchProfile {
+                    op_index: p.ops.saturating_sub(1),
+                    op: self.op,
+                    kernel: pipe.name.clone(),
+                    groups,
+                    gpu_ns: None,
+                });
+                Some(p.dispatches.len() - 1)
+            }
+            None => None,
+        };
+        let pass = match index {
+            Some(i) => self.timed_pass(i)?,
+            None => self.pass()?,
+        };
         pass.set_pipeline(&pipe.pipeline);
         pass.set_bind_group(0, Some(&bind_group), &[]);
         if size > 0 {
             pass.set_immediates(0, &imm[..size]);
         }
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        if index.is_some() {
+            // One pass per dispatch, so its timestamps bracket this dispatch alone.
+            self.end_pass();
+        }
         Counters::bump(&self.gpu.counters.dispatches);
         Ok(())
     }
@@ -145,9 +281,20 @@ impl Recorder<'_> {
     }
 
     /// Submit, wait, and return the queued readbacks in order (one staging buffer, one map).
-    pub fn finish_and_read(mut self) -> Result<Vec<Vec<u8>>> {
+    pub fn finish_and_read(self) -> Result<Vec<Vec<u8>>> {
+        Ok(self.finish_and_read_timed()?.0)
+    }
+
+    /// [`Recorder::finish_and_read`], plus when encoding ended, the submit returned and the
+    /// results were in, and what a profiling recorder measured.
+    pub fn finish_and_read_timed(mut self) -> Result<(Vec<Vec<u8>>, Finished)> {
         self.end_pass();
+        let mut profile = self.profile.take();
         let mut enc = self.encoder.take().ok_or_else(finished)?;
+        let timestamps = match profile.as_mut() {
+            Some(p) if !p.query_sets.is_empty() => Some(resolve_timestamps(self.gpu, &mut enc, p)?),
+            _ => None,
+        };
         let total: u64 = self.reads.iter().map(|r| r.2).sum();
         let staging = if total > 0 {
             Some(self.gpu.staging_buffer(total)?)
@@ -161,11 +308,24 @@ impl Recorder<'_> {
                 at += size;
             }
         }
-        self.gpu.queue.submit([enc.finish()]);
+        let commands = enc.finish();
+        let encoded = Instant::now();
+        self.gpu.queue.submit([commands]);
         Counters::bump(&self.gpu.counters.submits);
+        let submitted = Instant::now();
         let Some(st) = staging else {
             self.gpu.wait()?;
-            return Ok(Vec::new());
+            let done = Instant::now();
+            let profile = finish_profile(self.gpu, profile, timestamps, encoded, submitted, done)?;
+            return Ok((
+                Vec::new(),
+                Finished {
+                    encoded,
+                    submitted,
+                    done,
+                    profile,
+                },
+            ));
         };
         let (tx, rx) = std::sync::mpsc::channel();
         st.buffer.slice(..total).map_async(wgpu::MapMode::Read, move |r| {
@@ -190,8 +350,112 @@ impl Recorder<'_> {
         st.buffer.unmap();
         self.gpu.return_staging(st);
         Counters::bump(&self.gpu.counters.readbacks);
-        Ok(out)
+        let done = Instant::now();
+        let profile = finish_profile(self.gpu, profile, timestamps, encoded, submitted, done)?;
+        Ok((
+            out,
+            Finished {
+                encoded,
+                submitted,
+                done,
+                profile,
+            },
+        ))
     }
+}
+
+/// When a submit's phases ended on the host (plain clock reads), and a profiling recorder's
+/// measurements.
+pub struct Finished {
+    /// Commands encoded (wgpu validates and translates the passes by here).
+    pub encoded: Instant,
+    /// `queue.submit` returned.
+    pub submitted: Instant,
+    /// The GPU finished and the readbacks were copied out.
+    pub done: Instant,
+    pub profile: Option<SubmitProfile>,
+}
+
+/// Resolve every query set into a mappable buffer (copied there in the same submit).
+fn resolve_timestamps(gpu: &Gpu, enc: &mut wgpu::CommandEncoder, p: &Profiling) -> Result<wgpu::Buffer> {
+    let set_bytes = u64::from(QUERIES_PER_SET) * 8;
+    let total = set_bytes * p.query_sets.len() as u64;
+    let resolve = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("qk profile resolve"),
+        size: total,
+        usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let read = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("qk profile read"),
+        size: total,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let n = p.dispatches.len() as u64;
+    for (i, qs) in p.query_sets.iter().enumerate() {
+        let first = i as u64 * u64::from(QUERIES_PER_SET / 2);
+        let used = (n - first.min(n)).min(u64::from(QUERIES_PER_SET / 2)) as u32;
+        if used > 0 {
+            enc.resolve_query_set(qs, 0..2 * used, &resolve, i as u64 * set_bytes);
+        }
+    }
+    enc.copy_buffer_to_buffer(&resolve, 0, &read, 0, total);
+    Ok(read)
+}
+
+/// Attach the timestamps (read after the submit finished) and CPU times to the profile.
+fn finish_profile(
+    gpu: &Gpu,
+    profile: Option<Box<Profiling>>,
+    timestamps: Option<wgpu::Buffer>,
+    encoded: Instant,
+    submitted: Instant,
+    done: Instant,
+) -> Result<Option<SubmitProfile>> {
+    let Some(p) = profile else { return Ok(None) };
+    let ns = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e9;
+    let mut out = SubmitProfile {
+        timestamps: timestamps.is_some(),
+        record_ns: ns(p.started, encoded),
+        submit_ns: ns(encoded, submitted),
+        wait_ns: ns(submitted, done),
+        dispatches: p.dispatches,
+        gpu_span_ns: None,
+    };
+    if let Some(read) = timestamps {
+        let (tx, rx) = std::sync::mpsc::channel();
+        read.slice(..).map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        gpu.wait()?;
+        rx.recv()
+            .map_err(|_| QkError::DeviceLost("profile: map callback never ran".into()))?
+            .map_err(|e| QkError::DeviceLost(format!("profile map failed: {e}")))?;
+        let period = f64::from(gpu.queue.get_timestamp_period());
+        {
+            let view = read
+                .get_mapped_range(..)
+                .map_err(|e| QkError::Engine(format!("profile view: {e}")))?;
+            let ticks: &[u64] = bytemuck::cast_slice(&view);
+            let (mut first, mut last) = (u64::MAX, 0u64);
+            for (i, d) in out.dispatches.iter_mut().enumerate() {
+                let (b, e) = (ticks[2 * i], ticks[2 * i + 1]);
+                // Ticks are monotonic within a submit; a reversed pair means the driver wrote no
+                // valid value, which is reported as missing rather than as a made-up time.
+                if e >= b && b > 0 {
+                    d.gpu_ns = Some((e - b) as f64 * period);
+                    first = first.min(b);
+                    last = last.max(e);
+                }
+            }
+            if last >= first && first != u64::MAX {
+                out.gpu_span_ns = Some((last - first) as f64 * period);
+            }
+        }
+        read.unmap();
+    }
+    Ok(Some(out))
 }
 
 fn finished() -> QkError {

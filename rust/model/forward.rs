@@ -5,10 +5,10 @@
 
 use super::config::{Arch, LayerKind, ModelConfig};
 use super::weights::{
-    AttnProjection, BetaAlpha, DeltaNetProjection, ExpertGateUp, LayerWeights, Mixer, Weights,
+    AttnProjection, BetaAlpha, DeltaNetProjection, ExpertGateUp, LayerWeights, Mixer, Stacked, Weights,
 };
 use crate::error::{QkError, Result};
-use crate::gpu::{Gpu, GpuBuffer, Recorder};
+use crate::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
 use crate::ops::attention::{self, AttnArgs, AttnParams};
 use crate::ops::conv::{self, ConvParams};
 use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
@@ -119,8 +119,10 @@ pub struct Scratch {
     pub logits: GpuBuffer,
     pub tokens: GpuBuffer,
     topk_candidates: GpuBuffer,
-    /// One top-k result (MAX_K pairs) per row.
-    pub results: Vec<GpuBuffer>,
+    /// Top-k results of a batch of rows: rows × k pairs (k ≤ MAX_K), row-major.
+    pub results: GpuBuffer,
+    /// The final row of a prefill piece (its own k).
+    pub result_last: GpuBuffer,
     pub bytes: u64,
 }
 
@@ -160,12 +162,6 @@ impl Scratch {
         let vocab = u64::from(cfg.vocab);
         let head_rows = if has_head { r } else { 0 };
         let topk_probe = TopkParams::new(cfg.vocab.max(MAX_K), MAX_K, 0)?;
-        let mut results = Vec::new();
-        if has_head {
-            for i in 0..rows {
-                results.push(buf(&format!("topk.result{i}"), 2 * u64::from(MAX_K))?);
-            }
-        }
         Ok(Scratch {
             rows,
             x: [buf("x0", r * e)?, buf("x1", r * e)?],
@@ -190,11 +186,13 @@ impl Scratch {
             attn_out: buf("attn.out", r * hd)?,
             part_out: buf("attn.partial_out", po)?,
             part_ml: buf("attn.partial_ml", pml)?,
-            router_logits: buf("moe.router", r * u64::from(cfg.experts))?,
+            // Expert logits, then (stacked router) the shared expert's gate logit, per row.
+            router_logits: buf("moe.router", r * u64::from(cfg.experts + 1))?,
             expert_ids: buf("moe.ids", r * k)?,
             expert_w: buf("moe.weights", r * k)?,
-            gate_up: buf("moe.gate_up", r * k * 2 * ff)?,
-            act: buf("moe.act", r * k * ff)?,
+            // The expert columns, then (ff == shared_ff) the shared expert's t columns.
+            gate_up: buf("moe.gate_up", r * (k + 1) * 2 * ff)?,
+            act: buf("moe.act", r * (k + 1) * ff)?,
             down: buf("moe.down", r * k * e)?,
             sh_gate_up: buf("shexp.gate_up", r * 2 * sff)?,
             sh_act: buf("shexp.act", r * sff)?,
@@ -202,8 +200,12 @@ impl Scratch {
             sh_gate: buf("shexp.gate", r)?,
             logits: buf("logits", head_rows * vocab)?,
             tokens: buf("tokens", r)?,
-            topk_candidates: buf("topk.candidates", 2 * u64::from(topk_probe.candidates()))?,
-            results,
+            topk_candidates: buf(
+                "topk.candidates",
+                head_rows * 2 * u64::from(topk_probe.candidates()),
+            )?,
+            results: buf("topk.results", head_rows * 2 * u64::from(MAX_K))?,
+            result_last: buf("topk.result_last", 2 * u64::from(MAX_K))?,
             bytes,
         })
     }
@@ -276,6 +278,17 @@ pub struct Model {
     pub ctx: u32,
 }
 
+/// Bytes of a dense weight matrix (what one mat-vec reads).
+fn dense_bytes(w: &WeightTensor) -> u64 {
+    w.rows * w.row_bytes * w.experts
+}
+
+/// Bytes of the experts a MoE mat-vec over `t` tokens reads: n_used per token, counted as
+/// distinct (an upper bound when tokens share experts).
+fn expert_bytes(w: &WeightTensor, n_used: u32, t: u32) -> u64 {
+    w.rows * w.row_bytes * (u64::from(n_used) * u64::from(t)).min(w.experts)
+}
+
 fn cols(buf: &GpuBuffer, offset: u32, stride: u32) -> Columns<'_> {
     Columns { buf, offset, stride }
 }
@@ -310,6 +323,7 @@ impl Model {
         let table = self.weights.embed.as_ref().ok_or_else(|| {
             QkError::Engine("this stage has no embedding (layers do not start at 0): pass hidden rows".into())
         })?;
+        rec.op("embed", None, u64::from(n) * table.row_bytes);
         embed(
             gpu,
             rec,
@@ -356,6 +370,8 @@ impl Model {
         let rows_e = RowLayout::packed(e, 1);
         let x = &s.x[cur];
         let x_next = &s.x[1 - cur];
+        let layer = Some(lw.index);
+        rec.op("attn_norm", layer, 0);
         norm::record(
             gpu,
             rec,
@@ -370,10 +386,11 @@ impl Model {
             },
         )?;
         match &lw.mixer {
-            Mixer::DeltaNet(w) => self.record_deltanet(gpu, rec, s, w, states, batch)?,
-            Mixer::Attention(w) => self.record_attention(gpu, rec, s, w, states, batch)?,
+            Mixer::DeltaNet(w) => self.record_deltanet(gpu, rec, s, w, states, batch, layer)?,
+            Mixer::Attention(w) => self.record_attention(gpu, rec, s, w, states, batch, layer)?,
         }
         // h = x + mixer; xn = RMSNorm(h) (spec §3.1).
+        rec.op("post_norm", layer, 0);
         norm::record(
             gpu,
             rec,
@@ -387,9 +404,10 @@ impl Model {
                 sum: Some(x_next),
             },
         )?;
-        self.record_moe(gpu, rec, s, lw, t, x_next)
+        self.record_moe(gpu, rec, s, lw, t, x_next, layer)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn record_deltanet(
         &self,
         gpu: &Gpu,
@@ -398,6 +416,7 @@ impl Model {
         w: &super::weights::DeltaNetWeights,
         states: &[&LayerState],
         batch: Batch<'_>,
+        layer: Option<u32>,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let t = batch.rows();
@@ -407,14 +426,18 @@ impl Model {
         let xn = Columns::packed(&s.xn, e);
         match &w.proj {
             DeltaNetProjection::Split { qkv, gate } => {
+                rec.op("dn.qkv", layer, dense_bytes(qkv));
                 mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
+                rec.op("dn.gate", layer, dense_bytes(gate));
                 mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
             }
             DeltaNetProjection::Legacy(qkvz) => {
                 // One projection, then per k-head group four row copies into the q ‖ k ‖ v and z
                 // layouts the conv and gated norm read (4·nk small dispatches: legacy files only).
                 let lw = cd + vd;
+                rec.op("dn.qkvz", layer, dense_bytes(qkvz));
                 mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
+                rec.op("dn.qkvz_regroup", layer, 0);
                 let (dk, key_dim) = (cfg.dk, cfg.k_heads * cfg.dk);
                 let rv = (nv / cfg.k_heads) * cfg.dv;
                 let group = 2 * dk + 2 * rv;
@@ -442,8 +465,12 @@ impl Model {
             }
         }
         match &w.ba {
-            BetaAlpha::Grouped(ba) => mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?,
+            BetaAlpha::Grouped(ba) => {
+                rec.op("dn.ba", layer, dense_bytes(ba));
+                mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?
+            }
             BetaAlpha::Split { beta, alpha } => {
+                rec.op("dn.ba", layer, dense_bytes(beta) + dense_bytes(alpha));
                 mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
                 mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
             }
@@ -469,6 +496,7 @@ impl Model {
                     dst_token_stride: cd,
                     state_offset: 0,
                 };
+                rec.op("dn.conv", layer, conv_state.size);
                 conv::record(gpu, rec, &cp, &s.gproj, &w.conv, conv_state, &s.conv_out)?;
                 let args = DeltaArgs {
                     qkv: &s.conv_out,
@@ -484,6 +512,8 @@ impl Model {
                     first_token: first,
                     ..dp
                 };
+                // S is read and written once per call.
+                rec.op("dn.delta", layer, 2 * ssm.size);
                 match base {
                     Some(b) => deltanet::record_prefill(gpu, rec, &p, b, &args),
                     None => deltanet::record_recurrent(gpu, rec, &p, &args),
@@ -499,6 +529,7 @@ impl Model {
         }
         // Gated RMSNorm per v-head, then the output projection (spec §3.2 steps 9-10).
         let heads = RowLayout::packed(cfg.dv, nv);
+        rec.op("dn.gated_norm", layer, 0);
         norm::record(
             gpu,
             rec,
@@ -512,6 +543,7 @@ impl Model {
                 sum: None,
             },
         )?;
+        rec.op("dn.out", layer, dense_bytes(&w.out));
         mul(
             gpu,
             rec,
@@ -522,6 +554,7 @@ impl Model {
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn record_attention(
         &self,
         gpu: &Gpu,
@@ -530,6 +563,7 @@ impl Model {
         w: &super::weights::AttentionWeights,
         states: &[&LayerState],
         batch: Batch<'_>,
+        layer: Option<u32>,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let t = batch.rows();
@@ -540,11 +574,19 @@ impl Model {
         let xn = Columns::packed(&s.xn, e);
         match &w.proj {
             AttnProjection::Separate { q, k, v } => {
+                rec.op(
+                    "attn.qkv",
+                    layer,
+                    dense_bytes(q) + dense_bytes(k) + dense_bytes(v),
+                );
                 mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
                 mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
                 mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
             }
-            AttnProjection::Fused(qkv) => mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?,
+            AttnProjection::Fused(qkv) => {
+                rec.op("attn.qkv", layer, dense_bytes(qkv));
+                mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
+            }
         }
         // Per-head RMSNorm of q (the first half of each head's q+gate slice), before RoPE.
         let q_src = RowLayout {
@@ -553,6 +595,7 @@ impl Model {
             head_stride: 2 * hd,
         };
         let q_dst = RowLayout::packed(hd, cfg.heads);
+        rec.op("attn.q_norm", layer, 0);
         norm::record(
             gpu,
             rec,
@@ -588,6 +631,7 @@ impl Model {
                 token_stride: kvw,
                 head_stride: hd,
             };
+            rec.op("attn.k_norm", layer, 0);
             norm::record(
                 gpu,
                 rec,
@@ -610,6 +654,7 @@ impl Model {
                 head_stride: hd,
                 pos_base: pos,
             };
+            rec.op("attn.rope_k", layer, 0);
             rope::record(gpu, rec, &rp, kc, &self.freqs, None)?;
             let rq = RopeParams {
                 heads: cfg.heads,
@@ -617,6 +662,7 @@ impl Model {
                 token_stride: q_rows,
                 ..rp
             };
+            rec.op("attn.rope_q", layer, 0);
             rope::record(gpu, rec, &rq, &s.q, &self.freqs, None)?;
             let vp = EwParams {
                 rows: n,
@@ -627,6 +673,7 @@ impl Model {
                 out_stride: kvw,
                 ..Default::default()
             };
+            rec.op("attn.v_store", layer, 0);
             ew(gpu, rec, EwKind::CopyRows, &vp, &s.aproj, None, vc)?;
             let ap = AttnParams {
                 tokens: n,
@@ -655,6 +702,8 @@ impl Model {
                 v_cache: vc,
                 out: &s.attn_out,
             };
+            // K and V rows of every position so far.
+            rec.op("attn.core", layer, 2 * u64::from(pos + n) * u64::from(kvw) * 4);
             if decode {
                 attention::record_decode(gpu, rec, &ap.with_decode_splits(), &args, &s.part_out, &s.part_ml)
             } else {
@@ -669,6 +718,7 @@ impl Model {
                 }
             }
         }
+        rec.op("attn.out", layer, dense_bytes(&w.out));
         mul(
             gpu,
             rec,
@@ -680,6 +730,7 @@ impl Model {
     }
 
     /// MoE + shared expert of the normed rows in xn, added to `out` (spec §3.6).
+    #[allow(clippy::too_many_arguments)]
     fn record_moe(
         &self,
         gpu: &Gpu,
@@ -688,27 +739,39 @@ impl Model {
         lw: &LayerWeights,
         t: u32,
         out: &GpuBuffer,
+        layer: Option<u32>,
     ) -> Result<()> {
         let cfg = &self.cfg;
         let w = &lw.moe;
         let e = cfg.n_embd;
         let (k, ff, sff) = (cfg.experts_used, cfg.expert_ff, cfg.shared_ff);
         let xn = Columns::packed(&s.xn, e);
-        mul(
-            gpu,
-            rec,
-            &w.router,
-            xn,
-            Columns::packed(&s.router_logits, cfg.experts),
-            t,
-        )?;
+        rec.op("moe.router_mv", layer, w.router.bytes());
+        // The shared expert's gate logit: beside the expert logits when the router is stacked.
+        let (logit_stride, gate_buf, gate_offset, gate_stride) = match &w.router {
+            Stacked::One(router) => {
+                let stride = cfg.experts + 1;
+                mul(gpu, rec, router, xn, Columns::packed(&s.router_logits, stride), t)?;
+                (stride, &s.router_logits, cfg.experts, stride)
+            }
+            Stacked::Parts(parts) => {
+                let [router, gate_inp] = parts.as_slice() else {
+                    return Err(QkError::Engine("router: expected router and shared gate".into()));
+                };
+                let logits = Columns::packed(&s.router_logits, cfg.experts);
+                mul(gpu, rec, router, xn, logits, t)?;
+                mul(gpu, rec, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
+                (cfg.experts, &s.sh_gate, 0, 1)
+            }
+        };
         let rp = RouterParams {
             tokens: t,
             experts: cfg.experts,
             k,
             logits_offset: 0,
-            logits_token_stride: cfg.experts,
+            logits_token_stride: logit_stride,
         };
+        rec.op("moe.route", layer, 0);
         router::record(gpu, rec, &rp, &s.router_logits, &s.expert_ids, &s.expert_w)?;
         let ids = ExpertIds {
             buf: &s.expert_ids,
@@ -718,6 +781,11 @@ impl Model {
         };
         match &w.gate_up {
             ExpertGateUp::Separate { gate, up } => {
+                rec.op(
+                    "moe.gate_up",
+                    layer,
+                    expert_bytes(gate, k, t) + expert_bytes(up, k, t),
+                );
                 matvec_id(
                     gpu,
                     rec,
@@ -738,6 +806,7 @@ impl Model {
                 )?;
             }
             ExpertGateUp::Fused(gu) => {
+                rec.op("moe.gate_up", layer, expert_bytes(gu, k, t));
                 matvec_id(
                     gpu,
                     rec,
@@ -760,15 +829,49 @@ impl Model {
             out_stride: n,
             ..Default::default()
         };
+        // With ff == shared_ff (every Qwen3-Next / Qwen3.5-MoE shape) the shared expert's gate/up
+        // rows sit after the t·k expert columns of gate_up, so one SiLU·mul covers both.
+        let joint = ff == sff;
+        let (sh_gu, sh_gu_offset, sh_act, sh_act_offset) = if joint {
+            (&s.gate_up, t * k * 2 * ff, &s.act, t * k * ff)
+        } else {
+            (&s.sh_gate_up, 0, &s.sh_act, 0)
+        };
+        rec.op("shexp.gate_up", layer, w.shared_gate_up.bytes());
+        match &w.shared_gate_up {
+            Stacked::One(gu) => mul(gpu, rec, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
+            Stacked::Parts(parts) => {
+                let [gate, up] = parts.as_slice() else {
+                    return Err(QkError::Engine("shared expert: expected gate and up".into()));
+                };
+                mul(gpu, rec, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
+                mul(gpu, rec, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
+            }
+        }
+        let expert_rows = if joint { t * k + t } else { t * k };
+        rec.op("moe.silu", layer, 0);
         ew(
             gpu,
             rec,
             EwKind::SiluMul,
-            &silu(t * k, ff),
+            &silu(expert_rows, ff),
             &s.gate_up,
             Some(&s.gate_up),
             &s.act,
         )?;
+        if !joint {
+            rec.op("shexp.silu", layer, 0);
+            ew(
+                gpu,
+                rec,
+                EwKind::SiluMul,
+                &silu(t, sff),
+                &s.sh_gate_up,
+                Some(&s.sh_gate_up),
+                &s.sh_act,
+            )?;
+        }
+        rec.op("moe.down", layer, expert_bytes(&w.down, k, t));
         matvec_id(
             gpu,
             rec,
@@ -778,31 +881,13 @@ impl Model {
             ids,
             MoeInput::PerSlot,
         )?;
-        mul(gpu, rec, &w.shared_gate, xn, cols(&s.sh_gate_up, 0, 2 * sff), t)?;
-        mul(gpu, rec, &w.shared_up, xn, cols(&s.sh_gate_up, sff, 2 * sff), t)?;
-        ew(
-            gpu,
-            rec,
-            EwKind::SiluMul,
-            &silu(t, sff),
-            &s.sh_gate_up,
-            Some(&s.sh_gate_up),
-            &s.sh_act,
-        )?;
+        rec.op("shexp.down", layer, dense_bytes(&w.shared_down));
         mul(
             gpu,
             rec,
             &w.shared_down,
-            Columns::packed(&s.sh_act, sff),
+            cols(sh_act, sh_act_offset, sff),
             Columns::packed(&s.sh_down, e),
-            t,
-        )?;
-        mul(
-            gpu,
-            rec,
-            &w.shared_gate_inp,
-            xn,
-            Columns::packed(&s.sh_gate, 1),
             t,
         )?;
         let cp = EwParams {
@@ -818,9 +903,10 @@ impl Model {
             weights_stride: k,
             experts: k,
             accumulate: 1,
-            gate_offset: 0,
-            gate_stride: 1,
+            gate_offset,
+            gate_stride,
         };
+        rec.op("moe.combine", layer, 0);
         elementwise::record(
             gpu,
             rec,
@@ -831,7 +917,7 @@ impl Model {
                 b: Some(&s.sh_down),
                 out,
                 weights: Some(&s.expert_w),
-                gate: Some(&s.sh_gate),
+                gate: Some(gate_buf),
             },
         )
     }
@@ -855,6 +941,7 @@ impl Model {
         };
         let e = self.cfg.n_embd;
         let rows_e = RowLayout::packed(e, 1);
+        rec.op("head.norm", None, 0);
         norm::record(
             gpu,
             rec,
@@ -869,6 +956,7 @@ impl Model {
             },
         )?;
         // mat-vec for a few rows (weights read once for all of them), tiled mat-mat for more.
+        rec.op("head.lm", None, dense_bytes(head));
         mul(
             gpu,
             rec,
@@ -879,20 +967,25 @@ impl Model {
         )
     }
 
-    /// Top-k of row `row` of the logits into `s.results[row]`.
-    pub fn record_topk(
+    /// Top-k of logits rows [first, first + rows) in one pair of dispatches: row first + r's k
+    /// pairs land at pair r·k of `result` (`s.results` or `s.result_last`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn record_topk_rows(
         &self,
         gpu: &Gpu,
         rec: &mut Recorder<'_>,
         s: &Scratch,
-        row: u32,
+        first: u32,
+        rows: u32,
         k: u32,
+        result: &GpuBuffer,
     ) -> Result<()> {
-        let p = TopkParams::new(self.cfg.vocab, k, row * self.cfg.vocab)?;
-        let result = s
-            .results
-            .get(row as usize)
-            .ok_or_else(|| QkError::Engine(format!("top-k row {row} beyond the scratch")))?;
-        topk::record(gpu, rec, &p, &s.logits, &s.topk_candidates, result)
+        crate::ensure!(
+            first + rows <= s.rows,
+            QkError::Engine(format!("top-k rows {first}..{} beyond the scratch", first + rows))
+        );
+        let p = TopkParams::new(self.cfg.vocab, k, first * self.cfg.vocab)?;
+        rec.op("head.topk", None, u64::from(rows) * u64::from(self.cfg.vocab) * 4);
+        topk::record_rows(gpu, rec, &p, rows, &s.logits, &s.topk_candidates, result)
     }
 }

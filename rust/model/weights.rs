@@ -2,15 +2,21 @@
 //! the final norm and LM head when b == n_layer (the head falls back to the embedding when the
 //! file has no `output.weight`). Matrices stay in their GGUF block layout; norms and small vectors
 //! are uploaded as f32. MTP blocks after the main stack are never read.
+//!
+//! Matrices that read the same input and write adjacent outputs are stacked row-wise at load when
+//! they share a type (attention q ‖ k ‖ v, beta ‖ alpha, router ‖ shared-expert gate, shared gate ‖
+//! up, expert gate ‖ up per expert): one mat-vec dispatch reads them all, and every output row is
+//! the same dot product as before, so results keep their bits.
 
 use super::config::{Arch, LayerKind, ModelConfig};
 use crate::error::{QkError, Result};
-use crate::gguf::{GgufFile, TensorInfo};
+use crate::gguf::{GgmlType, GgufFile, TensorInfo};
 use crate::gpu::{Gpu, GpuBuffer, WeightTensor};
 
 /// Beta/alpha logits of a DeltaNet layer.
 pub enum BetaAlpha {
-    /// qwen3next `ssm_ba`: per k-group [b × r, a × r] (spec §2.2).
+    /// One matrix of 2·nv rows written at the beta offset: qwen3next `ssm_ba` (per k-group
+    /// [b × r, a × r], spec §2.2), or qwen35* beta ‖ alpha stacked at load.
     Grouped(WeightTensor),
     /// qwen35* `ssm_beta`, `ssm_alpha`.
     Split { beta: WeightTensor, alpha: WeightTensor },
@@ -67,15 +73,31 @@ pub enum ExpertGateUp {
     Fused(WeightTensor),
 }
 
+/// Matrices over the same input whose outputs are adjacent, stacked into one when their types
+/// match.
+pub enum Stacked {
+    One(WeightTensor),
+    Parts(Vec<WeightTensor>),
+}
+
+impl Stacked {
+    pub fn bytes(&self) -> u64 {
+        let b = |w: &WeightTensor| w.rows * w.row_bytes * w.experts;
+        match self {
+            Stacked::One(w) => b(w),
+            Stacked::Parts(p) => p.iter().map(b).sum(),
+        }
+    }
+}
+
 pub struct MoeWeights {
-    pub router: WeightTensor,
+    /// Router rows (experts), then the shared expert's scalar gate row (`ffn_gate_inp_shexp`).
+    pub router: Stacked,
     pub gate_up: ExpertGateUp,
     pub down: WeightTensor,
-    pub shared_gate: WeightTensor,
-    pub shared_up: WeightTensor,
+    /// Shared expert gate rows, then up rows.
+    pub shared_gate_up: Stacked,
     pub shared_down: WeightTensor,
-    /// The shared expert's scalar gate (one row).
-    pub shared_gate_inp: WeightTensor,
 }
 
 pub struct LayerWeights {
@@ -116,8 +138,50 @@ impl Loader<'_> {
         }
     }
 
-    /// A matrix (or expert stack) with ne = {cols, rows[, experts]}.
-    fn matrix(&mut self, name: &str, cols: u32, rows: u32, experts: u32) -> Result<WeightTensor> {
+    /// `parts` (name, rows) of ne {cols, rows[, experts]} stacked row-wise (per expert for a
+    /// stack) into one tensor when they share a type, else each on its own.
+    fn stacked(&mut self, parts: &[(&str, u32)], cols: u32, experts: u32) -> Result<Stacked> {
+        let mut infos = Vec::new();
+        for (name, rows) in parts {
+            infos.push(self.checked(name, cols, *rows, experts)?);
+        }
+        let ty = infos[0].1;
+        if infos.iter().any(|(_, t)| *t != ty) {
+            let mut out = Vec::new();
+            for (name, rows) in parts {
+                out.push(self.matrix(name, cols, *rows, experts)?);
+            }
+            return Ok(Stacked::Parts(out));
+        }
+        let datas = infos
+            .iter()
+            .map(|(t, _)| self.file.tensor_data(t))
+            .collect::<Result<Vec<_>>>()?;
+        let total: usize = datas.iter().map(|d| d.len()).sum();
+        let mut joined = Vec::with_capacity(total);
+        let ex = experts.max(1) as usize;
+        for e in 0..ex {
+            for d in &datas {
+                let per = d.len() / ex;
+                joined.extend_from_slice(&d[e * per..(e + 1) * per]);
+            }
+        }
+        let rows: u32 = parts.iter().map(|(_, r)| r).sum();
+        let name = parts.iter().map(|(n, _)| *n).collect::<Vec<_>>().join("+");
+        let w = self.gpu.upload_weight(
+            &name,
+            ty,
+            u64::from(cols),
+            u64::from(rows),
+            u64::from(experts),
+            &joined,
+        )?;
+        self.bytes += joined.len() as u64;
+        Ok(Stacked::One(w))
+    }
+
+    /// The tensor `name` checked to have ne = {cols, rows[, experts]}, and its type.
+    fn checked(&self, name: &str, cols: u32, rows: u32, experts: u32) -> Result<(&TensorInfo, GgmlType)> {
         let t = self.info(name)?;
         let mut want = vec![u64::from(cols), u64::from(rows)];
         if experts > 1 {
@@ -134,7 +198,12 @@ impl Loader<'_> {
         if trim(&t.ne) != trim(&want) {
             return Err(self.shape_error(t, &want));
         }
-        let ty = t.ggml_type()?;
+        Ok((t, t.ggml_type()?))
+    }
+
+    /// A matrix (or expert stack) with ne = {cols, rows[, experts]}.
+    fn matrix(&mut self, name: &str, cols: u32, rows: u32, experts: u32) -> Result<WeightTensor> {
+        let (t, ty) = self.checked(name, cols, rows, experts)?;
         let data = self.file.tensor_data(t)?;
         let w = self.gpu.upload_weight(
             name,
@@ -177,10 +246,17 @@ impl Loader<'_> {
                 let nv = cfg.v_heads;
                 let ba = match cfg.arch {
                     Arch::Qwen3Next => BetaAlpha::Grouped(self.matrix(&p("ssm_ba.weight"), e, 2 * nv, 1)?),
-                    Arch::Qwen35Moe => BetaAlpha::Split {
-                        beta: self.matrix(&p("ssm_beta.weight"), e, nv, 1)?,
-                        alpha: self.matrix(&p("ssm_alpha.weight"), e, nv, 1)?,
-                    },
+                    Arch::Qwen35Moe => {
+                        let (b, a) = (p("ssm_beta.weight"), p("ssm_alpha.weight"));
+                        match self.stacked(&[(&b, nv), (&a, nv)], e, 1)? {
+                            Stacked::One(ba) => BetaAlpha::Grouped(ba),
+                            Stacked::Parts(mut v) => {
+                                let alpha = v.pop().ok_or_else(|| QkError::Engine("alpha".into()))?;
+                                let beta = v.pop().ok_or_else(|| QkError::Engine("beta".into()))?;
+                                BetaAlpha::Split { beta, alpha }
+                            }
+                        }
+                    }
                 };
                 Mixer::DeltaNet(Box::new(DeltaNetWeights {
                     proj,
@@ -197,10 +273,16 @@ impl Loader<'_> {
                 let q_rows = 2 * cfg.heads * hd;
                 let kv_rows = cfg.kv_heads * hd;
                 let proj = if self.file.tensor(&p("attn_q.weight")).is_some() {
-                    AttnProjection::Separate {
-                        q: self.matrix(&p("attn_q.weight"), e, q_rows, 1)?,
-                        k: self.matrix(&p("attn_k.weight"), e, kv_rows, 1)?,
-                        v: self.matrix(&p("attn_v.weight"), e, kv_rows, 1)?,
+                    let (q, k, v) = (p("attn_q.weight"), p("attn_k.weight"), p("attn_v.weight"));
+                    match self.stacked(&[(&q, q_rows), (&k, kv_rows), (&v, kv_rows)], e, 1)? {
+                        Stacked::One(qkv) => AttnProjection::Fused(qkv),
+                        Stacked::Parts(mut parts) => {
+                            let missing = || QkError::Engine("attention projection parts".into());
+                            let v = parts.pop().ok_or_else(missing)?;
+                            let k = parts.pop().ok_or_else(missing)?;
+                            let q = parts.pop().ok_or_else(missing)?;
+                            AttnProjection::Separate { q, k, v }
+                        }
                     }
                 } else {
                     AttnProjection::Fused(self.matrix(&p("attn_qkv.weight"), e, q_rows + 2 * kv_rows, 1)?)
@@ -217,19 +299,25 @@ impl Loader<'_> {
         let gate_up = if self.file.tensor(&p("ffn_gate_up_exps.weight")).is_some() {
             ExpertGateUp::Fused(self.matrix(&p("ffn_gate_up_exps.weight"), e, 2 * ff, ne)?)
         } else {
-            ExpertGateUp::Separate {
-                gate: self.matrix(&p("ffn_gate_exps.weight"), e, ff, ne)?,
-                up: self.matrix(&p("ffn_up_exps.weight"), e, ff, ne)?,
+            let (g, u) = (p("ffn_gate_exps.weight"), p("ffn_up_exps.weight"));
+            match self.stacked(&[(&g, ff), (&u, ff)], e, ne)? {
+                Stacked::One(gu) => ExpertGateUp::Fused(gu),
+                Stacked::Parts(mut v) => {
+                    let up = v.pop().ok_or_else(|| QkError::Engine("up experts".into()))?;
+                    let gate = v.pop().ok_or_else(|| QkError::Engine("gate experts".into()))?;
+                    ExpertGateUp::Separate { gate, up }
+                }
             }
         };
+        let sff = cfg.shared_ff;
+        let (router, shared_gate) = (p("ffn_gate_inp.weight"), p("ffn_gate_inp_shexp.weight"));
+        let (sg, su) = (p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"));
         let moe = MoeWeights {
-            router: self.matrix(&p("ffn_gate_inp.weight"), e, ne, 1)?,
+            router: self.stacked(&[(&router, ne), (&shared_gate, 1)], e, 1)?,
             gate_up,
             down: self.matrix(&p("ffn_down_exps.weight"), ff, e, ne)?,
-            shared_gate: self.matrix(&p("ffn_gate_shexp.weight"), e, cfg.shared_ff, 1)?,
-            shared_up: self.matrix(&p("ffn_up_shexp.weight"), e, cfg.shared_ff, 1)?,
-            shared_down: self.matrix(&p("ffn_down_shexp.weight"), cfg.shared_ff, e, 1)?,
-            shared_gate_inp: self.matrix(&p("ffn_gate_inp_shexp.weight"), e, 1, 1)?,
+            shared_gate_up: self.stacked(&[(&sg, sff), (&su, sff)], e, 1)?,
+            shared_down: self.matrix(&p("ffn_down_shexp.weight"), sff, e, 1)?,
         };
         Ok(LayerWeights {
             index: il,

@@ -19,7 +19,8 @@ pub struct IdLogit {
     pub logit: f32,
 }
 
-/// Mirrors `TopkParams` in topk.wgsl: logits [offset, offset + n), ids relative to offset.
+/// Mirrors `TopkParams` in topk.wgsl: logits [offset, offset + n) (row r: shifted by
+/// r·row_stride), ids relative to the row's start.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
 pub struct TopkParams {
@@ -28,6 +29,7 @@ pub struct TopkParams {
     pub offset: u32,
     pub block_len: u32,
     pub blocks: u32,
+    pub row_stride: u32,
 }
 
 impl TopkParams {
@@ -42,6 +44,7 @@ impl TopkParams {
             offset,
             block_len: BLOCK_LEN,
             blocks: n.div_ceil(BLOCK_LEN),
+            row_stride: n,
         })
     }
 
@@ -61,22 +64,53 @@ pub fn record(
     candidates: &GpuBuffer,
     result: &GpuBuffer,
 ) -> crate::Result<()> {
-    require_len("top-k logits", logits, p.offset as u64 + p.n as u64)?;
-    require_len("top-k candidates", candidates, 2 * p.candidates() as u64)?;
-    require_len("top-k result", result, 2 * p.k as u64)?;
+    record_rows(gpu, rec, p, 1, logits, candidates, result)
+}
+
+/// [`record`] for `rows` rows in the same two dispatches: row r's logits start at
+/// `offset + r * row_stride`, its k pairs land at pair r·k of `result`, and `candidates` holds
+/// `rows * p.candidates()` pairs.
+pub fn record_rows(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &TopkParams,
+    rows: u32,
+    logits: &GpuBuffer,
+    candidates: &GpuBuffer,
+    result: &GpuBuffer,
+) -> crate::Result<()> {
+    let rows64 = u64::from(rows);
+    crate::ensure!(
+        rows >= 1 && rows <= gpu.caps.max_workgroups_per_dim && (rows == 1 || p.row_stride >= p.n),
+        crate::QkError::Engine(format!(
+            "top-k over {rows} rows of stride {} (n = {})",
+            p.row_stride, p.n
+        ))
+    );
+    require_len(
+        "top-k logits",
+        logits,
+        p.offset as u64 + (rows64 - 1) * p.row_stride as u64 + p.n as u64,
+    )?;
+    require_len("top-k candidates", candidates, 2 * rows64 * p.candidates() as u64)?;
+    require_len("top-k result", result, 2 * rows64 * p.k as u64)?;
+    crate::ensure!(
+        p.blocks <= gpu.caps.max_workgroups_per_dim,
+        crate::QkError::Engine(format!("top-k: {} blocks exceed one grid row", p.blocks))
+    );
     let block = gpu.pipeline(&FILE, &[("OP", "block".into())], &[])?;
     rec.dispatch(
         &block,
         &[logits.all(), candidates.all()],
         bytemuck::bytes_of(p),
-        gpu.grid(p.blocks),
+        [p.blocks, 1, rows],
     )?;
     let merge = gpu.pipeline(&FILE, &[("OP", "merge".into())], &[])?;
     rec.dispatch(
         &merge,
         &[candidates.all(), result.all()],
         bytemuck::bytes_of(p),
-        [1, 1, 1],
+        [1, 1, rows],
     )
 }
 

@@ -8,7 +8,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use crate::engine::{Engine, EngineOptions, StageInput, StageOutput};
+use crate::engine::{Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepProfile, StepTiming};
 
 /// A model (or a layer range of it) loaded on one GPU, with `slots` independent sequences of up to
 /// `ctx` positions each.
@@ -155,6 +155,59 @@ impl PyEngine {
         PyList::new(py, items)
     }
 
+    /// `step` with every dispatch labelled and, where the adapter has timestamp queries, timed on
+    /// the GPU (one pass per dispatch; the same results as `step`). Returns a dict:
+    /// `outputs` (as `step`), `dispatches` (one dict per dispatch in order: op, layer, kernel,
+    /// groups, gpu_us), `ops` (per op instance: op, layer, kernels, dispatches, gpu_us, bytes,
+    /// gb_s), `families` (the same aggregated over layers, most GPU time first) and `step`
+    /// (rows, timestamps, dispatches/submits/readbacks and what the step created, GPU busy and
+    /// span µs, host µs of this step and of the last unprofiled step). gpu_us is None where the
+    /// adapter has no timestamps: nothing is estimated.
+    #[pyo3(signature = (slots, inputs, topk = 0))]
+    fn profile_step<'py>(
+        &self,
+        py: Python<'py>,
+        slots: Vec<usize>,
+        inputs: &Bound<'py, PyAny>,
+        topk: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let rows = Rows::extract(inputs)?;
+        let (outs, prof) = self.detached(py, |eng| eng.profile_step(&slots, rows.input(), topk))?;
+        let d = PyDict::new(py);
+        let items = outs
+            .into_iter()
+            .map(|o| self.output(py, o))
+            .collect::<PyResult<Vec<_>>>()?;
+        d.set_item("outputs", PyList::new(py, items)?)?;
+        fill_profile(py, &d, &prof)?;
+        Ok(d)
+    }
+
+    /// `stage_run` profiled like `profile_step` (every prefill piece's dispatches in one profile,
+    /// host times summed over the pieces; `normal` is None). The result is under `output`.
+    #[pyo3(signature = (slot, inputs, base, topk = 0))]
+    fn profile_stage_run<'py>(
+        &self,
+        py: Python<'py>,
+        slot: usize,
+        inputs: &Bound<'py, PyAny>,
+        base: u32,
+        topk: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let rows = Rows::extract(inputs)?;
+        let (out, prof) = self.detached(py, |eng| eng.profile_stage_run(slot, rows.input(), base, topk))?;
+        let d = PyDict::new(py);
+        d.set_item("output", self.output(py, out)?)?;
+        fill_profile(py, &d, &prof)?;
+        Ok(d)
+    }
+
+    /// Host µs of the last `step` (rows, record_us, submit_us, wait_us, total_us), or None.
+    fn last_step_timing<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let t = self.lock()?.last_step_timing();
+        t.map(|t| timing_dict(py, &t)).transpose()
+    }
+
     /// Logits [n, vocab] (float32) of positions [base, base + n) of `slot` (tests).
     #[pyo3(signature = (slot, tokens, base = 0))]
     fn logits<'py>(
@@ -226,6 +279,63 @@ impl PyEngine {
         d.set_item("dispatches", c.dispatches)?;
         Ok(d)
     }
+}
+
+/// The profile's `dispatches`, `ops`, `families` and `step` entries (see `Engine.profile_step`).
+fn fill_profile<'py>(py: Python<'py>, d: &Bound<'py, PyDict>, prof: &StepProfile) -> PyResult<()> {
+    let mut dispatches = Vec::new();
+    for x in &prof.submit.dispatches {
+        let e = PyDict::new(py);
+        e.set_item("op", x.op.op)?;
+        e.set_item("layer", x.op.layer)?;
+        e.set_item("kernel", &x.kernel)?;
+        e.set_item("groups", x.groups.to_vec())?;
+        e.set_item("gpu_us", x.gpu_ns.map(|ns| ns / 1e3))?;
+        dispatches.push(e);
+    }
+    d.set_item("dispatches", PyList::new(py, dispatches)?)?;
+    let op_dicts = |ops: Vec<OpProfile>| -> PyResult<Bound<'py, PyList>> {
+        let mut v = Vec::new();
+        for o in ops {
+            let e = PyDict::new(py);
+            e.set_item("op", o.op)?;
+            e.set_item("layer", o.layer)?;
+            e.set_item("kernels", o.kernels.clone())?;
+            e.set_item("dispatches", o.dispatches)?;
+            e.set_item("gpu_us", o.gpu_us)?;
+            e.set_item("bytes", o.bytes)?;
+            e.set_item("gb_s", o.gb_per_s())?;
+            v.push(e);
+        }
+        PyList::new(py, v)
+    };
+    d.set_item("ops", op_dicts(prof.ops())?)?;
+    d.set_item("families", op_dicts(prof.families())?)?;
+    let st = PyDict::new(py);
+    st.set_item("rows", prof.rows)?;
+    st.set_item("timestamps", prof.submit.timestamps)?;
+    st.set_item("dispatches", prof.counters.dispatches)?;
+    st.set_item("submits", prof.counters.submits)?;
+    st.set_item("readbacks", prof.counters.readbacks)?;
+    st.set_item("created_pipelines", prof.counters.pipelines)?;
+    st.set_item("created_bind_groups", prof.counters.bind_groups)?;
+    st.set_item("created_buffers", prof.counters.buffers)?;
+    st.set_item("gpu_busy_us", prof.gpu_busy_us())?;
+    st.set_item("gpu_span_us", prof.submit.gpu_span_ns.map(|ns| ns / 1e3))?;
+    st.set_item("profiled", timing_dict(py, &prof.timing)?)?;
+    st.set_item("normal", prof.normal.map(|t| timing_dict(py, &t)).transpose()?)?;
+    d.set_item("step", st)?;
+    Ok(())
+}
+
+fn timing_dict<'py>(py: Python<'py>, t: &StepTiming) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("rows", t.rows)?;
+    d.set_item("record_us", t.record_us)?;
+    d.set_item("submit_us", t.submit_us)?;
+    d.set_item("wait_us", t.wait_us)?;
+    d.set_item("total_us", t.total_us)?;
+    Ok(d)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -117,3 +117,139 @@ fn first_stage_returns_hidden_rows() {
         "the first stage takes tokens"
     );
 }
+
+/// The profiled step gives the same ids as a plain step, labels every dispatch (the counters
+/// agree), submits once, and reports GPU times exactly when the adapter has timestamp queries.
+#[test]
+fn profile_step_labels_every_dispatch() {
+    let Some(mut eng) = engine(None) else { return };
+    let prompt: Vec<u32> = (0..5).map(|i| (i * 11 + 2) % 456).collect();
+    for slot in 0..2 {
+        eng.stage_run(slot, StageInput::Tokens(&prompt), 0, 0).unwrap();
+    }
+    let plain = eng.step(&[0], StageInput::Tokens(&[7]), 3).unwrap();
+    let normal = eng.last_step_timing().expect("a step was timed");
+    assert_eq!(normal.rows, 1);
+    assert!(
+        normal.record_us > 0.0 && normal.total_us >= normal.record_us + normal.submit_us + normal.wait_us
+    );
+    let before = eng.counters();
+    let (profiled, prof) = eng.profile_step(&[1], StageInput::Tokens(&[7]), 3).unwrap();
+    let after = eng.counters();
+    assert_eq!(plain, profiled, "profiling changed the step's results");
+    assert_eq!(prof.normal, Some(normal));
+    assert_eq!(
+        eng.last_step_timing(),
+        Some(normal),
+        "a profile is not a normal step's timing"
+    );
+    // The counters belong to the device, which tests running in parallel share: they can only add
+    // (tests/test_engine.py checks equality in a process of its own).
+    let n = prof.submit.dispatches.len() as u64;
+    assert!(n > 0 && after.dispatches - before.dispatches >= n);
+    assert!(prof.counters.dispatches >= n && prof.counters.submits >= 1);
+    assert!(prof.submit.dispatches.iter().all(|d| !d.op.op.is_empty()));
+    // Every layer's ops carry its index; embed and head carry none.
+    let cfg = eng.config().clone();
+    for layer in 0..cfg.n_layer {
+        assert!(
+            prof.submit.dispatches.iter().any(|d| d.op.layer == Some(layer)),
+            "layer {layer} unlabelled"
+        );
+    }
+    let ops = prof.ops();
+    let fams = prof.families();
+    assert_eq!(ops.iter().map(|o| u64::from(o.dispatches)).sum::<u64>(), n);
+    assert_eq!(fams.iter().map(|o| u64::from(o.dispatches)).sum::<u64>(), n);
+    for want in [
+        "embed",
+        "moe.gate_up",
+        "moe.down",
+        "attn.core",
+        "dn.delta",
+        "head.lm",
+        "head.topk",
+    ] {
+        assert!(fams.iter().any(|f| f.op == want), "no {want} family");
+    }
+    let head = fams.iter().find(|f| f.op == "head.lm").unwrap();
+    assert!(head.bytes > 0);
+    eprintln!(
+        "profile: {n} dispatches, timestamps {}, GPU busy {:?} µs, host record {:.0} µs (normal step {:.0} µs)",
+        prof.submit.timestamps,
+        prof.gpu_busy_us(),
+        prof.timing.record_us,
+        normal.record_us
+    );
+    if eng.gpu.caps.timestamps {
+        assert!(prof.submit.timestamps);
+        assert!(prof.submit.dispatches.iter().all(|d| d.gpu_ns.is_some()));
+        let busy = prof.gpu_busy_us().unwrap();
+        let span = prof.submit.gpu_span_ns.unwrap() / 1e3;
+        // Dispatches run one after another, so their times fit in the span (1% for tick rounding).
+        assert!(
+            busy > 0.0 && busy <= span * 1.01 + 1.0,
+            "busy {busy} µs, span {span} µs"
+        );
+        assert!(head.gb_per_s().is_some());
+    } else {
+        assert!(prof.submit.dispatches.iter().all(|d| d.gpu_ns.is_none()));
+        assert!(prof.gpu_busy_us().is_none() && head.gb_per_s().is_none());
+    }
+}
+
+/// A snapshot is one buffer holding exactly the state at its position (what the reuse table
+/// accounts: DeltaNet state plus KV rows up to the position), and restoring it continues exactly
+/// as never stopping.
+#[test]
+fn snapshot_is_one_exact_buffer_and_resumes() {
+    let Some(mut eng) = engine(None) else { return };
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 5 + 1) % 456).collect();
+    let StageOutput::Ids { ids: straight, .. } = eng.stage_run(0, StageInput::Tokens(&prompt), 0, 0).unwrap()
+    else {
+        panic!("last stage returned hidden rows")
+    };
+    eng.stage_run(1, StageInput::Tokens(&prompt[..30]), 0, 0).unwrap();
+    eng.state_save(1, 2).unwrap();
+    let m = eng.memory();
+    let kv_at_30 = m.kv_per_slot * 30 / u64::from(eng.ctx());
+    assert_eq!(m.snapshots, m.deltanet_per_slot + kv_at_30);
+    eng.stage_run(1, StageInput::Tokens(&[3, 4]), 0, 0).unwrap();
+    eng.state_load(1, 2).unwrap();
+    let StageOutput::Ids { ids: resumed, .. } = eng
+        .stage_run(1, StageInput::Tokens(&prompt[30..]), 30, 0)
+        .unwrap()
+    else {
+        panic!("last stage returned hidden rows")
+    };
+    assert_eq!(resumed, straight[30..]);
+    eng.state_drop(2).unwrap();
+    assert_eq!(eng.memory().snapshots, 0);
+}
+
+/// A profiled prefill over two pieces gives the plain prefill's ids and labels every dispatch of
+/// both submits.
+#[test]
+fn profile_stage_run_covers_every_piece() {
+    let Some(mut eng) = engine(None) else { return };
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 3 + 4) % 456).collect();
+    let plain = eng.stage_run(0, StageInput::Tokens(&prompt), 0, 2).unwrap();
+    let (profiled, prof) = eng
+        .profile_stage_run(1, StageInput::Tokens(&prompt), 0, 2)
+        .unwrap();
+    assert_eq!(plain, profiled);
+    assert_eq!(prof.rows, 70);
+    let embeds = prof
+        .submit
+        .dispatches
+        .iter()
+        .filter(|d| d.op.op == "embed")
+        .count();
+    assert_eq!(embeds, 2, "one embedding per piece (64 + 6 rows)");
+    assert!(prof.counters.submits >= 2 && prof.counters.dispatches >= prof.submit.dispatches.len() as u64);
+    assert_eq!(
+        prof.ops().iter().map(|o| o.dispatches as usize).sum::<usize>(),
+        prof.submit.dispatches.len()
+    );
+    assert_eq!(prof.submit.timestamps, eng.gpu.caps.timestamps);
+}

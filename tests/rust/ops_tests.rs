@@ -660,6 +660,43 @@ fn gpu_topk_full_vocabulary_matches_reference() {
     }
 }
 
+/// Several rows in the same two dispatches give each row's own top-k (rows strided apart, ties
+/// and a shared maximum across rows included).
+#[test]
+fn gpu_topk_rows_match_reference_per_row() {
+    let Some(gpu) = test_gpu(false) else { return };
+    let mut rng = Rng::new(2);
+    let (vocab, stride, rows) = (9_000u32, 9_004u32, 3u32);
+    let mut logits = rng.vec((4 + rows * stride) as usize, 10.0);
+    logits[4 + 5] = 60.0;
+    logits[4 + stride as usize + 8_999] = 60.0;
+    logits[4 + 2 * stride as usize + 4_096] = 30.0;
+    logits[4 + 2 * stride as usize + 4_095] = 30.0;
+    let lb = upload(gpu, "logits", &logits);
+    for k in [1u32, 7] {
+        let mut p = topk::TopkParams::new(vocab, k, 4).unwrap();
+        p.row_stride = stride;
+        let cb = gpu
+            .buffer_zeroed("candidates", u64::from(rows * p.candidates()) * 8)
+            .unwrap();
+        let rb = gpu.buffer_zeroed("result", u64::from(rows * k) * 8).unwrap();
+        let mut rec = gpu.recorder();
+        topk::record_rows(gpu, &mut rec, &p, rows, &lb, &cb, &rb).unwrap();
+        rec.submit().unwrap();
+        let got: Vec<topk::IdLogit> =
+            bytemuck::pod_collect_to_vec(&gpu.read_bytes(&rb, 0, u64::from(rows * k) * 8).unwrap());
+        for r in 0..rows as usize {
+            let start = 4 + r * stride as usize;
+            let want = topk::reference::top_k(&logits[start..start + vocab as usize], k as usize);
+            assert_eq!(
+                got[r * k as usize..(r + 1) * k as usize],
+                want[..],
+                "row {r}, k = {k}"
+            );
+        }
+    }
+}
+
 #[test]
 fn gpu_elementwise_matches_reference() {
     use elementwise::{EwArgs, EwKind, EwParams};
