@@ -44,7 +44,8 @@ QK_REQUIRE_GPU=1 QK_REQUIRE_COOP=1 .device/rust-tests --test-threads=1 2>&1 | gr
 echo "== cooperative-matrix mat-mat against the CPU reference"
 QK_REQUIRE_GPU=1 QK_REQUIRE_COOP=1 .device/rust-tests matmul_cooperative --test-threads=1 --nocapture 2>&1 | grep -iE "coop|exercised|test result"
 echo "== engine tests against the committed goldens (no llama.cpp here)"
-QK_REQUIRE_GPU=1 python3 -m pytest -q -p no:cacheprovider -m "not oracle" tests/test_engine*.py 2>&1 | tail -5
+QK_VOCAB_QWEN2=$PWD/.device/vocab/ggml-vocab-qwen2.gguf QK_REQUIRE_GPU=1 \
+  python3 -m pytest -q -p no:cacheprovider -m "not oracle" tests/test_engine*.py 2>&1 | tail -5
 }
 [ "${QK_KERNELS:-0}" = 1 ] && [ -x .device/kernels-bench ] && {
   echo "== kernel micro-benchmark (mat-mat lines show the tiled and cooperative kernels side by side)"

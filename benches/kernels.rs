@@ -6,7 +6,7 @@
 //!
 //! QK_BENCH_TYPES=IQ4_XS,Q8_0 limits the mat-vec types, QK_BENCH_NO_MATMUL=1 skips mat-mat.
 //! Mat-mat runs the f32 tiled kernel and, where the adapter offers it, the cooperative-matrix one
-//! side by side; `auto` names the one prefill uses (QK_NO_COOP=1 forces the tiled one).
+//! side by side; `auto` names the one prefill uses (the tiled one unless QK_COOP=1).
 //! QK_BENCH_MIB sets the mat-vec weight size (default 256 MiB; the H200 target is IQ4_XS and Q8_0
 //! mat-vec ≥ 70% of copy bandwidth from 64 MiB up). Timing is wall-clock around one submit of
 //! `iters` dependent dispatches, after a warm-up, so per-submit overhead (~0.2 ms) is amortised.

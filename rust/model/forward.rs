@@ -158,6 +158,12 @@ impl Scratch {
             ..bytemuck::Zeroable::zeroed()
         }
         .with_decode_splits();
+        let probe = AttnParams {
+            splits: probe
+                .splits
+                .max(AttnParams::max_decode_splits(cfg.heads, cfg.kv_heads, ctx)),
+            ..probe
+        };
         let (po, pml) = attention::decode_scratch_len(&probe);
         let vocab = u64::from(cfg.vocab);
         let head_rows = if has_head { r } else { 0 };

@@ -939,3 +939,32 @@ fn bench_ops_real_shapes() {
         report(format!("top-{kk} of 151936: {us:.1} us"));
     }
 }
+
+#[test]
+fn decode_splits_never_exceed_the_scratch_bound() {
+    // The partial-result scratch is sized once at load by `max_decode_splits(ctx)`; every cache
+    // length up to ctx must fit it, and every split must fit the shader's score array.
+    for &(heads, kv_heads) in &[(16u32, 2u32), (32, 2), (8, 8), (4, 1)] {
+        for &ctx in &[1u32, 15, 64, 100, 1024, 1025, 4096, 8192, 20000] {
+            let bound = attention::AttnParams::max_decode_splits(heads, kv_heads, ctx);
+            for kv_len in 1..=ctx {
+                let p = attention::AttnParams {
+                    tokens: 1,
+                    heads,
+                    kv_heads,
+                    head_dim: 64,
+                    q_pos: kv_len - 1,
+                    ..bytemuck::Zeroable::zeroed()
+                }
+                .with_decode_splits();
+                assert!(
+                    p.splits <= bound,
+                    "{heads}/{kv_heads} ctx {ctx} kv {kv_len}: {} > {bound}",
+                    p.splits
+                );
+                assert!(p.splits * p.split_len >= kv_len);
+                assert!((heads / kv_heads) * p.split_len <= attention::MAX_SCORES);
+            }
+        }
+    }
+}
