@@ -36,7 +36,7 @@ qk_python_env() {
   . "$ROOT/.venv/bin/activate"
   python -m pip install -q --upgrade pip >/dev/null
   python -m pip install -q "maturin>=1.8,<2" numpy tokenizers starlette uvicorn jinja2 prometheus-client \
-    pytest pytest-timeout hypothesis ruff httpx anthropic openai
+    pytest pytest-timeout hypothesis ruff httpx anthropic openai mypy
 }
 
 qk_oracle() {
