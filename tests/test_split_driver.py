@@ -235,6 +235,9 @@ def test_scheduler_lanes_and_a_restarted_worker_voids_reuse():
         if again[0]:
             assert again[0] == Composed([0, 3, N_LAYER]).greedy([7] * 70 + [1], 3)
         assert invalidated.wait(5)
+        # Draining the scheduler ends the chain session cleanly.
+        assert scheduler.drain(10)
+        assert not link.is_up
     finally:
         scheduler.drain(5)
         driver.close()

@@ -369,6 +369,14 @@ class Scheduler:
                 if lost:
                     return
         self.state = "stopped"
+        # A split driver ends its session with the chain cleanly (the workers log a close, not a
+        # dead peer, and are free for the next head at once).
+        close = getattr(self.driver, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as exc:
+                log.warning("closing the driver: %s", exc)
 
     def _admit(self) -> None:
         for slot, occupant in enumerate(self._slots):
