@@ -34,6 +34,7 @@ def hermes():
                 "weather": TOOL_CALL_HERMES,
                 "<tool_response>": "It is sunny in Paris.",
                 "count": "one two three four",
+                "two cities": TOOL_CALL_HERMES + "\n" + TOOL_CALL_HERMES.replace("Paris", "Rome"),
             },
         ),
     )
@@ -465,3 +466,29 @@ def test_pings_while_prefill_is_slow():
     finally:
         engine.gate.set()
         server.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disable_parallel_tool_use_ends_after_the_first_call(hermes, stream):
+    server, _, _ = hermes
+    c = client(server)
+    kwargs = dict(
+        model="x",
+        max_tokens=120,
+        tools=[WEATHER_TOOL],
+        messages=[{"role": "user", "content": "forecast for two cities"}],
+    )
+
+    def calls(**extra):
+        if stream:
+            with c.messages.stream(**kwargs, **extra) as s:
+                reply = s.get_final_message()
+        else:
+            reply = c.messages.create(**kwargs, **extra)
+        assert reply.stop_reason == "tool_use"
+        return [b.input for b in reply.content if b.type == "tool_use"], [b.type for b in reply.content]
+
+    both, _ = calls()
+    assert both == [{"city": "Paris"}, {"city": "Rome"}]
+    one, types = calls(tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert one == [{"city": "Paris"}] and types == ["tool_use"]

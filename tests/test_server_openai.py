@@ -31,6 +31,8 @@ def live():
             {
                 "weather": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
                 "<tool_response>": "Cold in Oslo.",
+                "two cities": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bergen"}}\n</tool_call>',
             },
         ),
     )
@@ -229,3 +231,18 @@ def test_queue_full_is_429_and_empty_prefill_turn_ignored():
     finally:
         engine.gate.set()
         server.close()
+
+
+def test_parallel_tool_calls_false_ends_after_the_first_call(live):
+    _, _, _, client = live
+    kwargs = dict(
+        model="x", max_tokens=120, tools=[WEATHER], messages=[{"role": "user", "content": "two cities"}]
+    )
+
+    def cities(**extra):
+        reply = client.chat.completions.create(**kwargs, **extra)
+        assert reply.choices[0].finish_reason == "tool_calls"
+        return [json.loads(c.function.arguments)["city"] for c in reply.choices[0].message.tool_calls]
+
+    assert cities() == ["Oslo", "Bergen"]
+    assert cities(parallel_tool_calls=False) == ["Oslo"]

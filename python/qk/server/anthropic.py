@@ -194,7 +194,18 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
     )
     v.boolean(body, "stream", False)
     chat = render(model, body)
-    return Prepared(chat.ids, max_tokens, params, stops, chat.parser, chat.forced_text, history=chat.history)
+    choice = v.obj(body, "tool_choice", {"type": "auto"})
+    single = bool(v.boolean(choice, "disable_parallel_tool_use", False, where="tool_choice."))
+    return Prepared(
+        chat.ids,
+        max_tokens,
+        params,
+        stops,
+        chat.parser,
+        chat.forced_text,
+        history=chat.history,
+        single_tool_call=single,
+    )
 
 
 def stop_reason(done: Done, used_tools: bool) -> str:

@@ -23,7 +23,7 @@ from qk.scheduler import Failed, Finished, GenerationRequest, Job, Scheduler, To
 from qk.server.errors import RequestError
 from qk.stops import StopMatcher
 from qk.tokenizer import Tokenizer
-from qk.toolcalls import Event, ReplyParser, TextDelta, ToolFormat
+from qk.toolcalls import Event, ReplyParser, TextDelta, ToolCallEnd, ToolFormat
 
 __all__ = [
     "Done",
@@ -110,6 +110,9 @@ class Prepared:
     history: int = 0
     #: False: prefill the whole prompt even where a saved state covers part of it.
     use_cache: bool = True
+    #: End the reply after its first complete tool call (Anthropic ``disable_parallel_tool_use``,
+    #: OpenAI ``parallel_tool_calls: false``).
+    single_tool_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,7 @@ async def generate(
             for event in parser.feed(prepared.forced_text):
                 yield event
         reason = "length"
+        tool_done = False
         while True:
             event = await job.next_event(keepalive_s)
             if await is_disconnected():
@@ -195,20 +199,29 @@ async def generate(
             output_ids.append(event.id)
             match = matcher.push(decoder.push(event.id))
             for out in parse(match.text):
+                if tool_done:
+                    break
                 yield out
+                tool_done = prepared.single_tool_call and isinstance(out, ToolCallEnd)
+            if tool_done:
+                # One tool call was asked for: what the model writes after it is not the reply.
+                reason = "stop"
+                job.cancel()
+                scheduler.wake()
+                break
             if match.stop is not None:
                 stop_sequence = match.stop
                 reason = "stop_sequence"
                 job.cancel()
                 scheduler.wake()
                 break
-        if stop_sequence is None:
+        if stop_sequence is None and not tool_done:
             for out in parse(matcher.push(decoder.flush()).text):
                 yield out
             match_tail = matcher.flush()
             for out in parse(match_tail):
                 yield out
-        if parser is not None:
+        if parser is not None and not tool_done:
             for out in parser.finish():
                 yield out
         prompt_ms = decode_ms = 0.0
