@@ -196,16 +196,7 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
     chat = render(model, body)
     choice = v.obj(body, "tool_choice", {"type": "auto"})
     single = bool(v.boolean(choice, "disable_parallel_tool_use", False, where="tool_choice."))
-    return Prepared(
-        chat.ids,
-        max_tokens,
-        params,
-        stops,
-        chat.parser,
-        chat.forced_text,
-        history=chat.history,
-        single_tool_call=single,
-    )
+    return chat.prepared(max_tokens, params, stops, single_tool_call=single)
 
 
 def stop_reason(done: Done, used_tools: bool) -> str:

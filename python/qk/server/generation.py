@@ -267,6 +267,21 @@ class ChatPrompt:
     #: Length of the longest prefix of ``ids`` that the conversation's next turn will also render.
     history: int = 0
 
+    def prepared(
+        self, max_tokens: int | None, params: SamplingParams, stops: list[str], *, single_tool_call: bool
+    ) -> Prepared:
+        """The request to run: this prompt with the API's limits, sampling and stop strings."""
+        return Prepared(
+            self.ids,
+            max_tokens,
+            params,
+            stops,
+            self.parser,
+            self.forced_text,
+            history=self.history,
+            single_tool_call=single_tool_call,
+        )
+
 
 def _normalised(message: dict[str, Any]) -> dict[str, Any]:
     """A system message with Claude Code's per-request billing stamp fixed (qk.reuse)."""

@@ -148,16 +148,7 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
         new_call_id=_call_id,
     )
     single = not v.boolean(body, "parallel_tool_calls", True)
-    return Prepared(
-        chat.ids,
-        max_tokens,
-        params,
-        stops,
-        chat.parser,
-        chat.forced_text,
-        history=chat.history,
-        single_tool_call=single,
-    )
+    return chat.prepared(max_tokens, params, stops, single_tool_call=single)
 
 
 def include_usage(body: dict[str, Any]) -> bool:
