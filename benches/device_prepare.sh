@@ -14,20 +14,18 @@ cd "$ROOT"
 qk_python_env >/dev/null
 rm -rf .device && mkdir -p .device/vocab
 maturin build -q -o .device 2>&1 | grep -v '^📦' || true
-bin=$(cargo test --no-default-features --no-run --message-format=json 2>/dev/null \
-  | python -c 'import json,sys
+# The executable cargo built for target NAME, from cargo's JSON messages on stdin.
+executable_of() {
+  python -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "rust":
-        print(m["executable"])')
-cp "$bin" .device/rust-tests
-bench=$(cargo build --no-default-features --bench kernels --message-format=json 2>/dev/null \
-  | python -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kernels":
-        print(m["executable"])')
-cp "$bench" .device/kernels-bench
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$1"
+}
+cp "$(cargo test --no-default-features --no-run --message-format=json 2>/dev/null | executable_of rust)" \
+  .device/rust-tests
+cp "$(cargo build --no-default-features --bench kernels --message-format=json 2>/dev/null | executable_of kernels)" \
+  .device/kernels-bench
 strip .device/rust-tests .device/kernels-bench
 cp -r "$(python scripts/sdist.py gguf-py)" .device/gguf-py
 cp "$(python scripts/sdist.py llama.cpp)/models/ggml-vocab-qwen2.gguf" .device/vocab/
