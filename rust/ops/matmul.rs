@@ -165,6 +165,26 @@ fn check_columns(what: &str, c: &Columns<'_>, len: u64, count: u64, vec4: bool) 
     Ok(())
 }
 
+/// A dense product's operands: one matrix (not a stack of experts), `ncols` input columns of K and
+/// output columns of its rows inside their buffers. `hint` ends the experts error.
+fn check_dense(
+    op: &str,
+    hint: &str,
+    w: &WeightTensor,
+    x: &Columns<'_>,
+    y: &Columns<'_>,
+    ncols: u32,
+) -> Result<()> {
+    if w.experts != 1 {
+        return Err(QkError::Engine(format!(
+            "{}: {op} on a stack of {} experts{hint}",
+            w.name, w.experts
+        )));
+    }
+    check_columns(&w.name, x, w.cols, u64::from(ncols), true)?;
+    check_columns(&w.name, y, w.rows, u64::from(ncols), false)
+}
+
 fn as_u32(v: u64, what: &str) -> Result<u32> {
     u32::try_from(v).map_err(|_| QkError::Engine(format!("{what} = {v} exceeds u32")))
 }
@@ -179,14 +199,7 @@ pub fn matvec(
     y: Columns<'_>,
     ncols: u32,
 ) -> Result<()> {
-    if w.experts != 1 {
-        return Err(QkError::Engine(format!(
-            "{}: matvec on a stack of {} experts; use matvec_id",
-            w.name, w.experts
-        )));
-    }
-    check_columns(&w.name, &x, w.cols, u64::from(ncols), true)?;
-    check_columns(&w.name, &y, w.rows, u64::from(ncols), false)?;
+    check_dense("matvec", "; use matvec_id", w, &x, &y, ncols)?;
     let (nr, _) = matvec_shape(gpu, w.ty);
     let mut done = 0u32;
     while done < ncols {
@@ -401,14 +414,7 @@ pub fn matmul_with(
     ncols: u32,
     kernel: MatmulKernel,
 ) -> Result<()> {
-    if w.experts != 1 {
-        return Err(QkError::Engine(format!(
-            "{}: matmul on a stack of {} experts",
-            w.name, w.experts
-        )));
-    }
-    check_columns(&w.name, &x, w.cols, u64::from(ncols), true)?;
-    check_columns(&w.name, &y, w.rows, u64::from(ncols), false)?;
+    check_dense("matmul", "", w, &x, &y, ncols)?;
     let pipe = match kernel {
         MatmulKernel::Tiled => gpu.pipeline(&MATMUL, &[("QTYPE", qtype_name(w.ty).into())], &[])?,
         MatmulKernel::Coop => {
