@@ -81,6 +81,15 @@ impl PyEngine {
             }
         })
     }
+
+    /// One `output` per slot of a step, as a list.
+    fn outputs<'py>(&self, py: Python<'py>, outs: Vec<StageOutput>) -> PyResult<Bound<'py, PyList>> {
+        let items = outs
+            .into_iter()
+            .map(|o| self.output(py, o))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
 }
 
 #[pymethods]
@@ -148,11 +157,7 @@ impl PyEngine {
     ) -> PyResult<Bound<'py, PyList>> {
         let rows = Rows::extract(inputs)?;
         let outs = self.detached(py, |eng| eng.step(&slots, rows.input(), topk))?;
-        let items = outs
-            .into_iter()
-            .map(|o| self.output(py, o))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
+        self.outputs(py, outs)
     }
 
     /// `step` with every dispatch labelled and, where the adapter has timestamp queries, timed on
@@ -174,11 +179,7 @@ impl PyEngine {
         let rows = Rows::extract(inputs)?;
         let (outs, prof) = self.detached(py, |eng| eng.profile_step(&slots, rows.input(), topk))?;
         let d = PyDict::new(py);
-        let items = outs
-            .into_iter()
-            .map(|o| self.output(py, o))
-            .collect::<PyResult<Vec<_>>>()?;
-        d.set_item("outputs", PyList::new(py, items)?)?;
+        d.set_item("outputs", self.outputs(py, outs)?)?;
         fill_profile(py, &d, &prof)?;
         Ok(d)
     }
