@@ -47,14 +47,6 @@ TICK_S = 1.0
 PING_IDLE_S = 5.0
 
 
-def _transport_error() -> type[Exception]:
-    try:
-        from qk._qk import TransportError
-    except ImportError:  # a pure-Python link (tests) raises what it likes
-        return ConnectionError
-    return TransportError
-
-
 def head_stage(engine: Any, fingerprint: str, snap_entries: int, name: str, boot_id: int) -> dict:
     """The head's own stage description for the hello (qkp.md "hello"): the chain is checked
     against it (contiguous layers, same model, n_embd, enough slots and context)."""
@@ -104,7 +96,9 @@ class SplitDriver:
         self.lanes = lanes
         self.target = target
         self.on_new_session = on_new_session
-        self._transport_error = getattr(link, "error_class", None) or _transport_error()
+        from qk._qk import TransportError
+
+        self._transport_error = TransportError
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-link")
         self._sessions: int | None = None
         self._session_lock = threading.Lock()
