@@ -21,6 +21,15 @@ settings.register_profile(
 settings.load_profile("qk")
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now (for servers and workers started by tests)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def require_gpu() -> bool:
     return os.environ.get("QK_REQUIRE_GPU") == "1"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import free_port
 
 TESTS = Path(__file__).parent
 
@@ -28,12 +28,6 @@ tok = tiny_tokenizer()
 engine = FakeEngine(tok.vocab_size, slots=1, step_delay=0.01, banned=sorted(tok.eog_ids))
 sys.exit(qk.serve.main(sys.argv[1:], load=lambda: Loaded(LocalDriver(engine), tok, "fake", None)))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:

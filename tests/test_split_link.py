@@ -7,7 +7,6 @@ On a GPU: real engine stages over the link equal the unsplit engine, and the wor
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -348,7 +347,7 @@ def test_engine_stages_over_the_link_equal_the_unsplit_engine():
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_the_worker_command_serves_a_head():
-    from conftest import require_gpu
+    from conftest import free_port, require_gpu
     from qk.gguf import Gguf
     from qk.worker import EngineStage
 
@@ -364,9 +363,7 @@ def test_the_worker_command_serves_a_head():
     whole = _qk.Engine(str(FIXTURE), slots=1, ctx=256)
     fingerprint = Gguf(str(FIXTURE), header_only=True).fingerprint
     own = {"name": "head", "boot_id": 1, **EngineStage(head_engine, fingerprint, 4).describe()}
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "QK_SECRET"}
     args = ["--model", str(FIXTURE), "--layers", f"1:{n_layer}", "--port", str(port), "--slots", "1"]
     proc = subprocess.Popen(

@@ -11,8 +11,9 @@ import subprocess
 
 import httpx
 import pytest
+from conftest import free_port
 from test_server_engine import live as _live_fixture  # noqa: F401 (a fixture)
-from test_split_serve import N_LAYER, free_port, head, normalise, wait_health, worker
+from test_split_serve import N_LAYER, head, normalise, wait_health, worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

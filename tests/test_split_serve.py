@@ -12,7 +12,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import free_port
 from test_server_engine import live as _live_fixture  # noqa: F401 (a fixture)
 from test_server_engine import native
 
@@ -33,12 +33,6 @@ SLOTS, CTX = 2, 512
 #: Fields that differ between any two responses (ids, clocks, the seed drawn for an unseeded
 #: request), removed before comparing bodies.
 VOLATILE = frozenset({"id", "created", "created_at", "timings", "system_fingerprint", "seed"})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def normalise(body):
