@@ -105,28 +105,23 @@ impl<'py> Fields<'py> {
     }
 }
 
-fn stage_from(dict: &Bound<'_, PyDict>) -> PyResult<StageDesc> {
-    let f = Fields::new(
-        dict,
-        "hello_reply",
-        &[
-            "name",
-            "boot_id",
-            "layer_first",
-            "layer_end",
-            "n_layer",
-            "n_embd",
-            "slots",
-            "ctx",
-            "snap_entries",
-            "snap_bytes",
-            "fingerprint",
-            "adapter",
-        ],
-    )?;
-    Ok(StageDesc {
-        name: f.get("name")?,
-        boot_id: f.get("boot_id")?,
+/// The keys of a stage's fixed facts (`StageInfo`), as `describe()` returns them; a hello's stage
+/// description adds "name" and "boot_id".
+const STAGE_INFO_KEYS: [&str; 10] = [
+    "layer_first",
+    "layer_end",
+    "n_layer",
+    "n_embd",
+    "slots",
+    "ctx",
+    "snap_entries",
+    "snap_bytes",
+    "fingerprint",
+    "adapter",
+];
+
+fn stage_info_from(f: &Fields<'_>) -> PyResult<StageInfo> {
+    Ok(StageInfo {
         layer_first: f.get("layer_first")?,
         layer_end: f.get("layer_end")?,
         n_layer: f.get("n_layer")?,
@@ -138,6 +133,13 @@ fn stage_from(dict: &Bound<'_, PyDict>) -> PyResult<StageDesc> {
         fingerprint: f.get("fingerprint")?,
         adapter: f.get("adapter")?,
     })
+}
+
+fn stage_from(dict: &Bound<'_, PyDict>) -> PyResult<StageDesc> {
+    let keys: Vec<&str> = ["name", "boot_id"].into_iter().chain(STAGE_INFO_KEYS).collect();
+    let f = Fields::new(dict, "hello_reply", &keys)?;
+    let (name, boot_id): (String, u64) = (f.get("name")?, f.get("boot_id")?);
+    Ok(stage_info_from(&f)?.describe_as(&name, boot_id))
 }
 
 fn message_from(dict: &Bound<'_, PyDict>) -> PyResult<Message> {
@@ -718,34 +720,7 @@ impl Stage for PyStage {
             |py| Ok(PyTuple::empty(py)),
             |out| {
                 let d = out.cast::<PyDict>()?;
-                let f = Fields::new(
-                    d,
-                    "describe",
-                    &[
-                        "layer_first",
-                        "layer_end",
-                        "n_layer",
-                        "n_embd",
-                        "slots",
-                        "ctx",
-                        "snap_entries",
-                        "snap_bytes",
-                        "fingerprint",
-                        "adapter",
-                    ],
-                )?;
-                Ok(StageInfo {
-                    layer_first: f.get("layer_first")?,
-                    layer_end: f.get("layer_end")?,
-                    n_layer: f.get("n_layer")?,
-                    n_embd: f.get("n_embd")?,
-                    slots: f.get("slots")?,
-                    ctx: f.get("ctx")?,
-                    snap_entries: f.get("snap_entries")?,
-                    snap_bytes: f.get("snap_bytes")?,
-                    fingerprint: f.get("fingerprint")?,
-                    adapter: f.get("adapter")?,
-                })
+                stage_info_from(&Fields::new(d, "describe", &STAGE_INFO_KEYS)?)
             },
         )
     }
