@@ -48,8 +48,13 @@ qk_oracle() {
     || python -m pip install -q --no-deps "$(python "$ROOT/scripts/sdist.py" wheel)" diskcache typing-extensions
 }
 
+# qk_build [dev|release]: the test command builds the dev profile (shared with cargo test: fast to
+# compile, wgpu fully optimised); serving and benchmarks build release.
 qk_build() {
-  phase "build (maturin develop, dev profile shared with cargo test)"
-  (cd "$ROOT" && maturin develop -q 2>&1 | grep -vE '^(📦|✏️|🛠|🔗|🐍)' || true)
-  python -c "import qk._qk" 
+  local profile="${1:-dev}" flags=()
+  [ "$profile" = release ] && flags=(--release)
+  phase "build (maturin develop, $profile profile)"
+  # pipefail makes a failed build fail here; only maturin's progress lines are dropped.
+  (cd "$ROOT" && maturin develop -q "${flags[@]}" 2>&1 | { grep -vE '^(📦|✏️|🛠|🔗|🐍)' || true; }) >&2
+  python -c "import qk._qk"
 }

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""The llama-cpp-python 0.3.36 source distribution: fetched once into the machine cache, checked by
-hash, unpacked. It carries llama.cpp (the test oracle), its gguf-py, tokenizer test vocabularies and
+"""The llama-cpp-python 0.3.36 source distribution: fetched once into the machine cache through pip
+(so the user's index, proxy and certificate settings apply), checked by hash, unpacked. It carries llama.cpp (the test oracle), its gguf-py, tokenizer test vocabularies and
 chat templates — none of which are ours, so none is committed.
 
 usage: python scripts/sdist.py [root|gguf-py|wheel]   prints the path asked for (fetching/building it)
+
+Stdout carries that one path and nothing else (callers read it); pip's own output goes to stderr.
 """
 
 from __future__ import annotations
@@ -13,14 +15,9 @@ import os
 import subprocess
 import sys
 import tarfile
-import urllib.request
 from pathlib import Path
 
 VERSION = "0.3.36"
-URL = (
-    "https://files.pythonhosted.org/packages/ec/e9/"
-    "e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/llama_cpp_python-0.3.36.tar.gz"
-)
 SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 
 
@@ -38,20 +35,28 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _pip(*args: str, env: dict[str, str] | None = None) -> None:
+    """Runs pip with its output on stderr: stdout belongs to whoever reads this script's answer."""
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True, env=env, stdout=sys.stderr)
+
+
 def tarball() -> Path:
-    """The sdist archive, downloaded if absent or if its hash is wrong."""
+    """The sdist archive, fetched by pip if absent or if its hash is wrong."""
     path = cache_dir() / f"llama_cpp_python-{VERSION}.tar.gz"
     if path.exists() and _sha256(path) == SHA256:
         return path
-    tmp = path.with_suffix(".part")
-    with urllib.request.urlopen(URL, timeout=300) as r, open(tmp, "wb") as f:
-        while chunk := r.read(1 << 20):
-            f.write(chunk)
-    got = _sha256(tmp)
+    part = cache_dir() / "download.part"
+    part.mkdir(exist_ok=True)
+    for old in part.iterdir():
+        old.unlink()
+    # Only this package from source: its build tools (cmake, ninja) may come as wheels.
+    _pip("download", "--no-deps", "--no-binary", "llama-cpp-python", "-d", str(part), f"llama-cpp-python=={VERSION}")
+    got_path = part / path.name
+    got = _sha256(got_path)
     if got != SHA256:
-        tmp.unlink()
+        got_path.unlink()
         raise RuntimeError(f"llama-cpp-python sdist hash mismatch: got {got}, want {SHA256}")
-    tmp.rename(path)
+    got_path.rename(path)
     return path
 
 
@@ -88,11 +93,7 @@ def wheel() -> Path:
     # CPU only, no BLAS, no server binaries: the oracle needs libllama and its quantizer.
     env["CMAKE_ARGS"] = "-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), str(tarball())],
-        check=True,
-        env=env,
-    )
+    _pip("wheel", "--no-deps", "-w", str(wheels), str(tarball()), env=env)
     return sorted(wheels.glob(f"llama_cpp_python-{VERSION}-*.whl"))[-1]
 
 

@@ -101,6 +101,9 @@ const INSTALL_HINT: &str = "install a Vulkan driver: on Debian/Ubuntu `apt-get i
 fn instance() -> wgpu::Instance {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
     desc.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL;
+    // wgpu's default turns on its debug labels and the validation layer whenever debug assertions
+    // are (our test profile); serving never wants them. WGPU_DEBUG=1 / WGPU_VALIDATION=1 ask for them.
+    desc.flags = wgpu::InstanceFlags::empty().with_env();
     wgpu::Instance::new(desc)
 }
 
