@@ -120,18 +120,23 @@ def main() -> None:
     worker = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, env=dict(os.environ))
     try:
         head = _qk.Engine(a.model, layers=(0, cut), slots=2, ctx=a.ctx, device=a.device)
-        own = head_stage(head, Gguf(a.model, header_only=True).fingerprint, 4, "bench-head", 1)
-        link = _qk.HeadLink(f"127.0.0.1:{port}", own, connect_timeout=2.0, hello_timeout=600.0)
-        driver = SplitDriver(head, link, ticker=False, lanes=1)
-        deadline = time.monotonic() + 600
-        while not driver.connect():
-            if worker.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the worker did not come up")
-            time.sleep(0.5)
-        split = bench(driver, a, prompts)
-        driver.lanes = 2
-        split2 = bench(driver, a, prompts)
-        driver.close()
+        fingerprint = Gguf(a.model, header_only=True).fingerprint
+
+        def split_bench(lanes: int) -> dict:
+            # A stopped scheduler closes its driver (and the driver its link), as a server's
+            # shutdown does: each measurement gets a driver and a chain session of its own.
+            own = head_stage(head, fingerprint, 4, "bench-head", 1)
+            link = _qk.HeadLink(f"127.0.0.1:{port}", own, connect_timeout=2.0, hello_timeout=600.0)
+            driver = SplitDriver(head, link, ticker=False, lanes=lanes)
+            deadline = time.monotonic() + 600
+            while not driver.connect():
+                if worker.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the worker did not come up")
+                time.sleep(0.5)
+            return bench(driver, a, prompts)
+
+        split = split_bench(1)
+        split2 = split_bench(2)
     finally:
         worker.terminate()
         worker.wait(60)

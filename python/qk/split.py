@@ -165,6 +165,8 @@ class SplitDriver:
                 self._note_session()
                 self._last_activity = time.monotonic()
 
+        if self._closed.is_set():
+            raise RuntimeError("this split driver is closed: make a new one for a new session")
         return self._pool.submit(call)
 
     def _tick(self) -> None:
