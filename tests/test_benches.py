@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from qk._qk import adapters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,9 +41,7 @@ def run_bench(*args: str, timeout: float = 400) -> dict:
 
 @pytest.mark.timeout(600)
 def test_split_bench_runs_both_lane_settings_to_the_end():
-    out = run_bench(
-        "benches/split_bench.py", str(FIXTURE), "--prompt", "16", "--decode", "3", "--ctx", "128"
-    )
+    out = run_bench("benches/split_bench.py", str(FIXTURE), "--prompt", "16", "--decode", "3", "--ctx", "128")
     assert out["tokens_identical"] is True
     for part in ("unsplit", "split_lanes1", "split_lanes2"):
         assert out[part]["single_ms_per_token"] > 0
