@@ -1,4 +1,4 @@
-// Causal GQA softmax attention with the Qwen3-Next sigmoid output gate (spec model.md §3.5).
+// Causal GQA softmax attention with the Qwen3-Next sigmoid output gate (docs/numerics.md "Gated attention").
 //
 // KV cache layout (one sequence): element (position p, kv head g, dim d) of K and of V lives at
 // kv_offset + (p * kv_heads + g) * head_dim + d, i.e. token-major rows of kv_heads*head_dim, so

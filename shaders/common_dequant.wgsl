@@ -1,6 +1,6 @@
 // Dequantisation of ggml weight blocks read from `W: array<u32>` (declared by the including kernel:
 // WGSL has no u8 storage). `dq8_<type>(row, g)` returns weights 8g..8g+7 of the row that starts at
-// byte `row` of W. Block layouts and formulas: spec/kernels-perf.md §1 (ggml-common.h). Rows may
+// byte `row` of W. Block layouts and formulas: docs/numerics.md "GGUF block formats" (ggml-common.h). Rows may
 // start at any even byte (Q6_K blocks are 210 bytes, Q8_0 34, IQ4_NL 18), so reads go through
 // w_u32_at, which funnels two words when the offset is not 4-aligned.
 

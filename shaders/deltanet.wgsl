@@ -1,4 +1,4 @@
-// Gated DeltaNet (spec model.md §3.2 steps 2 and 5-8, §3.3, §3.4) on the conv output of a GDN layer.
+// Gated DeltaNet (docs/numerics.md "Gated DeltaNet" and the two sections after it) on the conv output of a GDN layer.
 // Each entry point computes from raw inputs: the L2 norms of q and k (x / max(|x|, eps), q times
 // q_scale = 1/sqrt(dk)), beta = sigmoid(b) and g = ssm_a * softplus(alpha + dt_bias).
 //

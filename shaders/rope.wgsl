@@ -4,7 +4,7 @@
 // host in f64 (in f32 on the GPU, exp2 of an exponent up to ~23 loses ~1e-6 relative, i.e. ~0.3 rad
 // at position 262144). Token t is at position pos_base + t, or (variant
 // POSITIONS=1) pos_base + POSITIONS[t] (several sequences in one step). For text input the qwen35
-// IMROPE is exactly this (spec model.md §3.5 step 3).
+// IMROPE is exactly this (docs/numerics.md "Gated attention" step 3).
 #include "common.wgsl"
 #define WG 64
 #define POSITIONS 0

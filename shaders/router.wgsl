@@ -1,4 +1,4 @@
-// MoE router on the GPU (spec model.md §3.6 steps 1-2): per token, softmax over the expert logits,
+// MoE router on the GPU (docs/numerics.md "MoE routing" steps 1-3): per token, softmax over the expert logits,
 // top-k by probability (ties to the lowest expert id), weights renormalised by their sum clamped to
 // >= 6.1e-5 (llama.cpp's clamp). Writes u32 expert ids and f32 weights for the id-indexed expert
 // mat-vec. One workgroup per token.

@@ -1,4 +1,4 @@
-"""Engine gates on the committed fixtures (DESIGN.md "Correctness gates", the Engine issue): logits
+"""Engine gates on the committed fixtures (docs/numerics.md "Precision gates", the Engine issue): logits
 against the NumPy f64 reference, greedy against llama.cpp's goldens, split ≡ unsplit, slots,
 snapshots, prefill cuts and counters. One engine per fixture per module: lavapipe compiles every
 pipeline once per process, which dominates the run time."""

@@ -1,7 +1,7 @@
 """``python -m qk.info MODEL.gguf``: what a GGUF model holds — architecture, layer plan (Gated
 DeltaNet vs full attention, MTP layers), key hyperparameters, per-layer and per-type tensor sizes.
 
-Layer rule (shared/spec/model.md §1.2): for the hybrid architectures, layer i of the main stack is
+Layer rule (docs/numerics.md "Layer plan"): for the hybrid architectures, layer i of the main stack is
 recurrent (Gated DeltaNet) iff ``(i + 1) % full_attention_interval != 0`` (interval default 4)
 unless ``{arch}.attention.recurrent_layers`` lists it; the last ``nextn_predict_layers`` blocks
 are MTP layers, never run by the main forward pass.
@@ -21,7 +21,7 @@ from qk.gguf import Gguf, TensorInfo
 HYBRID_ARCHS = {"qwen3next", "qwen35moe", "qwen35"}
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
 
-# (key under "{arch}.", label) for the hyperparameters worth seeing at a glance (model.md §1.1).
+# (key under "{arch}.", label) for the hyperparameters worth seeing at a glance (docs/numerics.md "Metadata").
 HYPERPARAMETERS = [
     ("context_length", "context length"),
     ("embedding_length", "n_embd"),

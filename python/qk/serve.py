@@ -28,7 +28,7 @@ __all__ = ["demo_model_path", "main"]
 
 log = logging.getLogger("qk.serve")
 
-#: Per-slot context by default: agent system prompts alone run to 15–25k tokens (DESIGN.md).
+#: Per-slot context by default: agent system prompts alone run to 15–25k tokens.
 DEFAULT_CTX = 32768
 DEMO_ARCH = "qwen35moe"
 DEMO_SEED = 0

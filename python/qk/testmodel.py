@@ -1,5 +1,5 @@
 """Tiny random-weight GGUF models of the real architectures (qwen3next, qwen35moe): every tensor of
-spec/model.md §2 in the layout real converted files have, plus a small byte-level BPE vocabulary of
+docs/numerics.md "Tensors" in the layout real converted files have, plus a small byte-level BPE vocabulary of
 its own. Used by the test suite (fixtures, oracle comparisons) and by the server's built-in demo.
 
 Only the generic `gguf.GGUFWriter` API is used, so both llama.cpp's gguf-py and the PyPI `gguf`
@@ -23,7 +23,7 @@ TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 
 # Special tokens in the order the Qwen vocabularies place them (after the BPE tokens). `<|…|>` tokens
-# are CONTROL in real files, the tag-like ones USER_DEFINED (spec/model.md §5).
+# are CONTROL in real files, the tag-like ones USER_DEFINED (docs/numerics.md "Vocabulary").
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -94,7 +94,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Layout:
-    """Tensor layout variants seen in real files that llama.cpp 0.3.36 loads (spec/model.md §2)."""
+    """Tensor layout variants seen in real files that llama.cpp 0.3.36 loads (docs/numerics.md "Tensors")."""
 
     fused_gate_up_exps: bool = False  # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
     legacy_ssm_in: bool = False  # qwen3next only: ssm_in (HF in_proj_qkvz) instead of attn_qkv + attn_gate
@@ -307,7 +307,7 @@ def vocab_from_gguf(path: str | Path) -> Vocab:
     )
 
 
-# ChatML templates in the shape of the real ones (spec/model.md §5): Qwen3 (Hermes JSON tool calls)
+# ChatML templates in the shape of the real ones (docs/numerics.md "Vocabulary"): Qwen3 (Hermes JSON tool calls)
 # for qwen3next, Qwen3.5 (XML function calls, thinking on by default) for qwen35moe.
 CHAT_TEMPLATE_QWEN3 = """{%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -487,7 +487,7 @@ def _tensors(arch: str, shape: Shape, layout: Layout, vocab_size: int, seed: int
     out.append(("output_norm.weight", w.norm_plus_one(s.n_embd)))
     out.append(("output.weight", _f32(lm_head_gain * w.linear(vocab_size, s.n_embd))))
     # MTP blocks draw from their own generator, so adding them leaves the main model's weights (and
-    # so its logits) unchanged. The main pass never runs them (spec §1.3).
+    # so its logits) unchanged. The main pass never runs them (docs/numerics.md "Layer plan").
     w = _Weights(seed + 1_000_003)
     for il in range(s.n_layer, s.n_layer + s.n_mtp):
         block(il)
@@ -513,7 +513,7 @@ def write_model(
     """Write a tiny random-weight F32 GGUF of `arch` to `path`.
 
     lm_head_gain scales output.weight: with unit-variance logits a random model's top-2 gaps are so
-    small that near-ties dominate greedy comparisons (DESIGN.md "Test data")."""
+    small that near-ties dominate greedy comparisons (docs/architecture.md "Test data")."""
     import gguf
 
     if arch not in ARCHES:

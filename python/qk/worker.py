@@ -1,5 +1,5 @@
 """``python -m qk.worker``: one pipeline stage of a split model — the engine for layers ``[A, B)`` behind
-the qkp transport (shared/spec/qkp.md), no HTTP. It answers one head session at a time, forwards hidden
+the qkp transport (docs/protocol.md), no HTTP. It answers one head session at a time, forwards hidden
 rows to ``--next`` unless it runs the model's last layers, and keeps serving when a peer misbehaves.
 
 Listens on loopback by default; any other address needs a shared secret (``--secret`` or
@@ -45,7 +45,7 @@ def is_loopback(host: str) -> bool:
 
 
 def stage_info(engine: Any, fingerprint: str, snap_entries: int) -> dict:
-    """What a hello says of a stage running ``engine`` (qkp.md "hello"): its layers, the model's
+    """What a hello says of a stage running ``engine`` (docs/protocol.md "Stage description"): its layers, the model's
     shape, slots and context, snapshot capacity, model fingerprint and adapter."""
     info = engine.info()
     first, end = info["layers"]

@@ -1,6 +1,6 @@
 //! CPU dequantisation of every ggml type qk reads: the ground truth for the GPU kernels.
 //! Block layouts and formulas: ggml-common.h block structs and ggml-quants.c `dequantize_row_*`
-//! (summarised in shared/spec/kernels-perf.md §1). Products are formed in the same order as ggml
+//! (summarised in docs/numerics.md "GGUF block formats"). Products are formed in the same order as ggml
 //! (`d * scale` first, then `* q`), so results match ggml bit for bit.
 
 use half::f16;

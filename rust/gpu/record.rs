@@ -12,7 +12,7 @@ use crate::error::{QkError, Result};
 
 /// Records work for one submit. Dispatches share one compute pass until a copy or readback
 /// forces the pass to end (dispatches inside one pass cost ~2 µs each on the H200, a pass per
-/// dispatch ~78 µs: kernels-perf.md §3.6).
+/// dispatch ~78 µs: docs/architecture.md "Dispatch costs").
 pub struct Recorder<'g> {
     gpu: &'g Gpu,
     encoder: Option<wgpu::CommandEncoder>,

@@ -1,4 +1,4 @@
-//! The per-layer forward graph (spec model.md §3) recorded into one command sequence: scratch
+//! The per-layer forward graph (docs/numerics.md "Forward pass") recorded into one command sequence: scratch
 //! activations sized for a batch of rows, per-slot recurrent state (KV, conv, DeltaNet S), and the
 //! recording of a prefill piece of one slot (rows = consecutive positions) or a decode step of
 //! several slots (rows = one position each).
@@ -226,7 +226,7 @@ fn delta_params(cfg: &ModelConfig) -> DeltaParams {
     let nv = cfg.v_heads;
     let r = nv / cfg.k_heads;
     let (pairing, ba_group, ba_group_stride, alpha_offset) = match cfg.arch {
-        // ssm_ba: per k-group g rows [g·2r, g·2r+r) = beta, next r = alpha (spec §2.2).
+        // ssm_ba: per k-group g rows [g·2r, g·2r+r) = beta, next r = alpha (docs/numerics.md "Tensors").
         Arch::Qwen3Next => (HeadPairing::Grouped, r, 2 * r, r),
         Arch::Qwen35Moe => (HeadPairing::Tiled, nv, 0, nv),
     };
@@ -395,7 +395,7 @@ impl Model {
             Mixer::DeltaNet(w) => self.record_deltanet(gpu, rec, s, w, states, batch, layer)?,
             Mixer::Attention(w) => self.record_attention(gpu, rec, s, w, states, batch, layer)?,
         }
-        // h = x + mixer; xn = RMSNorm(h) (spec §3.1).
+        // h = x + mixer; xn = RMSNorm(h) (docs/numerics.md "Block structure").
         rec.op("post_norm", layer, 0);
         norm::record(
             gpu,
@@ -533,7 +533,7 @@ impl Model {
                 }
             }
         }
-        // Gated RMSNorm per v-head, then the output projection (spec §3.2 steps 9-10).
+        // Gated RMSNorm per v-head, then the output projection (docs/numerics.md "Gated DeltaNet" steps 8-9).
         let heads = RowLayout::packed(cfg.dv, nv);
         rec.op("dn.gated_norm", layer, 0);
         norm::record(
@@ -735,7 +735,7 @@ impl Model {
         )
     }
 
-    /// MoE + shared expert of the normed rows in xn, added to `out` (spec §3.6).
+    /// MoE + shared expert of the normed rows in xn, added to `out` (docs/numerics.md "MoE routing").
     #[allow(clippy::too_many_arguments)]
     fn record_moe(
         &self,

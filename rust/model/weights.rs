@@ -1,4 +1,4 @@
-//! Device-resident weights of a layer range [a, b) (spec model.md §2): the embedding when a == 0,
+//! Device-resident weights of a layer range [a, b) (docs/numerics.md "Tensors"): the embedding when a == 0,
 //! the final norm and LM head when b == n_layer (the head falls back to the embedding when the
 //! file has no `output.weight`). Matrices stay in their GGUF block layout; norms and small vectors
 //! are uploaded as f32. MTP blocks after the main stack are never read.
@@ -16,7 +16,7 @@ use crate::gpu::{Gpu, GpuBuffer, WeightTensor};
 /// Beta/alpha logits of a DeltaNet layer.
 pub enum BetaAlpha {
     /// One matrix of 2·nv rows written at the beta offset: qwen3next `ssm_ba` (per k-group
-    /// [b × r, a × r], spec §2.2), or qwen35* beta ‖ alpha stacked at load.
+    /// [b × r, a × r], docs/numerics.md "Tensors"), or qwen35* beta ‖ alpha stacked at load.
     Grouped(WeightTensor),
     /// qwen35* `ssm_beta`, `ssm_alpha`.
     Split { beta: WeightTensor, alpha: WeightTensor },
@@ -27,7 +27,7 @@ pub enum DeltaNetProjection {
     /// `attn_qkv` (rows q ‖ k ‖ v) and `attn_gate` (z).
     Split { qkv: WeightTensor, gate: WeightTensor },
     /// Legacy qwen3next `ssm_in` (HF in_proj_qkvz): per k-head g the rows
-    /// [q_g (dk) ‖ k_g (dk) ‖ v of its r v-heads ‖ z of the same] (spec §2.2).
+    /// [q_g (dk) ‖ k_g (dk) ‖ v of its r v-heads ‖ z of the same] (docs/numerics.md "Tensors").
     Legacy(WeightTensor),
 }
 
@@ -187,7 +187,7 @@ impl Loader<'_> {
         if experts > 1 {
             want.push(u64::from(experts));
         }
-        // Trailing unit dimensions are optional ({n_embd} ≡ {n_embd, 1}, spec §2.3).
+        // Trailing unit dimensions are optional ({n_embd} ≡ {n_embd, 1}, docs/numerics.md "Tensors").
         let trim = |v: &[u64]| {
             let mut v = v.to_vec();
             while v.last() == Some(&1) {

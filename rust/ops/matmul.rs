@@ -82,7 +82,7 @@ struct MatmulParams {
     y_stride: u32,
 }
 
-/// Rows per workgroup and workgroup size of the mat-vec (kernels-perf.md §2.1: ggml uses 1–4 rows
+/// Rows per workgroup and workgroup size of the mat-vec (ggml uses 1–4 rows
 /// per workgroup and one to four subgroups). IQ4_XS defaults to 8 rows × 32 invocations, Q8_0,
 /// Q4_K and Q6_K to 4 × 32: best of the shapes swept on the H200 (2026-11-29, 256 MiB, K = 4096,
 /// one column: IQ4_XS 1.53 TB/s vs 1.01 at 2 × 64, Q8_0 2.3–2.4 vs 2.2, Q4_K 1.29 vs 1.13, Q6_K

@@ -607,7 +607,7 @@ fn type_table_is_consistent() {
         assert_eq!(layout, ty.layout(), "{ty}");
         assert_eq!(layout.supported(), Some(ty));
     }
-    // Sizes quoted in shared/spec/kernels-perf.md §1.
+    // Sizes quoted in docs/numerics.md "GGUF block formats".
     assert_eq!(GgmlType::IQ4XS.block_bytes(), 136);
     assert_eq!(
         TypeLayout::of_id(3).map(|l| (l.name, l.block_bytes)),
