@@ -5,7 +5,7 @@
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgmlType;
-use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile, WeightTensor};
+use crate::gpu::{Binding, Gpu, GpuBuffer, Recorder, ShaderFile, WeightTensor};
 
 pub const MATVEC: ShaderFile = crate::shader_file!("matvec");
 pub const MATMUL: ShaderFile = crate::shader_file!("matmul");
@@ -66,6 +66,138 @@ struct MatvecParams {
     expert_count: u32,
     x_col_token: u32,
     x_col_slot: u32,
+    eps: f32,
+    pre_offset: u32,
+    conv_rows: u32,
+    taps: u32,
+    state_stride: u32,
+    slots_offset: u32,
+}
+
+/// What a mat-vec does to its activation columns before the product (matvec.wgsl `PRE`).
+#[derive(Clone, Copy, Debug, Default)]
+pub enum MatvecInput<'a> {
+    #[default]
+    Plain,
+    /// RMSNorm each column with `weight` (K floats) and `eps` first; with `store`, also write the
+    /// normalised columns there (packed, K floats each) for later kernels.
+    Rms {
+        weight: &'a GpuBuffer,
+        eps: f32,
+        store: Option<&'a GpuBuffer>,
+    },
+    /// Each column is a gate ‖ up pair with `up` floats from gate to up; the input is
+    /// silu(gate) · up (K = the pair's half).
+    SiluMul { up: u32 },
+}
+
+/// Where a mat-vec's results go (matvec.wgsl `EPI`).
+#[derive(Clone, Copy, Debug, Default)]
+pub enum MatvecOutput<'a> {
+    #[default]
+    Store,
+    /// y = residual + W·x, `residual` laid out like y.
+    AddTo { residual: &'a GpuBuffer },
+    /// The first `channels` rows are GDN conv inputs: conv1d (`taps` taps, `weights`
+    /// [channel × taps]) + SiLU, advancing each column's slot state in `state` (slot s at float
+    /// s · `state_stride`, layout of shaders/conv.wgsl); column c's slot is `slots[slots_offset + c]`.
+    Conv {
+        weights: &'a GpuBuffer,
+        state: &'a GpuBuffer,
+        slots: &'a GpuBuffer,
+        slots_offset: u32,
+        channels: u32,
+        taps: u32,
+        state_stride: u32,
+    },
+}
+
+/// The fused stages of one mat-vec dispatch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MatvecFusion<'a> {
+    pub input: MatvecInput<'a>,
+    pub output: MatvecOutput<'a>,
+}
+
+impl<'a> MatvecFusion<'a> {
+    /// The pipeline defines of these stages (binding numbers after W, X, Y and `first_extra`).
+    fn defines(&self, ncols: u32, first_extra: u32) -> Vec<(&'static str, String)> {
+        let mut next = first_extra;
+        let mut take = || {
+            next += 1;
+            (next - 1).to_string()
+        };
+        let mut d = Vec::new();
+        match self.input {
+            MatvecInput::Plain => {}
+            MatvecInput::Rms { store, .. } => {
+                d.push(("PRE", "rms".into()));
+                d.push(("NC4", ncols.div_ceil(4).to_string()));
+                d.push(("B_NORM", take()));
+                if store.is_some() {
+                    d.push(("XN_STORE", "1".into()));
+                    d.push(("B_XN", take()));
+                }
+            }
+            MatvecInput::SiluMul { .. } => d.push(("PRE", "silu_mul".into())),
+        }
+        match self.output {
+            MatvecOutput::Store => {}
+            MatvecOutput::AddTo { .. } => {
+                d.push(("EPI", "add".into()));
+                d.push(("B_RES", take()));
+            }
+            MatvecOutput::Conv { .. } => {
+                d.push(("EPI", "conv".into()));
+                d.push(("B_CW", take()));
+                d.push(("B_ST", take()));
+                d.push(("B_SL", take()));
+            }
+        }
+        d
+    }
+
+    /// The extra bindings, in the order `defines` numbered them.
+    fn bindings(&self) -> Vec<Binding<'a>> {
+        let mut b = Vec::new();
+        if let MatvecInput::Rms { weight, store, .. } = self.input {
+            b.push(weight.all());
+            b.extend(store.map(GpuBuffer::all));
+        }
+        match self.output {
+            MatvecOutput::Store => {}
+            MatvecOutput::AddTo { residual } => b.push(residual.all()),
+            MatvecOutput::Conv {
+                weights,
+                state,
+                slots,
+                ..
+            } => b.extend([weights.all(), state.all(), slots.all()]),
+        }
+        b
+    }
+
+    /// Its fields of the kernel's parameters.
+    fn params(&self, p: &mut MatvecParams) {
+        match self.input {
+            MatvecInput::Plain => {}
+            MatvecInput::Rms { eps, .. } => p.eps = eps,
+            MatvecInput::SiluMul { up } => p.pre_offset = up,
+        }
+        if let MatvecOutput::Conv {
+            slots_offset,
+            channels,
+            taps,
+            state_stride,
+            ..
+        } = self.output
+        {
+            p.conv_rows = channels;
+            p.taps = taps;
+            p.state_stride = state_stride;
+            p.slots_offset = slots_offset;
+        }
+    }
 }
 
 #[repr(C)]
@@ -125,21 +257,23 @@ fn matvec_pipeline(
     ty: GgmlType,
     ncols: u32,
     moe: bool,
+    fusion: &MatvecFusion<'_>,
 ) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
     let (nr, wg) = matvec_shape(gpu, ty);
-    gpu.pipeline(
-        &MATVEC,
-        &[
-            ("QTYPE", qtype_name(ty).into()),
-            ("NC", ncols.to_string()),
-            ("NR", nr.to_string()),
-            ("ACC4", (nr * ncols).div_ceil(4).to_string()),
-            ("WG", wg.to_string()),
-            ("MOE", u32::from(moe).to_string()),
-            ("UNROLL", matvec_unroll(ncols).to_string()),
-        ],
-        &[],
-    )
+    let mut defines = vec![
+        ("QTYPE", qtype_name(ty).into()),
+        ("NC", ncols.to_string()),
+        ("NR", nr.to_string()),
+        ("ACC4", (nr * ncols).div_ceil(4).to_string()),
+        ("WG", wg.to_string()),
+        ("MOE", u32::from(moe).to_string()),
+        ("UNROLL", matvec_unroll(ncols).to_string()),
+    ];
+    if moe {
+        defines.push(("B_IDS", "3".into()));
+    }
+    defines.extend(fusion.defines(ncols, 3 + u32::from(moe)));
+    gpu.pipeline(&MATVEC, &defines, &[])
 }
 
 /// Inputs are read as vec4 (offset and stride multiples of 4); outputs are written as f32.
@@ -199,15 +333,36 @@ pub fn matvec(
     y: Columns<'_>,
     ncols: u32,
 ) -> Result<()> {
+    matvec_fused(gpu, rec, w, x, y, ncols, &MatvecFusion::default())
+}
+
+/// [`matvec`] with fused input and output stages (see [`MatvecFusion`]).
+pub fn matvec_fused(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    fusion: &MatvecFusion<'_>,
+) -> Result<()> {
     check_dense("matvec", "; use matvec_id", w, &x, &y, ncols)?;
+    check_fusion(w, fusion, ncols)?;
+    if matches!(fusion.input, MatvecInput::SiluMul { .. }) {
+        return Err(QkError::Engine(format!(
+            "{}: silu·mul input is for expert mat-vecs (matvec_id)",
+            w.name
+        )));
+    }
     let (nr, _) = matvec_shape(gpu, w.ty);
+    let k = as_u32(w.cols, "K")?;
     let mut done = 0u32;
     while done < ncols {
         let nc = (ncols - done).min(MATVEC_MAX_COLS);
-        let pipe = matvec_pipeline(gpu, w.ty, nc, false)?;
+        let pipe = matvec_pipeline(gpu, w.ty, nc, false, fusion)?;
         for win in &w.windows {
-            let p = MatvecParams {
-                k: as_u32(w.cols, "K")?,
+            let mut p = MatvecParams {
+                k,
                 rows: as_u32(win.n_rows, "rows")?,
                 row_bytes: as_u32(w.row_bytes, "row bytes")?,
                 w_offset: 0,
@@ -217,15 +372,67 @@ pub fn matvec(
                 y_stride: y.stride,
                 ..Default::default()
             };
+            fusion.params(&mut p);
+            // This chunk's columns: where the normalised ones are stored, which slots they are.
+            p.pre_offset += done * k;
+            p.slots_offset += done;
+            let mut bindings = vec![win.buffer.all(), x.buf.all(), y.buf.all()];
+            bindings.extend(fusion.bindings());
             let groups = as_u32(win.n_rows.div_ceil(u64::from(nr)), "workgroups")?;
-            rec.dispatch(
-                &pipe,
-                &[win.buffer.all(), x.buf.all(), y.buf.all()],
-                bytemuck::bytes_of(&p),
-                gpu.grid(groups),
-            )?;
+            rec.dispatch(&pipe, &bindings, bytemuck::bytes_of(&p), gpu.grid(groups))?;
         }
         done += nc;
+    }
+    Ok(())
+}
+
+/// The fused stages' own operands: sizes and layouts the kernel will index.
+fn check_fusion(w: &WeightTensor, fusion: &MatvecFusion<'_>, ncols: u32) -> Result<()> {
+    let bad = |msg: String| Err(QkError::Engine(format!("{}: {msg}", w.name)));
+    // The conv's channel rows and the stored input (workgroup 0) assume row 0 is in the one window.
+    let stores = matches!(fusion.input, MatvecInput::Rms { store: Some(_), .. });
+    if w.windows.len() > 1 && (stores || matches!(fusion.output, MatvecOutput::Conv { .. })) {
+        return bad("a fused conv or input store needs the tensor in one binding".into());
+    }
+    if let MatvecInput::Rms { weight, store, .. } = fusion.input {
+        if weight.size < w.cols * 4 {
+            return bad(format!("norm weight of {} bytes for K = {}", weight.size, w.cols));
+        }
+        if !w.cols.is_multiple_of(4) {
+            return bad("a fused norm needs K a multiple of 4".into());
+        }
+        if let Some(st) = store
+            && st.size < w.cols * 4 * u64::from(ncols)
+        {
+            return bad(format!(
+                "normalised-input store of {} bytes is too small",
+                st.size
+            ));
+        }
+    }
+    if let MatvecOutput::Conv {
+        weights,
+        state,
+        slots,
+        slots_offset,
+        channels,
+        taps,
+        state_stride,
+    } = fusion.output
+    {
+        if u64::from(channels) > w.rows || taps == 0 || taps > 8 {
+            return bad(format!("conv of {channels} channels with {taps} taps"));
+        }
+        if weights.size < u64::from(channels) * u64::from(taps) * 4
+            || u64::from(state_stride) < u64::from(channels) * u64::from(taps - 1)
+            || slots.size < (u64::from(slots_offset) + u64::from(ncols)) * 4
+        {
+            return bad("conv weights, state stride or slot table too small".into());
+        }
+        // The slots' states are checked by whoever fills the slot table; this bounds the buffer.
+        if state.size < u64::from(state_stride) * 4 {
+            return bad("conv state smaller than one slot".into());
+        }
     }
     Ok(())
 }
@@ -261,6 +468,37 @@ pub fn matvec_id(
     ids: ExpertIds<'_>,
     input: MoeInput,
 ) -> Result<()> {
+    matvec_id_with(gpu, rec, w, x, y, ids, input, MatvecInput::Plain)
+}
+
+/// [`matvec_id`] with a fused input stage (plain or silu·mul; the norm is not offered here).
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_id_with(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ids: ExpertIds<'_>,
+    input: MoeInput,
+    pre: MatvecInput<'_>,
+) -> Result<()> {
+    let fusion = MatvecFusion {
+        input: pre,
+        output: MatvecOutput::Store,
+    };
+    let x_len = match pre {
+        MatvecInput::Plain => w.cols,
+        MatvecInput::SiluMul { up } if u64::from(up) >= w.cols && up.is_multiple_of(4) => {
+            u64::from(up) + w.cols
+        }
+        _ => {
+            return Err(QkError::Engine(format!(
+                "{}: expert mat-vec input must be plain or silu·mul with up ≥ K, a multiple of 4",
+                w.name
+            )));
+        }
+    };
     let ExpertIds {
         buf: ids,
         offset: ids_offset,
@@ -273,7 +511,7 @@ pub fn matvec_id(
     } else {
         u64::from(n_tokens)
     };
-    check_columns(&w.name, &x, w.cols, x_cols, true)?;
+    check_columns(&w.name, &x, x_len, x_cols, true)?;
     check_columns(&w.name, &y, w.rows, slots, false)?;
     if (u64::from(ids_offset) + slots) * 4 > ids.size {
         return Err(QkError::Engine(format!(
@@ -289,7 +527,7 @@ pub fn matvec_id(
         )));
     }
     let (nr, _) = matvec_shape(gpu, w.ty);
-    let pipe = matvec_pipeline(gpu, w.ty, 1, true)?;
+    let pipe = matvec_pipeline(gpu, w.ty, 1, true, &fusion)?;
     let (x_col_token, x_col_slot) = match input {
         MoeInput::PerToken => (1, 0),
         MoeInput::PerSlot => (n_used, 1),
@@ -301,7 +539,7 @@ pub fn matvec_id(
                 w.name
             )));
         }
-        let p = MatvecParams {
+        let mut p = MatvecParams {
             k: as_u32(w.cols, "K")?,
             rows: as_u32(w.rows, "rows")?,
             row_bytes: as_u32(w.row_bytes, "row bytes")?,
@@ -316,7 +554,9 @@ pub fn matvec_id(
             expert_count: as_u32(win.n_rows / w.rows, "experts")?,
             x_col_token,
             x_col_slot,
+            ..Default::default()
         };
+        fusion.params(&mut p);
         let groups = as_u32(w.rows.div_ceil(u64::from(nr)), "workgroups")?;
         rec.dispatch(
             &pipe,

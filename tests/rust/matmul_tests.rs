@@ -20,16 +20,16 @@ use crate::gpu_tests::test_gpu;
 const NMSE_MAX: f64 = 1e-9;
 
 /// xorshift64*: deterministic test data without a dependency.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
-    fn f32(&mut self) -> f32 {
+    pub(crate) fn f32(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
 }
@@ -40,7 +40,7 @@ fn put_f16(b: &mut [u8], at: usize, v: f32) {
 
 /// Random weights of type `ty`: random bytes for quants with every f16 scale field overwritten by
 /// a finite value of a realistic size.
-fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
+pub(crate) fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     match ty {
         GgmlType::F32 => (0..n).flat_map(|_| rng.f32().to_le_bytes()).collect(),
         GgmlType::F16 => (0..n)
@@ -68,7 +68,7 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     }
 }
 
-fn nmse(got: &[f32], want: &[f64]) -> f64 {
+pub(crate) fn nmse(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     let err: f64 = got
         .iter()
