@@ -255,3 +255,58 @@ fn expert_down_reads_silu_of_gate_times_up() {
     let e = nmse(&read(gpu, &yb, m * n_used * tokens), &want);
     assert!(e < NMSE_MAX, "NMSE {e:e}");
 }
+
+#[test]
+fn router_appends_the_shared_expert_as_the_last_pick() {
+    use qk::ops::router::{self, RouterParams, SharedSlot};
+    for no_subgroups in [false, true] {
+        let Some(gpu) = test_gpu(no_subgroups) else { return };
+        // 2 tokens, 512 experts + the shared gate logit at column 512 of rows of 513 (the stacked
+        // router's layout), top-10 plus the shared slot.
+        let (tokens, experts, k) = (2u32, 512u32, 10u32);
+        let stride = experts + 1;
+        let logits = floats((tokens * stride) as usize, 77, 3.0);
+        let p = RouterParams {
+            tokens,
+            experts,
+            k,
+            logits_offset: 0,
+            logits_token_stride: stride,
+        };
+        let lb = gpu.buffer_from_f32("logits", &logits).unwrap();
+        let n = (tokens * (k + 1)) as usize;
+        let ib = gpu.buffer_zeroed("ids", n as u64 * 4).unwrap();
+        let wb = gpu.buffer_zeroed("weights", n as u64 * 4).unwrap();
+        let shared = SharedSlot {
+            id: experts,
+            gate: &lb,
+            gate_offset: experts,
+            gate_stride: stride,
+        };
+        let mut rec = gpu.recorder();
+        router::record_with(gpu, &mut rec, &p, &lb, &ib, &wb, Some(shared)).unwrap();
+        rec.submit().unwrap();
+        let (ids, weights) = router::reference::route(&p, &logits);
+        let got_ids = gpu.read_u32(&ib, 0, n).unwrap();
+        let got_w = read(gpu, &wb, n);
+        for t in 0..tokens as usize {
+            let row = t * (k as usize + 1);
+            let (want_ids, want_w) = (
+                &ids[t * k as usize..][..k as usize],
+                &weights[t * k as usize..][..k as usize],
+            );
+            assert_eq!(
+                &got_ids[row..row + k as usize],
+                want_ids,
+                "token {t}, subgroups off: {no_subgroups}"
+            );
+            assert_eq!(got_ids[row + k as usize], experts);
+            for (g, w) in got_w[row..row + k as usize].iter().zip(want_w) {
+                assert!((g - w).abs() < 1e-6, "token {t}: weight {g} vs {w}");
+            }
+            let gate = f64::from(logits[t * stride as usize + experts as usize]);
+            let sig = 1.0 / (1.0 + (-gate).exp());
+            assert!((f64::from(got_w[row + k as usize]) - sig).abs() < 1e-6);
+        }
+    }
+}
