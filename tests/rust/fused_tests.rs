@@ -310,3 +310,130 @@ fn router_appends_the_shared_expert_as_the_last_pick() {
         }
     }
 }
+
+#[test]
+fn gdn_step_matches_the_recurrent_reference_and_gated_norm_per_slot() {
+    use qk::ops::deltanet::{DeltaParams, reference};
+    use qk::ops::gdn_step::{GdnStepArgs, GdnStepParams, record};
+    let Some(gpu) = test_gpu(false) else { return };
+    // qwen3next grouping: 2 k-heads, 4 v-heads, dk = dv = 64; 3 rows on slots 1, 3, 0 of 4; two steps.
+    let (nk, nv, dk, dv, rows, n_slots) = (2u32, 4u32, 64u32, 64u32, 3u32, 4u32);
+    let (key_dim, vd) = (nk * dk, nv * dv);
+    let cd = 2 * key_dim + vd;
+    let (bstride, zstride) = (cd + 2 * nv, vd);
+    let r = nv / nk;
+    let p = GdnStepParams {
+        rows,
+        k_heads: nk,
+        v_heads: nv,
+        dk,
+        dv,
+        pairing: 0,
+        qkv_offset: 0,
+        qkv_stride: bstride,
+        q_offset: 0,
+        k_offset: key_dim,
+        v_offset: 2 * key_dim,
+        ba_offset: 0,
+        ba_stride: bstride,
+        ba_group: r,
+        ba_group_stride: 2 * r,
+        beta_offset: cd,
+        alpha_offset: cd + r,
+        z_offset: 0,
+        z_stride: zstride,
+        out_offset: 0,
+        out_stride: vd,
+        state_stride: vd * dk,
+        slots_offset: 1,
+        eps: 1e-6,
+        q_scale: 1.0 / (dk as f32).sqrt(),
+        norm_eps: 1e-6,
+    };
+    let slots = [9u32, 1, 3, 0];
+    let ssm_a = floats(nv as usize, 3, 1.0)
+        .iter()
+        .map(|v| -v.abs() - 0.1)
+        .collect::<Vec<_>>();
+    let dt_bias = floats(nv as usize, 4, 1.0);
+    let norm = floats(dv as usize, 5, 1.0);
+    let mut state = floats((n_slots * vd * dk) as usize, 6, 0.1);
+    let sb = gpu.buffer_from_f32("state", &state).unwrap();
+    let (ab, db, nb) = (
+        gpu.buffer_from_f32("a", &ssm_a).unwrap(),
+        gpu.buffer_from_f32("dt", &dt_bias).unwrap(),
+        gpu.buffer_from_f32("norm", &norm).unwrap(),
+    );
+    let slb = gpu.buffer_from_u32("slots", &slots).unwrap();
+    let ob = gpu.buffer_zeroed("out", u64::from(rows * vd) * 4).unwrap();
+    for step in 0..2u64 {
+        let qkv = floats((rows * bstride) as usize, 10 + step, 1.0);
+        let z = floats((rows * zstride) as usize, 20 + step, 2.0);
+        let (qb, zb) = (
+            gpu.buffer_from_f32("qkv", &qkv).unwrap(),
+            gpu.buffer_from_f32("z", &z).unwrap(),
+        );
+        let mut rec = gpu.recorder();
+        let args = GdnStepArgs {
+            qkv: &qb,
+            ba: &qb,
+            ssm_a: &ab,
+            dt_bias: &db,
+            z: &zb,
+            norm: &nb,
+            slots: &slb,
+            state: &sb,
+            out: &ob,
+        };
+        record(gpu, &mut rec, &p, &args).unwrap();
+        rec.submit().unwrap();
+        let mut want = vec![0f64; (rows * vd) as usize];
+        for row in 0..rows as usize {
+            let slot = slots[1 + row] as usize;
+            let dp = DeltaParams {
+                tokens: 1,
+                k_heads: nk,
+                v_heads: nv,
+                dk,
+                dv,
+                pairing: 0,
+                first_token: row as u32,
+                chunks: 0,
+                qkv_token_stride: bstride,
+                q_offset: 0,
+                k_offset: key_dim,
+                v_offset: 2 * key_dim,
+                ba_token_stride: bstride,
+                ba_group: r,
+                ba_group_stride: 2 * r,
+                beta_offset: cd,
+                alpha_offset: cd + r,
+                out_offset: 0,
+                out_token_stride: vd,
+                state_offset: slot as u32 * vd * dk,
+                eps: 1e-6,
+                q_scale: p.q_scale,
+                _pad0: 0,
+                _pad1: 0,
+            };
+            let mut o = vec![0f32; (rows * vd) as usize];
+            reference::recurrent(&dp, &qkv, &qkv, &ssm_a, &dt_bias, &mut state, &mut o);
+            for n in 0..nv as usize {
+                let head = &o[row * vd as usize + n * dv as usize..][..dv as usize];
+                let ms = head.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>() / f64::from(dv);
+                let inv = 1.0 / (ms + 1e-6).sqrt();
+                for j in 0..dv as usize {
+                    let zj = f64::from(z[row * zstride as usize + n * dv as usize + j]);
+                    want[row * vd as usize + n * dv as usize + j] =
+                        f64::from(head[j]) * inv * f64::from(norm[j]) * zj / (1.0 + (-zj).exp());
+                }
+            }
+        }
+        // f32 against the f64 recurrence over 64-long dot products and a norm: ~1e-12 NMSE.
+        let e = nmse(&read(gpu, &ob, (rows * vd) as usize), &want);
+        assert!(e < NMSE_MAX, "step {step}: out NMSE {e:e}");
+        let want_state: Vec<f64> = state.iter().map(|&v| f64::from(v)).collect();
+        let e = nmse(&read(gpu, &sb, state.len()), &want_state);
+        assert!(e < NMSE_MAX, "step {step}: state NMSE {e:e}");
+    }
+}

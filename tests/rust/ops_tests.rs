@@ -721,6 +721,7 @@ fn gpu_elementwise_matches_reference() {
         EwKind::MulSigmoid,
         EwKind::CopyRows,
         EwKind::MoeCombine,
+        EwKind::MoeSum,
     ] {
         let p = EwParams {
             a_offset: 1,
