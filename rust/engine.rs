@@ -12,9 +12,9 @@ use std::time::Instant;
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
-use crate::gpu::record::{OpLabel, SubmitProfile};
+use crate::gpu::record::{Encoded, OpLabel, SubmitProfile};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
-use crate::model::forward::{Batch, LayerState, Model, Scratch, SlotState};
+use crate::model::forward::{Batch, Model, Scratch, SlotState};
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
 use crate::ops::deltanet::CHUNK;
@@ -52,16 +52,9 @@ struct Snapshot {
     buffer: GpuBuffer,
 }
 
-/// The slot's state buffers and the bytes of each a snapshot at `pos` holds, in layer order.
-fn state_parts(st: &SlotState, pos: u32, kv_row_bytes: u64) -> Vec<(&GpuBuffer, u64)> {
-    let kv = u64::from(pos) * kv_row_bytes;
-    st.layers
-        .iter()
-        .flat_map(|l| match l {
-            LayerState::Attention { k, v } => [(k, kv), (v, kv)],
-            LayerState::DeltaNet { conv, s } => [(conv, conv.size), (s, s.size)],
-        })
-        .collect()
+/// The slot's state ranges (buffer, byte offset, bytes) a snapshot at `pos` holds, in layer order.
+fn state_parts<'a>(st: &'a SlotState, cfg: &ModelConfig, pos: u32) -> Vec<(&'a GpuBuffer, u64, u64)> {
+    st.layers.iter().flat_map(|l| l.parts(cfg, pos)).collect()
 }
 
 /// Device memory held, in bytes.
@@ -235,6 +228,35 @@ pub struct Engine {
     scratch: Scratch,
     snapshots: HashMap<u64, Snapshot>,
     last_step: Option<StepTiming>,
+    /// The decode step recorded while the previous one ran (see `step_inner`).
+    ahead: Option<Ahead>,
+}
+
+/// What a recorded decode step is for: its rows' slots and positions, the top-k, and whether its
+/// rows are token ids (first stage) or hidden rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct StepShape {
+    slots: Vec<usize>,
+    positions: Vec<u32>,
+    k: u32,
+    tokens: bool,
+}
+
+impl StepShape {
+    /// The same slots one position on: what the next call most likely asks for.
+    fn advanced(&self) -> StepShape {
+        StepShape {
+            positions: self.positions.iter().map(|p| p + 1).collect(),
+            ..self.clone()
+        }
+    }
+}
+
+/// A decode step recorded ahead of its call.
+struct Ahead {
+    shape: StepShape,
+    encoded: Encoded,
+    tickets: Vec<usize>,
 }
 
 impl Engine {
@@ -266,10 +288,7 @@ impl Engine {
         ));
         let weights = Weights::load(&gpu, &file, &cfg, layers, progress)?;
         let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
-        let mut slots = Vec::new();
-        for i in 0..opts.slots {
-            slots.push(SlotState::new(&gpu, &cfg, &weights.layers, opts.ctx, i as usize)?);
-        }
+        let slots = SlotState::all(&gpu, &cfg, &weights.layers, opts.ctx, opts.slots)?;
         let has_head = weights.output.is_some();
         let rows = CHUNK.max(opts.slots);
         let legacy = weights.layers.iter().any(
@@ -289,6 +308,7 @@ impl Engine {
             scratch,
             snapshots: HashMap::new(),
             last_step: None,
+            ahead: None,
         };
         let m = engine.memory();
         progress(&format!(
@@ -377,7 +397,7 @@ impl Engine {
         }
         if base == 0 {
             let gpu = &self.gpu;
-            self.slots[slot].reset(gpu)?;
+            self.slots[slot].reset(gpu, &self.model.cfg)?;
         }
         Ok(())
     }
@@ -551,7 +571,8 @@ impl Engine {
                 model.record_embed(gpu, &mut rec, s, t)?;
             }
             let cur = if len == 1 {
-                model.record_layers(gpu, &mut rec, s, &[st], Batch::Decode { positions: &[pos] })?
+                gpu.write(&s.slots, 0, bytemuck::bytes_of(&(slot as u32)))?;
+                model.record_decode_layers(gpu, &mut rec, s, &[st], &[pos])?
             } else {
                 model.record_layers(gpu, &mut rec, s, &[st], Batch::Prefill { base: pos, n: t })?
             };
@@ -684,47 +705,53 @@ impl Engine {
         }
         let positions: Vec<u32> = slots.iter().map(|&s| self.slots[s].pos).collect();
         self.write_input(&input, 0, n)?;
-        let e = self.model.cfg.n_embd as usize;
-        let model = &self.model;
-        let s = &self.scratch;
-        let gpu = &self.gpu;
-        let states: Vec<&SlotState> = slots.iter().map(|&i| &self.slots[i]).collect();
-        let mut rec = if profile {
-            gpu.profiling_recorder()
-        } else {
-            gpu.recorder()
+        let slot_table: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        self.gpu
+            .write(&self.scratch.slots, 0, bytemuck::cast_slice(&slot_table))?;
+        let shape = StepShape {
+            slots: slots.to_vec(),
+            positions,
+            k: topk.max(1),
+            tokens: matches!(input, StageInput::Tokens(_)),
         };
-        if matches!(input, StageInput::Tokens(_)) {
-            model.record_embed(gpu, &mut rec, s, n as u32)?;
-        }
-        let cur = model.record_layers(
-            gpu,
-            &mut rec,
-            s,
-            &states,
-            Batch::Decode {
-                positions: &positions,
-            },
-        )?;
-        let last = self.is_last();
-        let k = topk.max(1);
-        let mut tickets = Vec::new();
-        if last {
-            model.record_head(gpu, &mut rec, s, cur, n as u32)?;
-            model.record_topk_rows(gpu, &mut rec, s, 0, n as u32, k, &s.results)?;
-            for row in 0..n as u64 {
-                tickets.push(rec.read(&s.results, row * u64::from(k) * 8, u64::from(k) * 8)?);
+        // A step recorded while the previous one ran serves if it was recorded for exactly this.
+        let ahead = match self.ahead.take() {
+            Some(a) if !profile && a.shape == shape => Some(a),
+            Some(a) => {
+                a.encoded.discard(&self.gpu);
+                None
             }
-        } else {
-            tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);
+            None => None,
+        };
+        let (encoded, tickets) = match ahead {
+            Some(a) => (a.encoded, a.tickets),
+            None => self.record_step(&shape, profile)?,
+        };
+        let submit_begin = Instant::now();
+        let submitted = encoded.submit(&self.gpu);
+        let submitted_at = Instant::now();
+        // Record the likely next step (same slots, one position on) while the GPU runs this one:
+        // its recording then costs the next call nothing. Any other next call discards it.
+        if !profile {
+            let next = shape.advanced();
+            if next.positions.iter().all(|&p| p < self.model.ctx) {
+                let (encoded, tickets) = self.record_step(&next, false)?;
+                self.ahead = Some(Ahead {
+                    shape: next,
+                    encoded,
+                    tickets,
+                });
+            }
         }
-        let (out, finished) = rec.finish_and_read_timed()?;
+        let (out, finished) = submitted.wait(&self.gpu)?;
+        let e = self.model.cfg.n_embd as usize;
+        let (last, k) = (self.is_last(), shape.k);
         let mut results = Vec::with_capacity(n);
         if last {
             for t in &tickets {
                 let pairs: &[IdLogit] = bytemuck::cast_slice(&out[*t]);
                 let top = if topk > 0 {
-                    pairs.iter().map(|p| (p.id, p.logit)).collect()
+                    pairs[..k as usize].iter().map(|p| (p.id, p.logit)).collect()
                 } else {
                     Vec::new()
                 };
@@ -739,19 +766,51 @@ impl Engine {
                 results.push(StageOutput::Hidden(rows[i * e..(i + 1) * e].to_vec()));
             }
         }
-        for (&sl, &p) in slots.iter().zip(&positions) {
+        for (&sl, &p) in slots.iter().zip(&shape.positions) {
             self.slots[sl].pos = p + 1;
         }
         let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
         let timing = StepTiming {
             rows: n as u32,
-            record_us: us(started, finished.encoded),
-            submit_us: us(finished.encoded, finished.submitted),
-            wait_us: us(finished.submitted, finished.done),
+            record_us: us(started, submit_begin),
+            submit_us: us(submit_begin, submitted_at),
+            wait_us: us(submitted_at, finished.done),
             total_us: us(started, Instant::now()),
         };
         self.last_step = Some(timing);
         Ok((results, finished.profile, timing))
+    }
+
+    /// Record one decode step of `shape` (its inputs are written separately, before the submit):
+    /// the encoded commands and, per row (last stage) or once (hidden rows), the readback index.
+    fn record_step(&self, shape: &StepShape, profile: bool) -> Result<(Encoded, Vec<usize>)> {
+        let n = shape.slots.len();
+        let e = self.model.cfg.n_embd as usize;
+        let model = &self.model;
+        let s = &self.scratch;
+        let gpu = &self.gpu;
+        let states: Vec<&SlotState> = shape.slots.iter().map(|&i| &self.slots[i]).collect();
+        let mut rec = if profile {
+            gpu.profiling_recorder()
+        } else {
+            gpu.recorder()
+        };
+        if shape.tokens {
+            model.record_embed(gpu, &mut rec, s, n as u32)?;
+        }
+        let cur = model.record_decode_layers(gpu, &mut rec, s, &states, &shape.positions)?;
+        let k = shape.k;
+        let mut tickets = Vec::new();
+        if self.is_last() {
+            model.record_head(gpu, &mut rec, s, cur, n as u32)?;
+            model.record_topk_rows(gpu, &mut rec, s, 0, n as u32, k, &s.results)?;
+            for row in 0..n as u64 {
+                tickets.push(rec.read(&s.results, row * u64::from(k) * 8, u64::from(k) * 8)?);
+            }
+        } else {
+            tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);
+        }
+        Ok((rec.finish()?, tickets))
     }
 
     /// Greedy generation on one slot from position 0: the prompt, then `max_new` tokens.
@@ -784,15 +843,15 @@ impl Engine {
     pub fn state_save(&mut self, slot: usize, idx: u64) -> Result<()> {
         let st = self.slot(slot)?;
         let pos = st.pos;
-        let parts = state_parts(st, pos, u64::from(self.model.cfg.kv_row()) * 4);
-        let total: u64 = parts.iter().map(|(_, b)| b).sum();
+        let parts = state_parts(st, &self.model.cfg, pos);
+        let total: u64 = parts.iter().map(|(_, _, b)| b).sum();
         let gpu = &self.gpu;
         let buffer = gpu.buffer_zeroed(&format!("snapshot{idx}"), total.max(4))?;
         let mut rec = gpu.recorder();
         let mut at = 0;
-        for (src, bytes) in parts {
+        for (src, offset, bytes) in parts {
             if bytes > 0 {
-                rec.copy(src, 0, &buffer, at, bytes)?;
+                rec.copy(src, offset, &buffer, at, bytes)?;
             }
             at += bytes;
         }
@@ -808,16 +867,12 @@ impl Engine {
             .snapshots
             .get(&idx)
             .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))?;
-        let parts = state_parts(
-            &self.slots[slot],
-            snap.pos,
-            u64::from(self.model.cfg.kv_row()) * 4,
-        );
+        let parts = state_parts(&self.slots[slot], &self.model.cfg, snap.pos);
         let mut rec = self.gpu.recorder();
         let mut at = 0;
-        for (dst, bytes) in parts {
+        for (dst, offset, bytes) in parts {
             if bytes > 0 {
-                rec.copy(&snap.buffer, at, dst, 0, bytes)?;
+                rec.copy(&snap.buffer, at, dst, offset, bytes)?;
             }
             at += bytes;
         }

@@ -280,11 +280,10 @@ impl Gpu {
     /// A mappable buffer of at least `size` bytes, reused across readbacks so a steady step
     /// creates none.
     pub(crate) fn staging_buffer(&self, size: u64) -> Result<GpuBuffer> {
-        if let Ok(mut slot) = self.cache.staging.lock()
-            && let Some(buf) = slot.take()
-            && buf.size >= size
+        if let Ok(mut pool) = self.cache.staging.lock()
+            && let Some(i) = pool.iter().position(|b| b.size >= size)
         {
-            return Ok(buf);
+            return Ok(pool.swap_remove(i));
         }
         // Grow geometrically so a slowly growing read does not allocate each time.
         let size = size
@@ -300,9 +299,14 @@ impl Gpu {
         )
     }
 
+    /// Keep a staging buffer for the next readback: a few, so a step recorded ahead has its own
+    /// while the previous step's is mapped.
     pub(crate) fn return_staging(&self, buf: GpuBuffer) {
-        if let Ok(mut slot) = self.cache.staging.lock() {
-            *slot = Some(buf);
+        if let Ok(mut pool) = self.cache.staging.lock() {
+            if pool.len() >= 4 {
+                pool.remove(0);
+            }
+            pool.push(buf);
         }
     }
 }

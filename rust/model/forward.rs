@@ -24,8 +24,34 @@ use crate::ops::topk::{self, MAX_K, TopkParams};
 pub enum LayerState {
     /// K and V rows of `ctx` positions (layout of attention.wgsl).
     Attention { k: GpuBuffer, v: GpuBuffer },
-    /// Conv rows (K−1 pre-conv inputs) and the DeltaNet matrices S of every v-head.
-    DeltaNet { conv: GpuBuffer, s: GpuBuffer },
+    /// Conv rows (K−1 pre-conv inputs) and the DeltaNet matrices S of every v-head: this slot's
+    /// ranges (byte offsets) of the layer's two buffers, which hold every slot back to back (slot i
+    /// at i · conv_bytes / i · ssm_bytes), so one dispatch can step all slots of a decode step.
+    DeltaNet {
+        conv: GpuBuffer,
+        conv_offset: u64,
+        s: GpuBuffer,
+        s_offset: u64,
+    },
+}
+
+impl LayerState {
+    /// (buffer, byte offset, bytes) of each part of this slot's state, KV rows up to `pos`.
+    pub fn parts(&self, cfg: &ModelConfig, pos: u32) -> [(&GpuBuffer, u64, u64); 2] {
+        let kv = u64::from(pos) * u64::from(cfg.kv_row()) * 4;
+        match self {
+            LayerState::Attention { k, v } => [(k, 0, kv), (v, 0, kv)],
+            LayerState::DeltaNet {
+                conv,
+                conv_offset,
+                s,
+                s_offset,
+            } => [
+                (conv, *conv_offset, conv_bytes(cfg)),
+                (s, *s_offset, ssm_bytes(cfg)),
+            ],
+        }
+    }
 }
 
 /// One slot: its position (tokens already run) and its state per local layer.
@@ -35,11 +61,25 @@ pub struct SlotState {
 }
 
 impl SlotState {
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig, layers: &[LayerWeights], ctx: u32, slot: usize) -> Result<Self> {
-        let mut out = Vec::new();
+    /// The state of `n_slots` slots: KV buffers per slot, each DeltaNet layer's conv rows and S in
+    /// one buffer per layer with a slot axis (all zero).
+    pub fn all(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        layers: &[LayerWeights],
+        ctx: u32,
+        n_slots: u32,
+    ) -> Result<Vec<Self>> {
+        let mut slots: Vec<SlotState> = (0..n_slots)
+            .map(|_| SlotState {
+                pos: 0,
+                layers: Vec::new(),
+            })
+            .collect();
+        let (cb, sb) = (conv_bytes(cfg), ssm_bytes(cfg));
         for lw in layers {
             let il = lw.index;
-            out.push(match cfg.kinds[il as usize] {
+            match cfg.kinds[il as usize] {
                 LayerKind::Attention => {
                     let bytes = u64::from(ctx) * u64::from(cfg.kv_row()) * 4;
                     crate::ensure!(
@@ -49,26 +89,51 @@ impl SlotState {
                             gpu.caps.max_binding_size
                         ))
                     );
-                    LayerState::Attention {
-                        k: gpu.buffer_zeroed(&format!("slot{slot}.k{il}"), bytes)?,
-                        v: gpu.buffer_zeroed(&format!("slot{slot}.v{il}"), bytes)?,
+                    for (i, slot) in slots.iter_mut().enumerate() {
+                        slot.layers.push(LayerState::Attention {
+                            k: gpu.buffer_zeroed(&format!("slot{i}.k{il}"), bytes)?,
+                            v: gpu.buffer_zeroed(&format!("slot{i}.v{il}"), bytes)?,
+                        });
                     }
                 }
-                LayerKind::DeltaNet => LayerState::DeltaNet {
-                    conv: gpu.buffer_zeroed(&format!("slot{slot}.conv{il}"), conv_bytes(cfg))?,
-                    s: gpu.buffer_zeroed(&format!("slot{slot}.s{il}"), ssm_bytes(cfg))?,
-                },
-            });
+                LayerKind::DeltaNet => {
+                    let all = u64::from(n_slots);
+                    crate::ensure!(
+                        all * sb <= gpu.caps.max_binding_size,
+                        QkError::OutOfMemory(format!(
+                            "DeltaNet state of layer {il}: {n_slots} slots need {} bytes, more than one binding ({})",
+                            all * sb,
+                            gpu.caps.max_binding_size
+                        ))
+                    );
+                    let conv = gpu.buffer_zeroed(&format!("conv{il}"), all * cb)?;
+                    let s = gpu.buffer_zeroed(&format!("ssm{il}"), all * sb)?;
+                    for (i, slot) in slots.iter_mut().enumerate() {
+                        slot.layers.push(LayerState::DeltaNet {
+                            conv: conv.clone(),
+                            conv_offset: i as u64 * cb,
+                            s: s.clone(),
+                            s_offset: i as u64 * sb,
+                        });
+                    }
+                }
+            }
         }
-        Ok(SlotState { pos: 0, layers: out })
+        Ok(slots)
     }
 
     /// Zero the recurrent state (KV rows beyond the position are never read).
-    pub fn reset(&mut self, gpu: &Gpu) -> Result<()> {
+    pub fn reset(&mut self, gpu: &Gpu, cfg: &ModelConfig) -> Result<()> {
         for l in &self.layers {
-            if let LayerState::DeltaNet { conv, s } = l {
-                gpu.write(conv, 0, &vec![0u8; conv.size as usize])?;
-                gpu.write(s, 0, &vec![0u8; s.size as usize])?;
+            if let LayerState::DeltaNet {
+                conv,
+                conv_offset,
+                s,
+                s_offset,
+            } = l
+            {
+                gpu.write(conv, *conv_offset, &vec![0u8; conv_bytes(cfg) as usize])?;
+                gpu.write(s, *s_offset, &vec![0u8; ssm_bytes(cfg) as usize])?;
             }
         }
         self.pos = 0;
@@ -89,40 +154,42 @@ pub fn ssm_bytes(cfg: &ModelConfig) -> u64 {
 pub struct Scratch {
     pub rows: u32,
     pub x: [GpuBuffer; 2],
-    xn: GpuBuffer,
-    mix: GpuBuffer,
+    pub(crate) xn: GpuBuffer,
+    pub(crate) mix: GpuBuffer,
     /// DeltaNet: [q‖k‖v pre-conv | beta/alpha logits] per row.
-    gproj: GpuBuffer,
+    pub(crate) gproj: GpuBuffer,
     /// Legacy `ssm_in` output before it is regrouped into gproj and z.
-    legacy: GpuBuffer,
-    conv_out: GpuBuffer,
-    z: GpuBuffer,
-    dn_out: GpuBuffer,
-    gated: GpuBuffer,
-    dn_scratch: GpuBuffer,
+    pub(crate) legacy: GpuBuffer,
+    pub(crate) conv_out: GpuBuffer,
+    pub(crate) z: GpuBuffer,
+    pub(crate) dn_out: GpuBuffer,
+    pub(crate) gated: GpuBuffer,
+    pub(crate) dn_scratch: GpuBuffer,
     /// Attention: [q+gate | K | V] per row.
-    aproj: GpuBuffer,
-    q: GpuBuffer,
-    attn_out: GpuBuffer,
-    part_out: GpuBuffer,
-    part_ml: GpuBuffer,
-    router_logits: GpuBuffer,
-    expert_ids: GpuBuffer,
-    expert_w: GpuBuffer,
-    gate_up: GpuBuffer,
-    act: GpuBuffer,
-    down: GpuBuffer,
-    sh_gate_up: GpuBuffer,
-    sh_act: GpuBuffer,
-    sh_down: GpuBuffer,
-    sh_gate: GpuBuffer,
+    pub(crate) aproj: GpuBuffer,
+    pub(crate) q: GpuBuffer,
+    pub(crate) attn_out: GpuBuffer,
+    pub(crate) part_out: GpuBuffer,
+    pub(crate) part_ml: GpuBuffer,
+    pub(crate) router_logits: GpuBuffer,
+    pub(crate) expert_ids: GpuBuffer,
+    pub(crate) expert_w: GpuBuffer,
+    pub(crate) gate_up: GpuBuffer,
+    pub(crate) act: GpuBuffer,
+    pub(crate) down: GpuBuffer,
+    pub(crate) sh_gate_up: GpuBuffer,
+    pub(crate) sh_act: GpuBuffer,
+    pub(crate) sh_down: GpuBuffer,
+    pub(crate) sh_gate: GpuBuffer,
     pub logits: GpuBuffer,
     pub tokens: GpuBuffer,
-    topk_candidates: GpuBuffer,
+    pub(crate) topk_candidates: GpuBuffer,
     /// Top-k results of a batch of rows: rows × k pairs (k ≤ MAX_K), row-major.
     pub results: GpuBuffer,
     /// The final row of a prefill piece (its own k).
     pub result_last: GpuBuffer,
+    /// Decode: the slot of each row (u32), written by the engine before each step.
+    pub(crate) slots: GpuBuffer,
     pub bytes: u64,
 }
 
@@ -194,12 +261,13 @@ impl Scratch {
             part_ml: buf("attn.partial_ml", pml)?,
             // Expert logits, then (stacked router) the shared expert's gate logit, per row.
             router_logits: buf("moe.router", r * u64::from(cfg.experts + 1))?,
-            expert_ids: buf("moe.ids", r * k)?,
-            expert_w: buf("moe.weights", r * k)?,
+            // k routed picks, and the shared expert as pick k in the decode step.
+            expert_ids: buf("moe.ids", r * (k + 1))?,
+            expert_w: buf("moe.weights", r * (k + 1))?,
             // The expert columns, then (ff == shared_ff) the shared expert's t columns.
             gate_up: buf("moe.gate_up", r * (k + 1) * 2 * ff)?,
             act: buf("moe.act", r * (k + 1) * ff)?,
-            down: buf("moe.down", r * k * e)?,
+            down: buf("moe.down", r * (k + 1) * e)?,
             sh_gate_up: buf("shexp.gate_up", r * 2 * sff)?,
             sh_act: buf("shexp.act", r * sff)?,
             sh_down: buf("shexp.down", r * e)?,
@@ -212,16 +280,17 @@ impl Scratch {
             )?,
             results: buf("topk.results", head_rows * 2 * u64::from(MAX_K))?,
             result_last: buf("topk.result_last", 2 * u64::from(MAX_K))?,
+            slots: buf("decode.slots", r)?,
             bytes,
         })
     }
 }
 
-fn attn_proj_width(cfg: &ModelConfig) -> u32 {
+pub(crate) fn attn_proj_width(cfg: &ModelConfig) -> u32 {
     2 * cfg.heads * cfg.head_dim + 2 * cfg.kv_row()
 }
 
-fn delta_params(cfg: &ModelConfig) -> DeltaParams {
+pub(crate) fn delta_params(cfg: &ModelConfig) -> DeltaParams {
     let key_dim = cfg.k_heads * cfg.dk;
     let nv = cfg.v_heads;
     let r = nv / cfg.k_heads;
@@ -285,17 +354,17 @@ pub struct Model {
 }
 
 /// Bytes of a dense weight matrix (what one mat-vec reads).
-fn dense_bytes(w: &WeightTensor) -> u64 {
+pub(crate) fn dense_bytes(w: &WeightTensor) -> u64 {
     w.rows * w.row_bytes * w.experts
 }
 
 /// Bytes of the experts a MoE mat-vec over `t` tokens reads: n_used per token, counted as
 /// distinct (an upper bound when tokens share experts).
-fn expert_bytes(w: &WeightTensor, n_used: u32, t: u32) -> u64 {
+pub(crate) fn expert_bytes(w: &WeightTensor, n_used: u32, t: u32) -> u64 {
     w.rows * w.row_bytes * (u64::from(n_used) * u64::from(t)).min(w.experts)
 }
 
-fn cols(buf: &GpuBuffer, offset: u32, stride: u32) -> Columns<'_> {
+pub(crate) fn cols(buf: &GpuBuffer, offset: u32, stride: u32) -> Columns<'_> {
     Columns { buf, offset, stride }
 }
 
@@ -360,7 +429,7 @@ impl Model {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn record_layer(
+    pub(crate) fn record_layer(
         &self,
         gpu: &Gpu,
         rec: &mut Recorder<'_>,
@@ -487,7 +556,9 @@ impl Model {
             |rec: &mut Recorder<'_>, st: &LayerState, first: u32, n: u32, base: Option<u32>| -> Result<()> {
                 let LayerState::DeltaNet {
                     conv: conv_state,
+                    conv_offset,
                     s: ssm,
+                    s_offset,
                 } = st
                 else {
                     return Err(QkError::Engine("DeltaNet layer with attention state".into()));
@@ -500,9 +571,9 @@ impl Model {
                     src_token_stride: gw,
                     dst_offset: first * cd,
                     dst_token_stride: cd,
-                    state_offset: 0,
+                    state_offset: (conv_offset / 4) as u32,
                 };
-                rec.op("dn.conv", layer, conv_state.size);
+                rec.op("dn.conv", layer, conv_bytes(cfg));
                 conv::record(gpu, rec, &cp, &s.gproj, &w.conv, conv_state, &s.conv_out)?;
                 let args = DeltaArgs {
                     qkv: &s.conv_out,
@@ -516,10 +587,11 @@ impl Model {
                 let p = DeltaParams {
                     tokens: n,
                     first_token: first,
+                    state_offset: (s_offset / 4) as u32,
                     ..dp
                 };
                 // S is read and written once per call.
-                rec.op("dn.delta", layer, 2 * ssm.size);
+                rec.op("dn.delta", layer, 2 * ssm_bytes(cfg));
                 match base {
                     Some(b) => deltanet::record_prefill(gpu, rec, &p, b, &args),
                     None => deltanet::record_recurrent(gpu, rec, &p, &args),
@@ -594,6 +666,37 @@ impl Model {
                 mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
             }
         }
+        self.record_attention_core(gpu, rec, s, w, states, batch, layer)?;
+        let q_rows = cfg.heads * hd;
+        rec.op("attn.out", layer, dense_bytes(&w.out));
+        mul(
+            gpu,
+            rec,
+            &w.out,
+            Columns::packed(&s.attn_out, q_rows),
+            Columns::packed(&s.mix, e),
+            t,
+        )
+    }
+
+    /// From the projections in `s.aproj` to the gated attention output in `s.attn_out`: q/k norms,
+    /// RoPE, the K/V store into each slot's cache and attention over it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn record_attention_core(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        w: &super::weights::AttentionWeights,
+        states: &[&LayerState],
+        batch: Batch<'_>,
+        layer: Option<u32>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let t = batch.rows();
+        let hd = cfg.head_dim;
+        let (qw, kvw) = (2 * cfg.heads * hd, cfg.kv_row());
+        let aw = attn_proj_width(cfg);
         // Per-head RMSNorm of q (the first half of each head's q+gate slice), before RoPE.
         let q_src = RowLayout {
             offset: 0,
@@ -724,15 +827,7 @@ impl Model {
                 }
             }
         }
-        rec.op("attn.out", layer, dense_bytes(&w.out));
-        mul(
-            gpu,
-            rec,
-            &w.out,
-            Columns::packed(&s.attn_out, q_rows),
-            Columns::packed(&s.mix, e),
-            t,
-        )
+        Ok(())
     }
 
     /// MoE + shared expert of the normed rows in xn, added to `out` (docs/numerics.md "MoE routing").

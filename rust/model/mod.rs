@@ -2,6 +2,7 @@
 //! graph recorded onto the GPU.
 
 pub mod config;
+pub mod decode;
 pub mod forward;
 pub mod weights;
 

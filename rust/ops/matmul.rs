@@ -348,11 +348,8 @@ pub fn matvec_fused(
 ) -> Result<()> {
     check_dense("matvec", "; use matvec_id", w, &x, &y, ncols)?;
     check_fusion(w, fusion, ncols)?;
-    if matches!(fusion.input, MatvecInput::SiluMul { .. }) {
-        return Err(QkError::Engine(format!(
-            "{}: silu·mul input is for expert mat-vecs (matvec_id)",
-            w.name
-        )));
+    if let MatvecInput::SiluMul { up } = fusion.input {
+        check_columns(&w.name, &x, silu_mul_len(w, up)?, u64::from(ncols), true)?;
     }
     let (nr, _) = matvec_shape(gpu, w.ty);
     let k = as_u32(w.cols, "K")?;
@@ -384,6 +381,17 @@ pub fn matvec_fused(
         done += nc;
     }
     Ok(())
+}
+
+/// Floats of one silu·mul input column (gate, then up `up` floats later), checked.
+fn silu_mul_len(w: &WeightTensor, up: u32) -> Result<u64> {
+    if u64::from(up) < w.cols || !up.is_multiple_of(4) {
+        return Err(QkError::Engine(format!(
+            "{}: silu·mul input needs up ≥ K and a multiple of 4 (up {up}, K {})",
+            w.name, w.cols
+        )));
+    }
+    Ok(u64::from(up) + w.cols)
 }
 
 /// The fused stages' own operands: sizes and layouts the kernel will index.
@@ -489,12 +497,10 @@ pub fn matvec_id_with(
     };
     let x_len = match pre {
         MatvecInput::Plain => w.cols,
-        MatvecInput::SiluMul { up } if u64::from(up) >= w.cols && up.is_multiple_of(4) => {
-            u64::from(up) + w.cols
-        }
-        _ => {
+        MatvecInput::SiluMul { up } => silu_mul_len(w, up)?,
+        MatvecInput::Rms { .. } => {
             return Err(QkError::Engine(format!(
-                "{}: expert mat-vec input must be plain or silu·mul with up ≥ K, a multiple of 4",
+                "{}: expert mat-vec input must be plain or silu·mul",
                 w.name
             )));
         }

@@ -166,7 +166,7 @@ fn profile_step_labels_every_dispatch() {
         "moe.gate_up",
         "moe.down",
         "attn.core",
-        "dn.delta",
+        "dn.step",
         "head.lm",
         "head.topk",
     ] {
