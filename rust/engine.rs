@@ -14,9 +14,10 @@ use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
 use crate::gpu::record::{OpLabel, SubmitProfile};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
-use crate::model::forward::{Batch, LayerState, Model, Scratch, SlotState};
+use crate::model::forward::{Batch, LayerState, Model, Scratch, SlotState, attn_shape};
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
+use crate::ops::attention::KvType;
 use crate::ops::deltanet::CHUNK;
 use crate::ops::rope::freq_table;
 use crate::ops::topk::{IdLogit, MAX_K};
@@ -52,16 +53,18 @@ struct Snapshot {
     buffer: GpuBuffer,
 }
 
-/// The slot's state buffers and the bytes of each a snapshot at `pos` holds, in layer order.
-fn state_parts(st: &SlotState, pos: u32, kv_row_bytes: u64) -> Vec<(&GpuBuffer, u64)> {
-    let kv = u64::from(pos) * kv_row_bytes;
-    st.layers
-        .iter()
-        .flat_map(|l| match l {
-            LayerState::Attention { k, v } => [(k, kv), (v, kv)],
-            LayerState::DeltaNet { conv, s } => [(conv, conv.size), (s, s.size)],
-        })
-        .collect()
+/// The slot's state ranges (buffer, offset, bytes) a snapshot at `pos` holds, in layer order: the
+/// slot's KV cells of positions `0..pos` (their bytes per position depend on the cache types), conv
+/// rows and S.
+fn state_parts(st: &SlotState, pos: u32) -> Result<Vec<(&GpuBuffer, u64, u64)>> {
+    let mut parts = Vec::new();
+    for l in &st.layers {
+        match l {
+            LayerState::Attention { kv, slot } => parts.extend(kv.slot_ranges(*slot, pos)?),
+            LayerState::DeltaNet { conv, s } => parts.extend([(conv, 0, conv.size), (s, 0, s.size)]),
+        }
+    }
+    Ok(parts)
 }
 
 /// Device memory held, in bytes.
@@ -225,6 +228,20 @@ pub struct EngineOptions {
     pub slots: u32,
     pub ctx: u32,
     pub device: Option<String>,
+    /// KV cache element types; None: f16 (see [`EngineOptions::kv_types`]).
+    pub cache_type_k: Option<KvType>,
+    pub cache_type_v: Option<KvType>,
+}
+
+impl EngineOptions {
+    /// The K and V cache types: as given, else f16 (llama.cpp's default). The precise setting wants
+    /// f32 here when no type is given.
+    pub fn kv_types(&self) -> (KvType, KvType) {
+        (
+            self.cache_type_k.unwrap_or(KvType::F16),
+            self.cache_type_v.unwrap_or(KvType::F16),
+        )
+    }
 }
 
 pub struct Engine {
@@ -235,6 +252,7 @@ pub struct Engine {
     scratch: Scratch,
     snapshots: HashMap<u64, Snapshot>,
     last_step: Option<StepTiming>,
+    kv_types: (KvType, KvType),
 }
 
 impl Engine {
@@ -266,16 +284,15 @@ impl Engine {
         ));
         let weights = Weights::load(&gpu, &file, &cfg, layers, progress)?;
         let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
-        let mut slots = Vec::new();
-        for i in 0..opts.slots {
-            slots.push(SlotState::new(&gpu, &cfg, &weights.layers, opts.ctx, i as usize)?);
-        }
+        let (k_type, v_type) = opts.kv_types();
+        let shape = attn_shape(&cfg, opts.ctx, k_type, v_type);
+        let slots = SlotState::new_all(&gpu, &cfg, &weights.layers, shape, opts.slots)?;
         let has_head = weights.output.is_some();
         let rows = CHUNK.max(opts.slots);
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
-        let scratch = Scratch::new(&gpu, &cfg, rows, opts.ctx, has_head, legacy)?;
+        let scratch = Scratch::new(&gpu, &cfg, rows, has_head, legacy)?;
         let engine = Engine {
             gpu,
             model: Model {
@@ -284,6 +301,7 @@ impl Engine {
                 freqs,
                 ctx: opts.ctx,
             },
+            kv_types: (k_type, v_type),
             layers,
             slots,
             scratch,
@@ -292,8 +310,10 @@ impl Engine {
         };
         let m = engine.memory();
         progress(&format!(
-            "loaded: weights {:.1} MiB, KV {:.1} MiB + DeltaNet state {:.1} MiB per slot, scratch {:.1} MiB, total {:.1} MiB",
+            "loaded: weights {:.1} MiB, KV ({} K, {} V) {:.1} MiB + DeltaNet state {:.1} MiB per slot, scratch {:.1} MiB, total {:.1} MiB",
             mib(m.weights),
+            k_type.name(),
+            v_type.name(),
             mib(m.kv_per_slot),
             mib(m.deltanet_per_slot),
             mib(m.scratch),
@@ -330,12 +350,18 @@ impl Engine {
         self.gpu.counters()
     }
 
+    /// The K and V cache element types.
+    pub fn kv_types(&self) -> (KvType, KvType) {
+        self.kv_types
+    }
+
     pub fn memory(&self) -> Memory {
         let cfg = &self.model.cfg;
         let local = &self.model.cfg.kinds[self.layers.0 as usize..self.layers.1 as usize];
         let n_attn = local.iter().filter(|k| **k == LayerKind::Attention).count() as u64;
         let n_dn = local.len() as u64 - n_attn;
-        let kv = n_attn * 2 * u64::from(self.model.ctx) * u64::from(cfg.kv_row()) * 4;
+        let (k_type, v_type) = self.kv_types;
+        let kv = n_attn * attn_shape(cfg, self.model.ctx, k_type, v_type).slot_bytes();
         let dn = n_dn * (crate::model::forward::conv_bytes(cfg) + crate::model::forward::ssm_bytes(cfg));
         let snaps: u64 = self.snapshots.values().map(|s| s.buffer.size).sum();
         let weights = self.model.weights.bytes;
@@ -784,15 +810,15 @@ impl Engine {
     pub fn state_save(&mut self, slot: usize, idx: u64) -> Result<()> {
         let st = self.slot(slot)?;
         let pos = st.pos;
-        let parts = state_parts(st, pos, u64::from(self.model.cfg.kv_row()) * 4);
-        let total: u64 = parts.iter().map(|(_, b)| b).sum();
+        let parts = state_parts(st, pos)?;
+        let total: u64 = parts.iter().map(|(_, _, b)| b).sum();
         let gpu = &self.gpu;
         let buffer = gpu.buffer_zeroed(&format!("snapshot{idx}"), total.max(4))?;
         let mut rec = gpu.recorder();
         let mut at = 0;
-        for (src, bytes) in parts {
+        for (src, offset, bytes) in parts {
             if bytes > 0 {
-                rec.copy(src, 0, &buffer, at, bytes)?;
+                rec.copy(src, offset, &buffer, at, bytes)?;
             }
             at += bytes;
         }
@@ -808,16 +834,12 @@ impl Engine {
             .snapshots
             .get(&idx)
             .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))?;
-        let parts = state_parts(
-            &self.slots[slot],
-            snap.pos,
-            u64::from(self.model.cfg.kv_row()) * 4,
-        );
+        let parts = state_parts(&self.slots[slot], snap.pos)?;
         let mut rec = self.gpu.recorder();
         let mut at = 0;
-        for (dst, bytes) in parts {
+        for (dst, offset, bytes) in parts {
             if bytes > 0 {
-                rec.copy(&snap.buffer, at, dst, 0, bytes)?;
+                rec.copy(&snap.buffer, at, dst, offset, bytes)?;
             }
             at += bytes;
         }
