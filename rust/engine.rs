@@ -266,6 +266,9 @@ impl Engine {
             QkError::Engine("slots must be at least 1".into())
         );
         crate::ensure!(opts.ctx >= 1, QkError::Engine("ctx must be at least 1".into()));
+        let (k_type, v_type) = opts.kv_types();
+        let shape = attn_shape(&cfg, opts.ctx, k_type, v_type);
+        shape.validate()?;
         Weights::check_types(&file, layers)?;
         let mut gopts = GpuOptions::from_env();
         if opts.device.is_some() {
@@ -284,8 +287,6 @@ impl Engine {
         ));
         let weights = Weights::load(&gpu, &file, &cfg, layers, progress)?;
         let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
-        let (k_type, v_type) = opts.kv_types();
-        let shape = attn_shape(&cfg, opts.ctx, k_type, v_type);
         let slots = SlotState::new_all(&gpu, &cfg, &weights.layers, shape, opts.slots)?;
         let has_head = weights.output.is_some();
         let rows = CHUNK.max(opts.slots);
