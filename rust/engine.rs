@@ -14,9 +14,10 @@ use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
 use crate::gpu::record::{Encoded, OpLabel, SubmitProfile};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
-use crate::model::forward::{Batch, Model, Scratch, SlotState};
+use crate::model::forward::{Batch, Model, Scratch, SlotState, attn_shape, write_step_rows};
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
+use crate::ops::attention::KvType;
 use crate::ops::deltanet::CHUNK;
 use crate::ops::rope::freq_table;
 use crate::ops::topk::{IdLogit, MAX_K};
@@ -52,9 +53,14 @@ struct Snapshot {
     buffer: GpuBuffer,
 }
 
-/// The slot's state ranges (buffer, byte offset, bytes) a snapshot at `pos` holds, in layer order.
-fn state_parts<'a>(st: &'a SlotState, cfg: &ModelConfig, pos: u32) -> Vec<(&'a GpuBuffer, u64, u64)> {
-    st.layers.iter().flat_map(|l| l.parts(cfg, pos)).collect()
+/// The slot's state ranges (buffer, byte offset, bytes) a snapshot at `pos` holds, in layer order:
+/// its KV cells of positions `0..pos` (their bytes depend on the cache types), conv rows and S.
+fn state_parts<'a>(st: &'a SlotState, cfg: &ModelConfig, pos: u32) -> Result<Vec<(&'a GpuBuffer, u64, u64)>> {
+    let mut parts = Vec::new();
+    for l in &st.layers {
+        parts.extend(l.parts(cfg, pos)?);
+    }
+    Ok(parts)
 }
 
 /// Device memory held, in bytes.
@@ -218,6 +224,20 @@ pub struct EngineOptions {
     pub slots: u32,
     pub ctx: u32,
     pub device: Option<String>,
+    /// KV cache element types; None: f16 (see [`EngineOptions::kv_types`]).
+    pub cache_type_k: Option<KvType>,
+    pub cache_type_v: Option<KvType>,
+}
+
+impl EngineOptions {
+    /// The K and V cache types: as given, else f16 (llama.cpp's default). The precise setting wants
+    /// f32 here when no type is given.
+    pub fn kv_types(&self) -> (KvType, KvType) {
+        (
+            self.cache_type_k.unwrap_or(KvType::F16),
+            self.cache_type_v.unwrap_or(KvType::F16),
+        )
+    }
 }
 
 pub struct Engine {
@@ -228,6 +248,7 @@ pub struct Engine {
     scratch: Scratch,
     snapshots: HashMap<u64, Snapshot>,
     last_step: Option<StepTiming>,
+    kv_types: (KvType, KvType),
     /// The decode step recorded while the previous one ran (see `step_inner`).
     ahead: Option<Ahead>,
 }
@@ -270,6 +291,9 @@ impl Engine {
             QkError::Engine("slots must be at least 1".into())
         );
         crate::ensure!(opts.ctx >= 1, QkError::Engine("ctx must be at least 1".into()));
+        let (k_type, v_type) = opts.kv_types();
+        let shape = attn_shape(&cfg, opts.ctx, k_type, v_type);
+        shape.validate()?;
         Weights::check_types(&file, layers)?;
         let mut gopts = GpuOptions::from_env();
         if opts.device.is_some() {
@@ -288,13 +312,13 @@ impl Engine {
         ));
         let weights = Weights::load(&gpu, &file, &cfg, layers, progress)?;
         let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
-        let slots = SlotState::all(&gpu, &cfg, &weights.layers, opts.ctx, opts.slots)?;
+        let slots = SlotState::new_all(&gpu, &cfg, &weights.layers, shape, opts.slots)?;
         let has_head = weights.output.is_some();
         let rows = CHUNK.max(opts.slots);
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
-        let scratch = Scratch::new(&gpu, &cfg, rows, opts.ctx, has_head, legacy)?;
+        let scratch = Scratch::new(&gpu, &cfg, rows, has_head, legacy)?;
         let engine = Engine {
             gpu,
             model: Model {
@@ -303,6 +327,7 @@ impl Engine {
                 freqs,
                 ctx: opts.ctx,
             },
+            kv_types: (k_type, v_type),
             layers,
             slots,
             scratch,
@@ -312,8 +337,10 @@ impl Engine {
         };
         let m = engine.memory();
         progress(&format!(
-            "loaded: weights {:.1} MiB, KV {:.1} MiB + DeltaNet state {:.1} MiB per slot, scratch {:.1} MiB, total {:.1} MiB",
+            "loaded: weights {:.1} MiB, KV ({} K, {} V) {:.1} MiB + DeltaNet state {:.1} MiB per slot, scratch {:.1} MiB, total {:.1} MiB",
             mib(m.weights),
+            k_type.name(),
+            v_type.name(),
             mib(m.kv_per_slot),
             mib(m.deltanet_per_slot),
             mib(m.scratch),
@@ -350,12 +377,18 @@ impl Engine {
         self.gpu.counters()
     }
 
+    /// The K and V cache element types.
+    pub fn kv_types(&self) -> (KvType, KvType) {
+        self.kv_types
+    }
+
     pub fn memory(&self) -> Memory {
         let cfg = &self.model.cfg;
         let local = &self.model.cfg.kinds[self.layers.0 as usize..self.layers.1 as usize];
         let n_attn = local.iter().filter(|k| **k == LayerKind::Attention).count() as u64;
         let n_dn = local.len() as u64 - n_attn;
-        let kv = n_attn * 2 * u64::from(self.model.ctx) * u64::from(cfg.kv_row()) * 4;
+        let (k_type, v_type) = self.kv_types;
+        let kv = n_attn * attn_shape(cfg, self.model.ctx, k_type, v_type).slot_bytes();
         let dn = n_dn * (crate::model::forward::conv_bytes(cfg) + crate::model::forward::ssm_bytes(cfg));
         let snaps: u64 = self.snapshots.values().map(|s| s.buffer.size).sum();
         let weights = self.model.weights.bytes;
@@ -572,6 +605,7 @@ impl Engine {
             }
             let cur = if len == 1 {
                 gpu.write(&s.slots, 0, bytemuck::bytes_of(&(slot as u32)))?;
+                write_step_rows(gpu, s, &[st], &[pos])?;
                 model.record_decode_layers(gpu, &mut rec, s, &[st], &[pos])?
             } else {
                 model.record_layers(gpu, &mut rec, s, &[st], Batch::Prefill { base: pos, n: t })?
@@ -708,6 +742,10 @@ impl Engine {
         let slot_table: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
         self.gpu
             .write(&self.scratch.slots, 0, bytemuck::cast_slice(&slot_table))?;
+        {
+            let states: Vec<&SlotState> = slots.iter().map(|&i| &self.slots[i]).collect();
+            write_step_rows(&self.gpu, &self.scratch, &states, &positions)?;
+        }
         let shape = StepShape {
             slots: slots.to_vec(),
             positions,
@@ -843,7 +881,7 @@ impl Engine {
     pub fn state_save(&mut self, slot: usize, idx: u64) -> Result<()> {
         let st = self.slot(slot)?;
         let pos = st.pos;
-        let parts = state_parts(st, &self.model.cfg, pos);
+        let parts = state_parts(st, &self.model.cfg, pos)?;
         let total: u64 = parts.iter().map(|(_, _, b)| b).sum();
         let gpu = &self.gpu;
         let buffer = gpu.buffer_zeroed(&format!("snapshot{idx}"), total.max(4))?;
@@ -867,7 +905,7 @@ impl Engine {
             .snapshots
             .get(&idx)
             .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))?;
-        let parts = state_parts(&self.slots[slot], &self.model.cfg, snap.pos);
+        let parts = state_parts(&self.slots[slot], &self.model.cfg, snap.pos)?;
         let mut rec = self.gpu.recorder();
         let mut at = 0;
         for (dst, offset, bytes) in parts {

@@ -1,290 +1,664 @@
-// Causal GQA softmax attention with the Qwen3-Next sigmoid output gate (docs/numerics.md "Gated attention").
+// Causal GQA attention over the KV cache with the Qwen3-Next sigmoid output gate (docs/numerics.md "Gated attention"),
+// flash style: the keys of a row are cut into splits, each split keeps an online softmax (running
+// max m, sum l, unnormalised output o) and writes it as a partial; OP=merge combines a row's
+// partials, normalises and gates. OP=prepare fills the cache first. Layouts and the host side:
+// rust/ops/attention.rs.
 //
-// KV cache layout (one sequence): element (position p, kv head g, dim d) of K and of V lives at
-// kv_offset + (p * kv_heads + g) * head_dim + d, i.e. token-major rows of kv_heads*head_dim, so
-// appending tokens and snapshotting a prefix are contiguous ranges. Query row t sits at absolute
-// position q_pos + t and sees cache positions 0..=q_pos+t (its own row is already in the cache).
-// q head h uses kv head h / (heads / kv_heads). out = softmax(scale q.K) V, times sigmoid(gate) if
-// `gated` (gate of head h at gate_offset + t*gate_token_stride + h*gate_head_stride, which for
-// the interleaved q/gate projection is q's row shifted by head_dim).
-//
-// Variants (OP):
-// * split + reduce: flash-decoding for few query rows and a long cache. split: grid (splits,
-//   kv_heads, tokens); each workgroup scores split_len cache positions for all q heads sharing one
-//   kv head (K/V read once per group) and writes a partial output with its max and sum. reduce:
-//   grid (heads, tokens); merges the splits, normalises and gates.
-// * prefill: grid (ceil(tokens / BQ), heads); tiles of BQ query rows x BK cache positions with an
-//   online softmax; each query row is LANES invocations, each owning every LANES-th dim.
+// OP=prepare (docs/numerics.md "Gated attention"): grid (heads + kv_heads, rows), one workgroup per head row: q
+// heads get their RMSNorm and partial NeoX RoPE into Q_OUT, kv heads' K its RMSNorm and RoPE and,
+// with V, a store into the row's cache cell in the cache type (f32, f16, or q8_0 for K: blocks of
+// 32 with an f16 scale, as ggml's quantize_row_q8_0). RoPE rotates the pairs (i, i + n_rot/2) by
+// pos * theta_i with theta_i from FREQS (computed on the host in f64: in f32 on the GPU, exp2 of an
+// exponent up to ~23 loses ~1e-6 relative, ~0.3 rad at position 262144); the angle is rounded to
+// f32 as llama.cpp does, only its reduction to [-pi, pi] is careful, because Vulkan bounds sin/cos
+// error only inside that range.
+// OP=decode: grid (splits, kv heads, rows); a row is (slot, position) from ROWS (or a prefill
+// piece's run). COLS columns of LANES invocations walk the split's keys, a column one key at a
+// time (two per iteration); a lane owns 8 dims of every head of the GQA group, so a key's K and V
+// rows are read once, coalesced, for all its q heads. Scores are summed across the lanes by
+// subgroup shuffles; each column keeps its own softmax state, merged across columns at the end.
+// OP=prefill: grid (splits, kv heads, query tiles); a tile is TT consecutive tokens × the group's
+// G heads (PR rows), LANES invocations per row, K and V staged in workgroup memory BK keys at a
+// time and shared by every row of the tile.
+// Splits: a row (tile) of n keys has splits of the smallest length min_split·2^k with at most
+// max_splits of them (`plan`); the grid is sized for the longest, later splits exit at once.
 #include "common.wgsl"
+#if OP == prepare
+#include "common_reduce.wgsl"
+#endif
+#define OP decode
+#define K_TYPE 1
+#define V_TYPE 1
+#define HEAD_DIM 64
+#define GROUP 2
+#define LANES 8
+#define COLS 8
+#define PR 64
 #define WG 64
-#define OP prefill
-#variants OP=split
-#variants OP=reduce
+#variants OP=prefill LANES=4 WG=256
+#variants OP=merge
+#variants K_TYPE=0 V_TYPE=0
+#variants K_TYPE=2 V_TYPE=0 OP=prefill LANES=1 WG=64
+#variants K_TYPE=2 GROUP=3 LANES=4 WG=32
+#variants K_TYPE=0 LANES=1 WG=8
+#variants OP=prepare
+#variants OP=prepare K_TYPE=0 V_TYPE=0
+#variants OP=prepare K_TYPE=2
 
-struct AttnParams {
-    tokens: u32,
+struct CoreParams {
+    // Rows of the dispatch; with rows_from_buffer = 0 row r is (slot, pos + r).
+    rows: u32,
+    rows_from_buffer: u32,
+    slot: u32,
+    pos: u32,
     heads: u32,
     kv_heads: u32,
-    head_dim: u32,
-    q_pos: u32,
+    // Positions per slot in the cache, and the slots [first_slot, first_slot + slots) it holds.
+    ctx: u32,
+    first_slot: u32,
+    slots: u32,
+    // Prepared q (f32): row r head h at q_offset + r * q_row_stride + h * HEAD_DIM.
     q_offset: u32,
-    q_token_stride: u32,
-    q_head_stride: u32,
+    q_row_stride: u32,
+    // Gate logits (merge): row r head h dim d at gate_offset + r * gate_row_stride + h * gate_head_stride + d.
     gate_offset: u32,
-    gate_token_stride: u32,
+    gate_row_stride: u32,
     gate_head_stride: u32,
-    kv_offset: u32,
-    out_offset: u32,
-    out_token_stride: u32,
-    splits: u32,
-    split_len: u32,
-    scale: f32,
     gated: u32,
+    // Output: row r head h at out_offset + r * out_row_stride + h * HEAD_DIM.
+    out_offset: u32,
+    out_row_stride: u32,
+    // Partial entries per (row, head), and the split plan.
+    split_stride: u32,
+    min_split: u32,
+    max_splits: u32,
+    // Rows per query tile (prefill TT; decode 1): the merge recomputes its tile's plan.
+    tile_rows: u32,
+    scale: f32,
 }
 
-// Decode: the group's queries (group * head_dim <= MAX_GROUP_Q) and scores
-// (group * split_len <= MAX_SCORES); prefill reuses both arrays for its K/V tile and partial dots.
-const MAX_GROUP: u32 = 16u;
-const MAX_GROUP_Q: u32 = 2048u;
-const MAX_SCORES: u32 = 1024u;
-const BQ: u32 = 16u;
-const LANES: u32 = 4u;
-const MAX_DIMS_PER_LANE: u32 = 64u;
-const BK: u32 = 8u;
+struct PrepareParams {
+    // Rows of the dispatch; with rows_from_buffer = 0 row r is (slot, pos + r).
+    rows: u32,
+    rows_from_buffer: u32,
+    slot: u32,
+    pos: u32,
+    heads: u32,
+    kv_heads: u32,
+    n_rot: u32,
+    ctx: u32,
+    first_slot: u32,
+    slots: u32,
+    // Projection row r: q head h at r * proj_row_stride + q_offset + h * q_head_stride, kv head g's
+    // K at ... + k_offset + g * HEAD_DIM, V at ... + v_offset + g * HEAD_DIM.
+    proj_row_stride: u32,
+    q_offset: u32,
+    q_head_stride: u32,
+    k_offset: u32,
+    v_offset: u32,
+    // Prepared q: row r head h at q_out_offset + r * q_out_row_stride + h * HEAD_DIM.
+    q_out_offset: u32,
+    q_out_row_stride: u32,
+    eps: f32,
+}
+
+const D: u32 = {{HEAD_DIM}}u;
+const G: u32 = {{GROUP}}u;
+const LANES: u32 = {{LANES}}u;
+// 8-dim units per head row, and per lane.
+const UNITS: u32 = D / 8u;
+const UPL: u32 = UNITS / LANES;
 // Stands in for -inf: exp(MASKED - finite) is exactly 0 and never a NaN.
 const MASKED: f32 = -3.0e38;
+const NO_SLOT: u32 = 0xffffffffu;
+// Cache words of one (position, kv head) row: f32, f16 pairs, or q8_0 (D int8 in D/4 words, then
+// D/32 f16 scales, two per word).
+#if K_TYPE == 0
+const K_ROW: u32 = D;
+#endif
+#if K_TYPE == 1
+const K_ROW: u32 = D / 2u;
+#endif
+#if K_TYPE == 2
+const K_ROW: u32 = D / 4u + (D / 32u + 1u) / 2u;
+#endif
+#if V_TYPE == 0
+const V_ROW: u32 = D;
+#else
+const V_ROW: u32 = D / 2u;
+#endif
 
-var<immediate> P: AttnParams;
-#if OP == split
-@group(0) @binding(0) var<storage, read> Q: array<f32>;
-@group(0) @binding(1) var<storage, read> K_CACHE: array<f32>;
-@group(0) @binding(2) var<storage, read> V_CACHE: array<f32>;
-// Per (token, head, split): head_dim partial outputs, and (max, sum).
-@group(0) @binding(3) var<storage, read_write> PART_O: array<f32>;
-@group(0) @binding(4) var<storage, read_write> PART_ML: array<f32>;
+// 2*pi split into a short head (exactly 201/32, so k * HEAD is exact for k < 2^16) and the rest:
+// the reduction stays accurate up to angles of ~4e5 rad (262144 positions * theta_0 = 1).
+const TWO_PI: f32 = 6.283185307179586;
+const TWO_PI_HEAD: f32 = 6.28125;
+const TWO_PI_TAIL: f32 = 0.0019353071795864769;
+
+#if OP == prepare
+var<immediate> P: PrepareParams;
+#else
+var<immediate> P: CoreParams;
 #endif
-#if OP == reduce
-@group(0) @binding(0) var<storage, read> GATE: array<f32>;
-@group(0) @binding(1) var<storage, read> PART_O: array<f32>;
-@group(0) @binding(2) var<storage, read> PART_ML: array<f32>;
-@group(0) @binding(3) var<storage, read_write> OUT: array<f32>;
+@group(0) @binding(0) var<storage, read> ROWS: array<u32>;
+#if OP == prepare
+@group(0) @binding(1) var<storage, read> PROJ: array<f32>;
+@group(0) @binding(2) var<storage, read> Q_NORM: array<f32>;
+@group(0) @binding(3) var<storage, read> K_NORM: array<f32>;
+@group(0) @binding(4) var<storage, read> FREQS: array<f32>;
+@group(0) @binding(5) var<storage, read_write> Q_OUT: array<f32>;
+#if K_TYPE == 0
+@group(0) @binding(6) var<storage, read_write> K_CACHE: array<f32>;
+#else
+@group(0) @binding(6) var<storage, read_write> K_CACHE: array<u32>;
 #endif
-#if OP == prefill
-@group(0) @binding(0) var<storage, read> Q: array<f32>;
+#if V_TYPE == 0
+@group(0) @binding(7) var<storage, read_write> V_CACHE: array<f32>;
+#else
+@group(0) @binding(7) var<storage, read_write> V_CACHE: array<u32>;
+#endif
+#endif
+#if OP == merge
 @group(0) @binding(1) var<storage, read> GATE: array<f32>;
-@group(0) @binding(2) var<storage, read> K_CACHE: array<f32>;
-@group(0) @binding(3) var<storage, read> V_CACHE: array<f32>;
+@group(0) @binding(2) var<storage, read> PART_O: array<mat2x4<f32>>;
+@group(0) @binding(3) var<storage, read> PART_ML: array<vec2<f32>>;
 @group(0) @binding(4) var<storage, read_write> OUT: array<f32>;
 #endif
+#if OP != merge
+#if OP != prepare
+@group(0) @binding(1) var<storage, read> Q: array<vec4<f32>>;
+#if K_TYPE == 0
+@group(0) @binding(2) var<storage, read> K_CACHE: array<vec4<f32>>;
+#endif
+#if K_TYPE == 1
+@group(0) @binding(2) var<storage, read> K_CACHE: array<vec4<u32>>;
+#endif
+#if K_TYPE == 2
+@group(0) @binding(2) var<storage, read> K_CACHE: array<u32>;
+#endif
+#if V_TYPE == 0
+@group(0) @binding(3) var<storage, read> V_CACHE: array<vec4<f32>>;
+#else
+@group(0) @binding(3) var<storage, read> V_CACHE: array<vec4<u32>>;
+#endif
+@group(0) @binding(4) var<storage, read_write> PART_O: array<mat2x4<f32>>;
+@group(0) @binding(5) var<storage, read_write> PART_ML: array<vec2<f32>>;
+#endif
+#endif
 
-var<workgroup> group_q: array<f32, MAX_GROUP_Q>;
-var<workgroup> scores: array<f32, MAX_SCORES>;
-var<workgroup> group_max: array<f32, MAX_GROUP>;
-var<workgroup> group_sum: array<f32, MAX_GROUP>;
-
-fn kv_index(p: u32, g: u32, d: u32) -> u32 {
-    return P.kv_offset + (p * P.kv_heads + g) * P.head_dim + d;
-}
-
-fn q_index(t: u32, h: u32, d: u32) -> u32 {
-    return P.q_offset + t * P.q_token_stride + h * P.q_head_stride + d;
-}
-
-#if OP != split
-fn gate_factor(t: u32, h: u32, d: u32) -> f32 {
-    if P.gated == 0u {
-        return 1.0;
+// (slot, position) of row r.
+fn row_at(r: u32) -> vec2<u32> {
+    if P.rows_from_buffer != 0u {
+        return vec2<u32>(ROWS[2u * r], ROWS[2u * r + 1u]);
     }
-    let z = GATE[P.gate_offset + t * P.gate_token_stride + h * P.gate_head_stride + d];
-    return 1.0 / (1.0 + exp(-z));
+    return vec2<u32>(P.slot, P.pos + r);
+}
+
+// The slot's index in these cache buffers, or NO_SLOT: rows of slots outside them (another buffer
+// group's, or padding) are another dispatch's.
+fn local_slot(slot: u32) -> u32 {
+    let local = slot - P.first_slot;
+    return select(NO_SLOT, local, slot != NO_SLOT && local < P.slots);
+}
+
+#if OP != prepare
+// (split length, splits) for `n` keys.
+fn plan(n: u32) -> vec2<u32> {
+    var len = P.min_split;
+    while len * P.max_splits < n {
+        len *= 2u;
+    }
+    return vec2<u32>(len, (n + len - 1u) / len);
+}
+
+// Keys of the tile holding row r: through the tile's last row's own position.
+fn tile_keys(r: u32) -> u32 {
+    let last = min((r / P.tile_rows + 1u) * P.tile_rows, P.rows) - 1u;
+    return row_at(last).y + 1u;
 }
 #endif
 
-#if OP == split
+#if OP != merge
+#if OP != prepare
+fn unpack8(w: vec4<u32>) -> mat2x4<f32> {
+    return mat2x4<f32>(
+        vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)),
+        vec4<f32>(unpack2x16float(w.z), unpack2x16float(w.w)),
+    );
+}
+
+// First word of the cache row (slot local, position p, kv head g).
+fn k_row(local: u32, p: u32, g: u32) -> u32 {
+    return ((local * P.ctx + p) * P.kv_heads + g) * K_ROW;
+}
+
+fn v_row(local: u32, p: u32, g: u32) -> u32 {
+    return ((local * P.ctx + p) * P.kv_heads + g) * V_ROW;
+}
+
+// Dims 8u..8u+8 of the K row starting at word w.
+fn load_k(w: u32, u: u32) -> mat2x4<f32> {
+#if K_TYPE == 0
+    let i = w / 4u + 2u * u;
+    return mat2x4<f32>(K_CACHE[i], K_CACHE[i + 1u]);
+#endif
+#if K_TYPE == 1
+    return unpack8(K_CACHE[w / 4u + u]);
+#endif
+#if K_TYPE == 2
+    let b = u / 4u;
+    let d = unpack2x16float(K_CACHE[w + D / 4u + b / 2u])[b % 2u];
+    let q0 = vec4<f32>(unpack4xI8(K_CACHE[w + 2u * u]));
+    let q1 = vec4<f32>(unpack4xI8(K_CACHE[w + 2u * u + 1u]));
+    return mat2x4<f32>(q0 * d, q1 * d);
+#endif
+}
+
+fn load_v(w: u32, u: u32) -> mat2x4<f32> {
+#if V_TYPE == 0
+    let i = w / 4u + 2u * u;
+    return mat2x4<f32>(V_CACHE[i], V_CACHE[i + 1u]);
+#else
+    return unpack8(V_CACHE[w / 4u + u]);
+#endif
+}
+
+// Dims 8u..8u+8 of prepared q for row r, head h, times the attention scale.
+fn load_q(r: u32, h: u32, u: u32) -> mat2x4<f32> {
+    let i = (P.q_offset + r * P.q_row_stride + h * D) / 4u + 2u * u;
+    return mat2x4<f32>(Q[i], Q[i + 1u]) * P.scale;
+}
+
+fn dot8(a: mat2x4<f32>, b: mat2x4<f32>) -> f32 {
+    return dot(a[0], b[0]) + dot(a[1], b[1]);
+}
+
+// Sum over the LANES invocations sharing a key (decode) or a query row (prefill). A butterfly:
+// every lane adds the same two values at each step, so all lanes end with identical bits.
+fn lanes_sum(v: f32) -> f32 {
+#if SUBGROUPS
+    var s = v;
+    for (var off = LANES / 2u; off > 0u; off >>= 1u) {
+        s += subgroupShuffleXor(s, off);
+    }
+    return s;
+#else
+    return v;
+#endif
+}
+
+// The lane within its LANES group and the group's index. Groups are aligned within subgroups
+// (the host keeps LANES a divisor of the subgroup size), so shuffles never leave a group.
+fn lane_group(ids: ComputeIds) -> vec2<u32> {
+#if SUBGROUPS
+    let lin = ids.sg_id * ids.sg_size + ids.sg_lane;
+#else
+    let lin = ids.lid;
+#endif
+    return vec2<u32>(lin % LANES, lin / LANES);
+}
+
+fn part_index(r: u32, h: u32, split: u32) -> u32 {
+    return (r * P.heads + h) * P.split_stride + split;
+}
+#endif
+#endif
+
+#if OP == decode
+const COLS: u32 = {{COLS}}u;
+var<workgroup> comb_ml: array<vec2<f32>, COLS>;
+var<workgroup> comb_o: array<mat2x4<f32>, COLS * UNITS>;
+
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
-    let lid = ids.lid;
     let split = ids.wid.x;
-    let kvh = ids.wid.y;
-    let t = ids.wid.z;
-    let hd = P.head_dim;
-    let group = P.heads / P.kv_heads;
-    let kv_len = P.q_pos + t + 1u;
-    let start = split * P.split_len;
-    let end = min(start + P.split_len, kv_len);
-    let count = select(0u, end - start, end > start);
+    let g = ids.wid.y;
+    let r = ids.wid.z;
+    let row = row_at(r);
+    let local = local_slot(row.x);
+    if local == NO_SLOT {
+        return;
+    }
+    let n = row.y + 1u;
+    let pl = plan(n);
+    if split >= pl.y {
+        return;
+    }
+    let start = split * pl.x;
+    let end = min(start + pl.x, n);
+    let lg = lane_group(ids);
+    let lane = lg.x;
+    let col = lg.y;
 
-    for (var i = lid; i < group * hd; i += {{WG}}u) {
-        group_q[i] = Q[q_index(t, kvh * group + i / hd, i % hd)] * P.scale;
-    }
-    workgroupBarrier();
-    // One (position, head) score per step; neighbouring invocations share the K row in cache.
-    for (var item = lid; item < count * group; item += {{WG}}u) {
-        let p = item / group;
-        let g = item % group;
-        var acc = 0.0;
-        for (var d = 0u; d < hd; d++) {
-            acc += group_q[g * hd + d] * K_CACHE[kv_index(start + p, kvh, d)];
+    var q: array<mat2x4<f32>, G * UPL>;
+    var o: array<mat2x4<f32>, G * UPL>;
+    var m: array<f32, G>;
+    var l: array<f32, G>;
+    for (var h = 0u; h < G; h++) {
+        for (var j = 0u; j < UPL; j++) {
+            q[h * UPL + j] = load_q(r, g * G + h, j * LANES + lane);
+            o[h * UPL + j] = mat2x4<f32>();
         }
-        scores[g * P.split_len + p] = acc;
+        m[h] = MASKED;
+        l[h] = 0.0;
     }
-    workgroupBarrier();
-    if lid < group {
-        var m = MASKED;
-        for (var p = 0u; p < count; p++) {
-            m = max(m, scores[lid * P.split_len + p]);
+    // Two keys per column per iteration (their loads issued together); the trip count is uniform,
+    // keys past the end are masked.
+    let iters = (end - start + 2u * COLS - 1u) / (2u * COLS);
+    for (var it = 0u; it < iters; it++) {
+        let key0 = start + 2u * COLS * it + col;
+        let key1 = key0 + COLS;
+        let ok0 = key0 < end;
+        let ok1 = key1 < end;
+        let kw0 = k_row(local, min(key0, end - 1u), g);
+        let kw1 = k_row(local, min(key1, end - 1u), g);
+        let vw0 = v_row(local, min(key0, end - 1u), g);
+        let vw1 = v_row(local, min(key1, end - 1u), g);
+        var k0: array<mat2x4<f32>, UPL>;
+        var k1: array<mat2x4<f32>, UPL>;
+        var v0: array<mat2x4<f32>, UPL>;
+        var v1: array<mat2x4<f32>, UPL>;
+        for (var j = 0u; j < UPL; j++) {
+            k0[j] = load_k(kw0, j * LANES + lane);
+            k1[j] = load_k(kw1, j * LANES + lane);
+            v0[j] = load_v(vw0, j * LANES + lane);
+            v1[j] = load_v(vw1, j * LANES + lane);
         }
-        var l = 0.0;
-        for (var p = 0u; p < count; p++) {
-            let e = exp(scores[lid * P.split_len + p] - m);
-            scores[lid * P.split_len + p] = e;
-            l += e;
+        for (var h = 0u; h < G; h++) {
+            var s0 = 0.0;
+            var s1 = 0.0;
+            for (var j = 0u; j < UPL; j++) {
+                s0 += dot8(q[h * UPL + j], k0[j]);
+                s1 += dot8(q[h * UPL + j], k1[j]);
+            }
+            s0 = select(MASKED, lanes_sum(s0), ok0);
+            s1 = select(MASKED, lanes_sum(s1), ok1);
+            let mn = max(m[h], max(s0, s1));
+            let c = exp(m[h] - mn);
+            // Masked keys give exactly 0 even while mn is still MASKED.
+            let p0 = select(0.0, exp(s0 - mn), ok0);
+            let p1 = select(0.0, exp(s1 - mn), ok1);
+            l[h] = l[h] * c + p0 + p1;
+            m[h] = mn;
+            for (var j = 0u; j < UPL; j++) {
+                o[h * UPL + j] = o[h * UPL + j] * c + v0[j] * p0 + v1[j] * p1;
+            }
         }
-        group_max[lid] = m;
-        group_sum[lid] = l;
     }
-    workgroupBarrier();
-    // One (head, dim) output per step: a scalar accumulator, no dynamically indexed private array
-    // (compilers keep those in memory).
-    for (var item = lid; item < group * hd; item += {{WG}}u) {
-        let g = item / hd;
-        let d = item % hd;
-        var acc = 0.0;
-        for (var p = 0u; p < count; p++) {
-            acc += scores[g * P.split_len + p] * V_CACHE[kv_index(start + p, kvh, d)];
+    // Merge the columns: per head, rescale each column's output to the common max and sum.
+    for (var h = 0u; h < G; h++) {
+        if lane == 0u {
+            comb_ml[col] = vec2<f32>(m[h], l[h]);
         }
-        let slot = (t * P.heads + kvh * group + g) * P.splits + split;
-        PART_O[slot * hd + d] = acc;
-    }
-    if lid < group {
-        let slot = (t * P.heads + kvh * group + lid) * P.splits + split;
-        PART_ML[slot * 2u] = group_max[lid];
-        PART_ML[slot * 2u + 1u] = group_sum[lid];
+        workgroupBarrier();
+        var mx = MASKED;
+        for (var c = 0u; c < COLS; c++) {
+            mx = max(mx, comb_ml[c].x);
+        }
+        let f = exp(m[h] - mx);
+        for (var j = 0u; j < UPL; j++) {
+            comb_o[col * UNITS + j * LANES + lane] = o[h * UPL + j] * f;
+        }
+        workgroupBarrier();
+        let e = part_index(r, g * G + h, split);
+        for (var u = ids.lid; u < UNITS; u += {{WG}}u) {
+            var acc = mat2x4<f32>();
+            for (var c = 0u; c < COLS; c++) {
+                acc += comb_o[c * UNITS + u];
+            }
+            PART_O[e * UNITS + u] = acc;
+        }
+        if ids.lid == 0u {
+            var total = 0.0;
+            for (var c = 0u; c < COLS; c++) {
+                total += comb_ml[c].y * exp(comb_ml[c].x - mx);
+            }
+            PART_ML[e] = vec2<f32>(mx, total);
+        }
+        workgroupBarrier();
     }
 }
 #endif
 
-#if OP == reduce
+#if OP == prefill
+// Tokens per tile and keys per staged K/V block.
+const TT: u32 = {{PR}}u / G;
+const BK: u32 = 16u;
+var<workgroup> tile: array<mat2x4<f32>, BK * UNITS>;
+
+@compute @workgroup_size({{WG}})
+fn main(ids: ComputeIds) {
+    let split = ids.wid.x;
+    let g = ids.wid.y;
+    let t_first = ids.wid.z * TT;
+    if t_first >= P.rows {
+        return;
+    }
+    let n = tile_keys(t_first);
+    let pl = plan(n);
+    if split >= pl.y {
+        return;
+    }
+    let start = split * pl.x;
+    let end = min(start + pl.x, n);
+    let local = P.slot - P.first_slot;
+    let lg = lane_group(ids);
+    let lane = lg.x;
+    let qrow = lg.y;
+    let t = t_first + qrow / G;
+    let h = g * G + qrow % G;
+    let live = qrow < TT * G && t < P.rows;
+    // Keys up to the row's own position are visible.
+    let own = row_at(min(t, P.rows - 1u)).y;
+
+    var q: array<mat2x4<f32>, UPL>;
+    var o: array<mat2x4<f32>, UPL>;
+    for (var j = 0u; j < UPL; j++) {
+        q[j] = mat2x4<f32>();
+        if live {
+            q[j] = load_q(t, h, j * LANES + lane);
+        }
+        o[j] = mat2x4<f32>();
+    }
+    var m = MASKED;
+    var l = 0.0;
+    for (var k0 = start; k0 < end; k0 += BK) {
+        workgroupBarrier();
+        for (var i = ids.lid; i < BK * UNITS; i += {{WG}}u) {
+            tile[i] = load_k(k_row(local, min(k0 + i / UNITS, end - 1u), g), i % UNITS);
+        }
+        workgroupBarrier();
+        var p: array<f32, BK>;
+        var mx = MASKED;
+        for (var kk = 0u; kk < BK; kk++) {
+            var acc = 0.0;
+            for (var j = 0u; j < UPL; j++) {
+                acc += dot8(q[j], tile[kk * UNITS + j * LANES + lane]);
+            }
+            let key = k0 + kk;
+            let s = select(MASKED, lanes_sum(acc), key < end && key <= own);
+            p[kk] = s;
+            mx = max(mx, s);
+        }
+        let mn = max(m, mx);
+        let c = exp(m - mn);
+        var sum = 0.0;
+        for (var kk = 0u; kk < BK; kk++) {
+            let e = select(exp(p[kk] - mn), 0.0, p[kk] == MASKED);
+            p[kk] = e;
+            sum += e;
+        }
+        l = l * c + sum;
+        m = mn;
+        workgroupBarrier();
+        for (var i = ids.lid; i < BK * UNITS; i += {{WG}}u) {
+            tile[i] = load_v(v_row(local, min(k0 + i / UNITS, end - 1u), g), i % UNITS);
+        }
+        workgroupBarrier();
+        for (var j = 0u; j < UPL; j++) {
+            var acc = o[j] * c;
+            for (var kk = 0u; kk < BK; kk++) {
+                acc += tile[kk * UNITS + j * LANES + lane] * p[kk];
+            }
+            o[j] = acc;
+        }
+    }
+    if live {
+        let e = part_index(t, h, split);
+        for (var j = 0u; j < UPL; j++) {
+            PART_O[e * UNITS + j * LANES + lane] = o[j];
+        }
+        if lane == 0u {
+            PART_ML[e] = vec2<f32>(m, l);
+        }
+    }
+}
+#endif
+
+#if OP == merge
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
     let h = ids.wid.x;
-    let t = ids.wid.y;
-    let hd = P.head_dim;
-    let first = (t * P.heads + h) * P.splits;
-    var m = MASKED;
-    for (var s = 0u; s < P.splits; s++) {
-        m = max(m, PART_ML[(first + s) * 2u]);
+    let r = ids.wid.y;
+    if row_at(r).x == NO_SLOT {
+        return;
     }
-    var l = 0.0;
-    for (var s = 0u; s < P.splits; s++) {
-        l += PART_ML[(first + s) * 2u + 1u] * exp(PART_ML[(first + s) * 2u] - m);
+    let splits = plan(tile_keys(r)).y;
+    let first = (r * P.heads + h) * P.split_stride;
+    var mx = MASKED;
+    for (var s = 0u; s < splits; s++) {
+        mx = max(mx, PART_ML[first + s].x);
     }
-    for (var d = ids.lid; d < hd; d += {{WG}}u) {
-        var acc = 0.0;
-        for (var s = 0u; s < P.splits; s++) {
-            acc += PART_O[(first + s) * hd + d] * exp(PART_ML[(first + s) * 2u] - m);
+    var total = 0.0;
+    for (var s = 0u; s < splits; s++) {
+        total += PART_ML[first + s].y * exp(PART_ML[first + s].x - mx);
+    }
+    let out = P.out_offset + r * P.out_row_stride + h * D;
+    let gate = P.gate_offset + r * P.gate_row_stride + h * P.gate_head_stride;
+    for (var u = ids.lid; u < UNITS; u += {{WG}}u) {
+        var acc = mat2x4<f32>();
+        for (var s = 0u; s < splits; s++) {
+            acc += PART_O[(first + s) * UNITS + u] * exp(PART_ML[first + s].x - mx);
         }
-        OUT[P.out_offset + t * P.out_token_stride + h * hd + d] = acc / l * gate_factor(t, h, d);
+        for (var i = 0u; i < 8u; i++) {
+            var y = acc[i / 4u][i % 4u] / total;
+            if P.gated != 0u {
+                y /= 1.0 + exp(-GATE[gate + 8u * u + i]);
+            }
+            OUT[out + 8u * u + i] = y;
+        }
     }
 }
 #endif
 
-#if OP == prefill
+#if OP == prepare
+var<workgroup> vals: array<f32, D>;
+var<workgroup> block_scale: array<f32, D / 32u + 1u>;
+
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
-    let lid = ids.lid;
-    let h = ids.wid.y;
-    let hd = P.head_dim;
-    let kvh = h / (P.heads / P.kv_heads);
-    let row = lid / LANES;
-    let lane = lid % LANES;
-    let t = ids.wid.x * BQ + row;
-    let row_valid = t < P.tokens;
-
-    var q_reg: array<f32, MAX_DIMS_PER_LANE>;
-    var o_reg: array<f32, MAX_DIMS_PER_LANE>;
-    // Loops over the register arrays run a constant MAX_DIMS_PER_LANE times so compilers can
-    // unroll them and keep the arrays in registers.
-    for (var i = 0u; i < MAX_DIMS_PER_LANE; i++) {
-        let d = lane + i * LANES;
-        q_reg[i] = 0.0;
-        o_reg[i] = 0.0;
-        if row_valid && d < hd {
-            q_reg[i] = Q[q_index(t, h, d)] * P.scale;
-        }
+    let item = ids.wid.x;
+    let r = ids.wid.y;
+    let row = row_at(r);
+    let local = local_slot(row.x);
+    if local == NO_SLOT {
+        return;
     }
-    var m = MASKED;
-    var l = 0.0;
-    // The workgroup needs cache positions up to its last row's (uniform across the workgroup).
-    let last_row = min(ids.wid.x * BQ + BQ, P.tokens) - 1u;
-    let kv_end = P.q_pos + last_row + 1u;
-    let my_end = P.q_pos + t + 1u;
-    let tile_len = BK * hd;
-    for (var p0 = 0u; p0 < kv_end; p0 += BK) {
-        for (var i = lid; i < tile_len; i += {{WG}}u) {
-            let p = p0 + i / hd;
-            group_q[i] = select(0.0, K_CACHE[kv_index(min(p, kv_end - 1u), kvh, i % hd)], p < kv_end);
-        }
-        workgroupBarrier();
-        for (var j = 0u; j < BK; j++) {
-            var acc = 0.0;
-            for (var i = 0u; i < MAX_DIMS_PER_LANE; i++) {
-                let d = lane + i * LANES;
-                if d < hd {
-                    acc += q_reg[i] * group_q[j * hd + d];
-                }
-            }
-            scores[lid * BK + j] = acc;
-        }
-        workgroupBarrier();
-        var p_row: array<f32, BK>;
-        var tile_max = MASKED;
-        for (var j = 0u; j < BK; j++) {
-            var s = 0.0;
-            for (var ln = 0u; ln < LANES; ln++) {
-                s += scores[(row * LANES + ln) * BK + j];
-            }
-            if p0 + j >= my_end {
-                s = MASKED;
-            }
-            p_row[j] = s;
-            tile_max = max(tile_max, s);
-        }
-        let m_new = max(m, tile_max);
-        let correction = exp(m - m_new);
-        l = l * correction;
-        for (var j = 0u; j < BK; j++) {
-            // Masked entries give exactly 0 even while m_new is still MASKED.
-            let e = select(exp(p_row[j] - m_new), 0.0, p_row[j] == MASKED);
-            p_row[j] = e;
-            l += e;
-        }
-        m = m_new;
-        workgroupBarrier();
-        for (var i = lid; i < tile_len; i += {{WG}}u) {
-            let p = p0 + i / hd;
-            group_q[i] = select(0.0, V_CACHE[kv_index(min(p, kv_end - 1u), kvh, i % hd)], p < kv_end);
-        }
-        workgroupBarrier();
-        for (var i = 0u; i < MAX_DIMS_PER_LANE; i++) {
-            let d = lane + i * LANES;
-            if d < hd {
-                var acc = o_reg[i] * correction;
-                for (var j = 0u; j < BK; j++) {
-                    acc += p_row[j] * group_q[j * hd + d];
-                }
-                o_reg[i] = acc;
-            }
-        }
-        workgroupBarrier();
+    let pos = row.y;
+    let is_q = item < P.heads;
+    let g = item - P.heads;
+    let base = r * P.proj_row_stride;
+    var src = base + P.k_offset + g * D;
+    if is_q {
+        src = base + P.q_offset + item * P.q_head_stride;
     }
-    if row_valid {
-        for (var i = 0u; i < MAX_DIMS_PER_LANE; i++) {
-            let d = lane + i * LANES;
-            if d < hd {
-                OUT[P.out_offset + t * P.out_token_stride + h * hd + d] = o_reg[i] / l * gate_factor(t, h, d);
+    var sq = 0.0;
+    for (var d = ids.lid; d < D; d += {{WG}}u) {
+        let x = PROJ[src + d];
+        sq += x * x;
+    }
+    let inv = inverseSqrt(wg_sum(sq, ids) / f32(D) + P.eps);
+    for (var d = ids.lid; d < D; d += {{WG}}u) {
+        var w = K_NORM[d];
+        if is_q {
+            w = Q_NORM[d];
+        }
+        vals[d] = PROJ[src + d] * inv * w;
+    }
+    workgroupBarrier();
+    let half = P.n_rot / 2u;
+    var rotated: array<f32, (D + {{WG}}u - 1u) / {{WG}}u>;
+    for (var d = ids.lid; d < D; d += {{WG}}u) {
+        var y = vals[d];
+        if d < P.n_rot {
+            let i = d % half;
+            let angle = f32(pos) * FREQS[i];
+            let k = round(angle / TWO_PI);
+            let reduced = (angle - k * TWO_PI_HEAD) - k * TWO_PI_TAIL;
+            let c = cos(reduced);
+            let s = sin(reduced);
+            if d < half {
+                y = vals[d] * c - vals[d + half] * s;
+            } else {
+                y = vals[d - half] * s + vals[d] * c;
             }
         }
+        rotated[d / {{WG}}u] = y;
     }
+    workgroupBarrier();
+    for (var d = ids.lid; d < D; d += {{WG}}u) {
+        vals[d] = rotated[d / {{WG}}u];
+    }
+    workgroupBarrier();
+    if is_q {
+        let out = P.q_out_offset + r * P.q_out_row_stride + item * D;
+        for (var d = ids.lid; d < D; d += {{WG}}u) {
+            Q_OUT[out + d] = vals[d];
+        }
+        return;
+    }
+    let cell = (local * P.ctx + pos) * P.kv_heads + g;
+    let kw = cell * K_ROW;
+#if K_TYPE == 0
+    for (var d = ids.lid; d < D; d += {{WG}}u) {
+        K_CACHE[kw + d] = vals[d];
+    }
+#endif
+#if K_TYPE == 1
+    for (var w = ids.lid; w < D / 2u; w += {{WG}}u) {
+        K_CACHE[kw + w] = pack2x16float(vec2<f32>(vals[2u * w], vals[2u * w + 1u]));
+    }
+#endif
+#if K_TYPE == 2
+    for (var b = ids.lid; b < D / 32u; b += {{WG}}u) {
+        var amax = 0.0;
+        for (var i = 0u; i < 32u; i++) {
+            amax = max(amax, abs(vals[32u * b + i]));
+        }
+        block_scale[b] = amax / 127.0;
+    }
+    workgroupBarrier();
+    for (var w = ids.lid; w < D / 4u; w += {{WG}}u) {
+        let d = block_scale[w / 8u];
+        let id = select(0.0, 1.0 / d, d != 0.0);
+        let x = vec4<f32>(vals[4u * w], vals[4u * w + 1u], vals[4u * w + 2u], vals[4u * w + 3u]);
+        K_CACHE[kw + w] = pack4xI8(vec4<i32>(round(x * id)));
+    }
+    // The scales as f16 pairs after the quants (an odd count leaves the last high half 0).
+    for (var w = ids.lid; w < (D / 32u + 1u) / 2u; w += {{WG}}u) {
+        let hi = select(0.0, block_scale[2u * w + 1u], 2u * w + 1u < D / 32u);
+        K_CACHE[kw + D / 4u + w] = pack2x16float(vec2<f32>(block_scale[2u * w], hi));
+    }
+#endif
+    let vsrc = base + P.v_offset + g * D;
+    let vw = cell * V_ROW;
+#if V_TYPE == 0
+    for (var d = ids.lid; d < D; d += {{WG}}u) {
+        V_CACHE[vw + d] = PROJ[vsrc + d];
+    }
+#else
+    for (var w = ids.lid; w < D / 2u; w += {{WG}}u) {
+        V_CACHE[vw + w] = pack2x16float(vec2<f32>(PROJ[vsrc + 2u * w], PROJ[vsrc + 2u * w + 1u]));
+    }
+#endif
 }
 #endif

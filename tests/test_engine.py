@@ -47,7 +47,16 @@ def engine(name: str, layers=None, slots: int = 3, ctx: int = 512):
     if key not in _engines:
         qk = _qk()
         try:
-            _engines[key] = qk.Engine(str(FIXTURES / f"{name}.gguf"), layers=layers, slots=slots, ctx=ctx)
+            # The f32 KV cache (the precise setting) these gates and their measured margins assume;
+            # the default f16 cache has its own gates in test_kv_cache.py.
+            _engines[key] = qk.Engine(
+                str(FIXTURES / f"{name}.gguf"),
+                layers=layers,
+                slots=slots,
+                ctx=ctx,
+                cache_type_k="f32",
+                cache_type_v="f32",
+            )
         except qk.DeviceError:
             if require_gpu():
                 raise

@@ -101,6 +101,8 @@ class Engine:
         slots: int = 1,
         ctx: int = 4096,
         device: str | None = None,
+        cache_type_k: str | None = None,
+        cache_type_v: str | None = None,
     ) -> Engine: ...
     def generate(self, tokens: Sequence[int], max_new: int, slot: int = 0) -> list[int]: ...
     def stage_run(

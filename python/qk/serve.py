@@ -58,7 +58,7 @@ def _layers(text: str) -> tuple[int, int]:
     return parse_layers(text)
 
 
-def _loader(path: Path, slots: int, ctx: int, device: str | None, name: str):
+def _loader(path: Path, slots: int, ctx: int, device: str | None, name: str, kv: dict[str, str]):
     def load():
         # qk.engine (the native engine's Python home) rather than the lazy `qk.Engine` attribute,
         # which the package root exports only once the engine is wired into it.
@@ -68,7 +68,7 @@ def _loader(path: Path, slots: int, ctx: int, device: str | None, name: str):
         from qk.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(path)
-        engine = Engine(str(path), layers=None, slots=slots, ctx=ctx, device=device)
+        engine = Engine(str(path), layers=None, slots=slots, ctx=ctx, device=device, **kv)
         return Loaded(LocalDriver(engine), tokenizer, name, str(path))
 
     return load
@@ -85,9 +85,12 @@ def _split_loader(
         from qk.server import Loaded
         from qk.split import SplitDriver, head_stage
         from qk.tokenizer import Tokenizer
+        from qk.worker import cache_types
 
         tokenizer = Tokenizer.from_gguf(path)
-        engine = _qk.Engine(str(path), layers=layers, slots=args.slots, ctx=args.ctx, device=args.device)
+        engine = _qk.Engine(
+            str(path), layers=layers, slots=args.slots, ctx=args.ctx, device=args.device, **cache_types(args)
+        )
         fingerprint = Gguf(str(path), header_only=True).fingerprint
         own = head_stage(
             engine, fingerprint, args.snapshots, f"head {args.host}:{args.port}", random.getrandbits(63) + 1
@@ -140,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--alias", help="model name reported by the API (default: the file name)")
     p.add_argument("--log-level", default="info")
+    from qk.worker import add_cache_type_args
+
+    add_cache_type_args(p)
     args = p.parse_args(argv)
     if args.slots < 1 or args.ctx < 2 or args.max_queue < 0:
         p.error("--slots must be ≥ 1, --ctx ≥ 2, --max-queue ≥ 0")
@@ -164,6 +170,7 @@ def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None
 
     from qk.scheduler import ReuseSettings
     from qk.server import create_app
+    from qk.worker import cache_types
 
     if load is not None:
         name = args.alias or "custom"
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None
             )
             return 2
     app = create_app(
-        load or _loader(path, args.slots, args.ctx, args.device, name),
+        load or _loader(path, args.slots, args.ctx, args.device, name, cache_types(args)),
         slots=args.slots,
         ctx=args.ctx,
         api_key=args.api_key,

@@ -113,6 +113,21 @@ class EngineStage:
         self.saved.clear()
 
 
+def add_cache_type_args(p: argparse.ArgumentParser) -> None:
+    """``--cache-type-k`` / ``--cache-type-v``, shared with ``qk.serve``."""
+    p.add_argument(
+        "--cache-type-k", choices=("f16", "q8_0", "f32"), help="K cache element type (default f16)"
+    )
+    p.add_argument("--cache-type-v", choices=("f16", "f32"), help="V cache element type (default f16)")
+
+
+def cache_types(args: argparse.Namespace) -> dict[str, str]:
+    """The engine keywords of the cache-type flags that were given (absent ones keep the engine's
+    default)."""
+    given = {"cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m qk.worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="the GGUF file (first shard of a split file)")
@@ -135,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a session the next stage still holds from this stage's previous run (default: on)",
     )
     p.add_argument("--name", default=None, help="this stage's name in errors and logs (default host:port)")
+    add_cache_type_args(p)
     return p
 
 
@@ -153,7 +169,9 @@ def load_engine(args: argparse.Namespace) -> Any:
 
     a, b = args.layers
     fingerprint = Gguf(args.model, header_only=True).fingerprint
-    engine = engine_class(args.model, layers=(a, b), slots=args.slots, ctx=args.ctx, device=args.device)
+    engine = engine_class(
+        args.model, layers=(a, b), slots=args.slots, ctx=args.ctx, device=args.device, **cache_types(args)
+    )
     return EngineStage(engine, fingerprint, args.snapshots)
 
 

@@ -3,27 +3,30 @@
 //! recording of a prefill piece of one slot (rows = consecutive positions) or a decode step of
 //! several slots (rows = one position each).
 
+use std::sync::Arc;
+
 use super::config::{Arch, LayerKind, ModelConfig};
 use super::weights::{
     AttnProjection, BetaAlpha, DeltaNetProjection, ExpertGateUp, LayerWeights, Mixer, Stacked, Weights,
 };
 use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
-use crate::ops::attention::{self, AttnArgs, AttnParams};
+use crate::ops::attention::{
+    self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrepareArgs, ProjLayout,
+};
 use crate::ops::conv::{self, ConvParams};
 use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::embed::embed;
 use crate::ops::matmul::{Columns, ExpertIds, MoeInput, matvec_id, mul};
 use crate::ops::norm::{self, NormArgs, NormKind, NormParams, RowLayout};
-use crate::ops::rope::{self, RopeParams};
 use crate::ops::router::{self, RouterParams};
 use crate::ops::topk::{self, MAX_K, TopkParams};
 
 /// Recurrent state of one local layer for one slot.
 pub enum LayerState {
-    /// K and V rows of `ctx` positions (layout of attention.wgsl).
-    Attention { k: GpuBuffer, v: GpuBuffer },
+    /// The layer's KV cache (shared by every slot) and this slot's index in it.
+    Attention { kv: Arc<KvLayer>, slot: u32 },
     /// Conv rows (K−1 pre-conv inputs) and the DeltaNet matrices S of every v-head: this slot's
     /// ranges (byte offsets) of the layer's two buffers, which hold every slot back to back (slot i
     /// at i · conv_bytes / i · ssm_bytes), so one dispatch can step all slots of a decode step.
@@ -36,20 +39,20 @@ pub enum LayerState {
 }
 
 impl LayerState {
-    /// (buffer, byte offset, bytes) of each part of this slot's state, KV rows up to `pos`.
-    pub fn parts(&self, cfg: &ModelConfig, pos: u32) -> [(&GpuBuffer, u64, u64); 2] {
-        let kv = u64::from(pos) * u64::from(cfg.kv_row()) * 4;
+    /// (buffer, byte offset, bytes) of each part of this slot's state: its KV cells of positions
+    /// `0..pos` (their bytes depend on the cache types), or its conv rows and S.
+    pub fn parts(&self, cfg: &ModelConfig, pos: u32) -> Result<[(&GpuBuffer, u64, u64); 2]> {
         match self {
-            LayerState::Attention { k, v } => [(k, 0, kv), (v, 0, kv)],
+            LayerState::Attention { kv, slot } => kv.slot_ranges(*slot, pos),
             LayerState::DeltaNet {
                 conv,
                 conv_offset,
                 s,
                 s_offset,
-            } => [
+            } => Ok([
                 (conv, *conv_offset, conv_bytes(cfg)),
                 (s, *s_offset, ssm_bytes(cfg)),
-            ],
+            ]),
         }
     }
 }
@@ -60,16 +63,96 @@ pub struct SlotState {
     pub layers: Vec<LayerState>,
 }
 
+/// One K/V buffer pair of an attention layer, holding slots `first_slot .. first_slot + slots`.
+pub struct KvBuffers {
+    pub k: GpuBuffer,
+    pub v: GpuBuffer,
+    pub first_slot: u32,
+    pub slots: u32,
+}
+
+/// The KV cache of one attention layer for every slot: K and V with a slot axis (layouts in
+/// ops/attention.rs), in as few buffer pairs as the device's binding size allows (one where
+/// slots × ctx fits; each pair then costs one more split dispatch per decode step).
+pub struct KvLayer {
+    pub shape: AttnShape,
+    pub groups: Vec<KvBuffers>,
+}
+
+impl KvLayer {
+    pub fn new(gpu: &Gpu, shape: AttnShape, slots: u32, layer: u32) -> Result<KvLayer> {
+        shape.validate()?;
+        let per_buffer = shape.slots_per_buffer(gpu.caps.max_binding_size, gpu.caps.max_buffer_size)?;
+        let ctx = u64::from(shape.ctx);
+        let mut groups = Vec::new();
+        let mut first = 0;
+        while first < slots {
+            let n = per_buffer.min(slots - first);
+            let cells = u64::from(n) * ctx;
+            groups.push(KvBuffers {
+                k: gpu.buffer_zeroed(&format!("kv{layer}.k{first}"), cells * shape.k_position_bytes())?,
+                v: gpu.buffer_zeroed(&format!("kv{layer}.v{first}"), cells * shape.v_position_bytes())?,
+                first_slot: first,
+                slots: n,
+            });
+            first += n;
+        }
+        Ok(KvLayer { shape, groups })
+    }
+
+    pub fn views(&self) -> Vec<KvGroup<'_>> {
+        self.groups
+            .iter()
+            .map(|g| KvGroup {
+                k: &g.k,
+                v: &g.v,
+                first_slot: g.first_slot,
+                slots: g.slots,
+            })
+            .collect()
+    }
+
+    /// The K and V byte ranges (buffer, offset, bytes) of `slot`'s positions `0..pos`.
+    pub fn slot_ranges(&self, slot: u32, pos: u32) -> Result<[(&GpuBuffer, u64, u64); 2]> {
+        let g = self
+            .groups
+            .iter()
+            .find(|g| slot >= g.first_slot && slot - g.first_slot < g.slots)
+            .ok_or_else(|| QkError::Engine(format!("KV cache: slot {slot} out of range")))?;
+        let local = u64::from(slot - g.first_slot) * u64::from(self.shape.ctx);
+        let (kb, vb) = (self.shape.k_position_bytes(), self.shape.v_position_bytes());
+        Ok([
+            (&g.k, local * kb, u64::from(pos) * kb),
+            (&g.v, local * vb, u64::from(pos) * vb),
+        ])
+    }
+}
+
+/// The attention shape of `cfg` with a cache of `ctx` positions in the given types.
+pub fn attn_shape(cfg: &ModelConfig, ctx: u32, k_type: KvType, v_type: KvType) -> AttnShape {
+    AttnShape {
+        heads: cfg.heads,
+        kv_heads: cfg.kv_heads,
+        head_dim: cfg.head_dim,
+        n_rot: cfg.n_rot,
+        ctx,
+        k_type,
+        v_type,
+        scale: cfg.attn_scale,
+        eps: cfg.eps,
+    }
+}
+
 impl SlotState {
-    /// The state of `n_slots` slots: KV buffers per slot, each DeltaNet layer's conv rows and S in
-    /// one buffer per layer with a slot axis (all zero).
-    pub fn all(
+    /// The state of `n_slots` slots: each attention layer's KV cache shared by all of them
+    /// (`shape`), each DeltaNet layer's conv rows and S in one buffer per layer with a slot axis.
+    pub fn new_all(
         gpu: &Gpu,
         cfg: &ModelConfig,
         layers: &[LayerWeights],
-        ctx: u32,
+        shape: AttnShape,
         n_slots: u32,
-    ) -> Result<Vec<Self>> {
+    ) -> Result<Vec<SlotState>> {
         let mut slots: Vec<SlotState> = (0..n_slots)
             .map(|_| SlotState {
                 pos: 0,
@@ -81,18 +164,11 @@ impl SlotState {
             let il = lw.index;
             match cfg.kinds[il as usize] {
                 LayerKind::Attention => {
-                    let bytes = u64::from(ctx) * u64::from(cfg.kv_row()) * 4;
-                    crate::ensure!(
-                        bytes <= gpu.caps.max_binding_size,
-                        QkError::OutOfMemory(format!(
-                            "KV cache of layer {il}: ctx {ctx} needs {bytes} bytes per tensor, more than one binding ({})",
-                            gpu.caps.max_binding_size
-                        ))
-                    );
+                    let kv = Arc::new(KvLayer::new(gpu, shape, n_slots, il)?);
                     for (i, slot) in slots.iter_mut().enumerate() {
                         slot.layers.push(LayerState::Attention {
-                            k: gpu.buffer_zeroed(&format!("slot{i}.k{il}"), bytes)?,
-                            v: gpu.buffer_zeroed(&format!("slot{i}.v{il}"), bytes)?,
+                            kv: kv.clone(),
+                            slot: i as u32,
                         });
                     }
                 }
@@ -171,6 +247,8 @@ pub struct Scratch {
     pub(crate) attn_out: GpuBuffer,
     pub(crate) part_out: GpuBuffer,
     pub(crate) part_ml: GpuBuffer,
+    /// A decode step's `[slot, pos]` per row (ops/attention.rs), written once per step.
+    pub attn_rows: GpuBuffer,
     pub(crate) router_logits: GpuBuffer,
     pub(crate) expert_ids: GpuBuffer,
     pub(crate) expert_w: GpuBuffer,
@@ -194,14 +272,7 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    pub fn new(
-        gpu: &Gpu,
-        cfg: &ModelConfig,
-        rows: u32,
-        ctx: u32,
-        has_head: bool,
-        legacy: bool,
-    ) -> Result<Scratch> {
+    pub fn new(gpu: &Gpu, cfg: &ModelConfig, rows: u32, has_head: bool, legacy: bool) -> Result<Scratch> {
         let mut bytes = 0u64;
         let mut buf = |name: &str, floats: u64| -> Result<GpuBuffer> {
             let b = gpu.buffer_zeroed(name, floats.max(1) * 4)?;
@@ -216,22 +287,7 @@ impl Scratch {
         let aw = u64::from(attn_proj_width(cfg));
         let hd = u64::from(cfg.heads * cfg.head_dim);
         let dparams = delta_params(cfg);
-        let probe = AttnParams {
-            tokens: 1,
-            heads: cfg.heads,
-            kv_heads: cfg.kv_heads,
-            head_dim: cfg.head_dim,
-            q_pos: ctx.saturating_sub(1),
-            ..bytemuck::Zeroable::zeroed()
-        }
-        .with_decode_splits();
-        let probe = AttnParams {
-            splits: probe
-                .splits
-                .max(AttnParams::max_decode_splits(cfg.heads, cfg.kv_heads, ctx)),
-            ..probe
-        };
-        let (po, pml) = attention::decode_scratch_len(&probe);
+        let (po, pml) = attention::partial_len(rows, cfg.heads, cfg.head_dim);
         let vocab = u64::from(cfg.vocab);
         let head_rows = if has_head { r } else { 0 };
         let topk_probe = TopkParams::new(cfg.vocab.max(MAX_K), MAX_K, 0)?;
@@ -259,6 +315,7 @@ impl Scratch {
             attn_out: buf("attn.out", r * hd)?,
             part_out: buf("attn.partial_out", po)?,
             part_ml: buf("attn.partial_ml", pml)?,
+            attn_rows: buf("attn.rows", 2 * r)?,
             // Expert logits, then (stacked router) the shared expert's gate logit, per row.
             router_logits: buf("moe.router", r * u64::from(cfg.experts + 1))?,
             // k routed picks, and the shared expert as pick k in the decode step.
@@ -288,6 +345,30 @@ impl Scratch {
 
 pub(crate) fn attn_proj_width(cfg: &ModelConfig) -> u32 {
     2 * cfg.heads * cfg.head_dim + 2 * cfg.kv_row()
+}
+
+/// A decode step's `[slot, pos]` rows into `s.attn_rows` (once per step, before the layers); a
+/// stage without attention layers has nothing to write.
+pub fn write_step_rows(gpu: &Gpu, s: &Scratch, states: &[&SlotState], positions: &[u32]) -> Result<()> {
+    let mut rows = Vec::with_capacity(2 * positions.len());
+    for (st, &pos) in states.iter().zip(positions) {
+        let Some(slot) = st.layers.iter().find_map(|l| match l {
+            LayerState::Attention { slot, .. } => Some(*slot),
+            LayerState::DeltaNet { .. } => None,
+        }) else {
+            return Ok(());
+        };
+        rows.extend([slot, pos]);
+    }
+    crate::ensure!(
+        rows.len() as u32 <= 2 * s.rows,
+        QkError::Engine(format!(
+            "step of {} rows exceeds the scratch of {}",
+            positions.len(),
+            s.rows
+        ))
+    );
+    gpu.write(&s.attn_rows, 0, bytemuck::cast_slice(&rows))
 }
 
 pub(crate) fn delta_params(cfg: &ModelConfig) -> DeltaParams {
@@ -419,6 +500,9 @@ impl Model {
         states: &[&SlotState],
         batch: Batch<'_>,
     ) -> Result<usize> {
+        if let Batch::Decode { positions } = batch {
+            write_step_rows(gpu, s, states, positions)?;
+        }
         let mut cur = 0usize;
         for (li, lw) in self.weights.layers.iter().enumerate() {
             let layer_states: Vec<&LayerState> = states.iter().map(|st| &st.layers[li]).collect();
@@ -680,7 +764,7 @@ impl Model {
     }
 
     /// From the projections in `s.aproj` to the gated attention output in `s.attn_out`: q/k norms,
-    /// RoPE, the K/V store into each slot's cache and attention over it.
+    /// RoPE and the K/V store into the slots' caches (one prepare dispatch), then attention.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn record_attention_core(
         &self,
@@ -697,134 +781,68 @@ impl Model {
         let hd = cfg.head_dim;
         let (qw, kvw) = (2 * cfg.heads * hd, cfg.kv_row());
         let aw = attn_proj_width(cfg);
-        // Per-head RMSNorm of q (the first half of each head's q+gate slice), before RoPE.
-        let q_src = RowLayout {
-            offset: 0,
-            token_stride: aw,
-            head_stride: 2 * hd,
+        let Some(LayerState::Attention { kv, slot }) = states.first() else {
+            return Err(QkError::Engine("attention layer without its KV state".into()));
         };
-        let q_dst = RowLayout::packed(hd, cfg.heads);
-        rec.op("attn.q_norm", layer, 0);
-        norm::record(
-            gpu,
-            rec,
-            NormKind::Rms,
-            &NormParams::new(t, cfg.heads, hd, q_src, q_dst, cfg.eps, 1.0),
-            &NormArgs {
-                src: &s.aproj,
-                dst: &s.q,
-                weight: Some(&w.q_norm),
-                other: None,
-                sum: None,
-            },
-        )?;
+        let shape = kv.shape;
+        let groups = kv.views();
         let q_rows = cfg.heads * hd;
-        // Per slot: K (normed, rotated) and V rows into the cache, q rotated, attention.
-        let run = |rec: &mut Recorder<'_>,
-                   st: &LayerState,
-                   first: u32,
-                   n: u32,
-                   pos: u32,
-                   decode: bool|
-         -> Result<()> {
-            let LayerState::Attention { k: kc, v: vc } = st else {
-                return Err(QkError::Engine("attention layer with DeltaNet state".into()));
-            };
-            let k_src = RowLayout {
-                offset: first * aw + qw,
-                token_stride: aw,
-                head_stride: hd,
-            };
-            let k_dst = RowLayout {
-                offset: pos * kvw,
-                token_stride: kvw,
-                head_stride: hd,
-            };
-            rec.op("attn.k_norm", layer, 0);
-            norm::record(
-                gpu,
-                rec,
-                NormKind::Rms,
-                &NormParams::new(n, cfg.kv_heads, hd, k_src, k_dst, cfg.eps, 1.0),
-                &NormArgs {
-                    src: &s.aproj,
-                    dst: kc,
-                    weight: Some(&w.k_norm),
-                    other: None,
-                    sum: None,
-                },
-            )?;
-            let rp = RopeParams {
-                tokens: n,
-                heads: cfg.kv_heads,
-                n_rot: cfg.n_rot,
-                offset: pos * kvw,
-                token_stride: kvw,
-                head_stride: hd,
-                pos_base: pos,
-            };
-            rec.op("attn.rope_k", layer, 0);
-            rope::record(gpu, rec, &rp, kc, &self.freqs, None)?;
-            let rq = RopeParams {
-                heads: cfg.heads,
-                offset: first * q_rows,
-                token_stride: q_rows,
-                ..rp
-            };
-            rec.op("attn.rope_q", layer, 0);
-            rope::record(gpu, rec, &rq, &s.q, &self.freqs, None)?;
-            let vp = EwParams {
-                rows: n,
-                n: kvw,
-                a_offset: first * aw + qw + kvw,
-                a_stride: aw,
-                out_offset: pos * kvw,
-                out_stride: kvw,
-                ..Default::default()
-            };
-            rec.op("attn.v_store", layer, 0);
-            ew(gpu, rec, EwKind::CopyRows, &vp, &s.aproj, None, vc)?;
-            let ap = AttnParams {
-                tokens: n,
-                heads: cfg.heads,
-                kv_heads: cfg.kv_heads,
-                head_dim: hd,
-                q_pos: pos,
-                q_offset: first * q_rows,
-                q_token_stride: q_rows,
-                q_head_stride: hd,
-                gate_offset: first * aw + hd,
-                gate_token_stride: aw,
-                gate_head_stride: 2 * hd,
-                kv_offset: 0,
-                out_offset: first * q_rows,
-                out_token_stride: q_rows,
-                splits: 0,
-                split_len: 0,
-                scale: cfg.attn_scale,
-                gated: 1,
-            };
-            let args = AttnArgs {
-                q: &s.q,
-                gate: &s.aproj,
-                k_cache: kc,
-                v_cache: vc,
-                out: &s.attn_out,
-            };
-            // K and V rows of every position so far.
-            rec.op("attn.core", layer, 2 * u64::from(pos + n) * u64::from(kvw) * 4);
-            if decode {
-                attention::record_decode(gpu, rec, &ap.with_decode_splits(), &args, &s.part_out, &s.part_ml)
-            } else {
-                attention::record_prefill(gpu, rec, &ap, &args)
-            }
+        // [q_h | gate_h] per head, then K, then V (attn_proj_width).
+        let prep = PrepareArgs {
+            proj: &s.aproj,
+            layout: ProjLayout {
+                row_stride: aw,
+                q_offset: 0,
+                q_head_stride: 2 * hd,
+                k_offset: qw,
+                v_offset: qw + kvw,
+            },
+            q_norm: &w.q_norm,
+            k_norm: &w.k_norm,
+            freqs: &self.freqs,
+            q_out: &s.q,
         };
+        let core = CoreArgs {
+            q: &s.q,
+            gate: Some((
+                &s.aproj,
+                GateLayout {
+                    offset: hd,
+                    row_stride: aw,
+                    head_stride: 2 * hd,
+                },
+            )),
+            out: &s.attn_out,
+            out_layout: OutLayout {
+                offset: 0,
+                row_stride: q_rows,
+            },
+            part_o: &s.part_out,
+            part_ml: &s.part_ml,
+        };
+        let kv_bytes = |keys: u64| keys * (shape.k_position_bytes() + shape.v_position_bytes());
         match batch {
-            Batch::Prefill { base, n } => run(rec, states[0], 0, n, base, false)?,
+            Batch::Prefill { base, n } => {
+                rec.op("attn.prepare", layer, 0);
+                let rows = AttnRows::Piece {
+                    slot: *slot,
+                    pos: base,
+                    n,
+                };
+                attention::record_prepare(gpu, rec, &shape, rows, &groups, &prep)?;
+                rec.op("attn.core", layer, kv_bytes(u64::from(base + n)));
+                attention::record_prefill(gpu, rec, &shape, *slot, base, n, &groups, &core)?;
+            }
             Batch::Decode { positions } => {
-                for (i, &p) in positions.iter().enumerate() {
-                    run(rec, states[i], i as u32, 1, p, true)?;
-                }
+                rec.op("attn.prepare", layer, 0);
+                let rows = AttnRows::Step {
+                    buf: &s.attn_rows,
+                    n: t,
+                };
+                attention::record_prepare(gpu, rec, &shape, rows, &groups, &prep)?;
+                let keys: u64 = positions.iter().map(|&p| u64::from(p) + 1).sum();
+                rec.op("attn.core", layer, kv_bytes(keys));
+                attention::record_decode(gpu, rec, &shape, &s.attn_rows, t, &groups, &core)?;
             }
         }
         Ok(())

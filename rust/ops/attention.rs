@@ -1,272 +1,817 @@
-//! Causal GQA attention with the sigmoid output gate (shaders/attention.wgsl): split-K decode plus
-//! its reduce pass, and tiled prefill; the CPU reference. The KV cache layout (token-major rows of
-//! kv_heads * head_dim per position, K and V in separate buffers) is documented in the shader.
+//! Full attention over a KV cache (shaders/attention.wgsl): the prepare op (q/k RMSNorm, RoPE, K/V
+//! store), split flash attention for decode steps and prefill pieces with the merge that
+//! normalises and gates, the cache element types, and the CPU references.
+//!
+//! # Interface
+//!
+//! * [`record_prepare`]`(gpu, rec, shape, rows, kv, args)` — one dispatch per cache buffer group
+//!   (normally one): every q head of every row gets its RMSNorm (weight `q_norm`) and RoPE into
+//!   `args.q_out`; every kv head's K its RMSNorm (`k_norm`) and RoPE, then K and V go into the row's
+//!   cache cell in the cache types.
+//! * [`record_decode`]`(gpu, rec, shape, rows_buf, n, kv, args)` — a decode step: one split
+//!   dispatch per buffer group (normally one) over every row, then one merge dispatch writing the
+//!   gated output. Nothing in it depends on the rows' positions, so one recording serves every step
+//!   once the rows buffer is rewritten.
+//! * [`record_prefill`]`(gpu, rec, shape, slot, pos, n, kv, args)` — a prefill piece: `n`
+//!   consecutive positions of one slot (already prepared), tiled flash attention plus the merge.
+//!
+//! # Buffer layouts (every index in 4-byte words)
+//!
+//! * Rows buffer (`u32`): row r is the pair `[slot, pos]` at words `2r, 2r + 1`: the engine slot
+//!   and the position the row's token sits at (it attends to positions `0..=pos` of its slot, its
+//!   own K/V included). `slot == u32::MAX` marks a padding row: skipped, its output untouched.
+//!   A prefill piece passes `(slot, pos)` as immediates instead (row r at `pos + r`).
+//! * Projection rows (`f32`, [`ProjLayout`]): row r's q head h at
+//!   `r * row_stride + q_offset + h * q_head_stride`, its gate (the q/gate interleave of Qwen3-Next)
+//!   where [`GateLayout`] says, kv head g's K at `r * row_stride + k_offset + g * head_dim`, V at
+//!   `... + v_offset + g * head_dim`.
+//! * Prepared q (`f32`): row r head h at `r * heads * head_dim + h * head_dim` (packed), unscaled.
+//! * KV cache of one layer: a K buffer and a V buffer per group of slots ([`KvGroup`]), element
+//!   type per [`KvType`]; the cell of (slot s, position p, kv head g) is the row of
+//!   `KvType::row_words(head_dim)` words at `(((s - first_slot) * ctx + p) * kv_heads + g) * row_words`,
+//!   so a slot's positions `0..p` are one contiguous range (what snapshots copy).
+//! * Partials (scratch, [`partial_len`]): `f32` outputs (head_dim per entry) and (max, sum) pairs,
+//!   entry `(r * heads + h) * split_stride + split`.
+//! * Output (`f32`, [`OutLayout`]): row r head h at `offset + r * row_stride + h * head_dim`.
 
 use bytemuck::{Pod, Zeroable};
 
 use super::elementwise::require_len;
-use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+use crate::gpu::{Gpu, GpuBuffer, Pipeline, Recorder, ShaderFile};
+use crate::{QkError, Result};
 
 pub const FILE: ShaderFile = crate::shader_file!("attention");
-/// Query rows per prefill workgroup (`BQ`).
-pub const PREFILL_ROWS: u32 = 16;
-/// Limits of the shader's workgroup arrays (`MAX_GROUP`, `MAX_GROUP_Q`, `MAX_SCORES`, prefill
-/// `LANES * MAX_DIMS_PER_LANE`).
-pub const MAX_GROUP: u32 = 16;
-pub const MAX_GROUP_Q: u32 = 2048;
-pub const MAX_SCORES: u32 = 1024;
-/// Decode splits aimed for: enough workgroups (× kv heads) to fill a large GPU.
-pub const DECODE_SPLITS_TARGET: u32 = 64;
-/// Fewest cache positions per decode split (each split is a workgroup's fixed start-up cost).
-pub const MIN_SPLIT_LEN: u32 = 16;
-pub const MAX_HEAD_DIM: u32 = 256;
 
-/// Mirrors `AttnParams` in attention.wgsl.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct AttnParams {
-    pub tokens: u32,
+/// Decode splits: at least 32 keys each, at most 64 per row (longer caches get longer splits).
+/// 64 splits × 2 kv heads × 8 columns keeps ~1000 columns of keys in flight for one row.
+pub const DECODE_MIN_SPLIT: u32 = 32;
+pub const DECODE_MAX_SPLITS: u32 = 64;
+/// Prefill splits: at least 256 keys, at most 16 per query tile (a piece of 64 tokens has only
+/// 8 tiles per kv head; splits fill the GPU when the prefix is long).
+pub const PREFILL_MIN_SPLIT: u32 = 256;
+pub const PREFILL_MAX_SPLITS: u32 = 16;
+/// Query rows (token × q head of one group) per prefill workgroup (`PR`).
+pub const PREFILL_ROWS: u32 = 64;
+/// Key columns per decode workgroup (`COLS`).
+pub const DECODE_COLS: u32 = 8;
+/// Partial entries per (row, head) in the scratch: the larger of the two modes' split counts.
+pub const SPLIT_STRIDE: u32 = if DECODE_MAX_SPLITS > PREFILL_MAX_SPLITS {
+    DECODE_MAX_SPLITS
+} else {
+    PREFILL_MAX_SPLITS
+};
+/// Largest GQA group and head dim the kernels keep in registers.
+pub const MAX_GROUP: u32 = 16;
+pub const MAX_HEAD_DIM: u32 = 512;
+
+/// Element type of a KV cache tensor. f16 is the default (what llama.cpp keeps); f32 is the precise
+/// setting; q8_0 (K only) is blocks of 32 int8 with one f16 scale, as ggml's Q8_0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvType {
+    F32,
+    F16,
+    Q8_0,
+}
+
+impl KvType {
+    pub fn parse(name: &str) -> Result<KvType> {
+        match name.to_ascii_lowercase().as_str() {
+            "f32" => Ok(KvType::F32),
+            "f16" => Ok(KvType::F16),
+            "q8_0" => Ok(KvType::Q8_0),
+            other => Err(QkError::Engine(format!(
+                "KV cache type {other:?}: expected f16, q8_0 or f32"
+            ))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+            KvType::Q8_0 => "q8_0",
+        }
+    }
+
+    /// Words of one (position, kv head) row of `head_dim` values: f32s, f16 pairs, or q8_0's
+    /// int8 quads followed by the f16 block scales two per word.
+    pub fn row_words(self, head_dim: u32) -> u32 {
+        match self {
+            KvType::F32 => head_dim,
+            KvType::F16 => head_dim / 2,
+            KvType::Q8_0 => head_dim / 4 + (head_dim / 32).div_ceil(2),
+        }
+    }
+
+    fn define(self) -> String {
+        match self {
+            KvType::F32 => "0",
+            KvType::F16 => "1",
+            KvType::Q8_0 => "2",
+        }
+        .into()
+    }
+
+    /// Head dims must fill the kernels' 8-dim units (and q8_0's 32-value blocks).
+    fn fits(self, head_dim: u32) -> bool {
+        let unit = if self == KvType::Q8_0 { 32 } else { 8 };
+        head_dim > 0 && head_dim.is_multiple_of(unit)
+    }
+}
+
+/// The shape of one model's attention and its cache.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnShape {
     pub heads: u32,
     pub kv_heads: u32,
     pub head_dim: u32,
-    pub q_pos: u32,
-    pub q_offset: u32,
-    pub q_token_stride: u32,
-    pub q_head_stride: u32,
-    pub gate_offset: u32,
-    pub gate_token_stride: u32,
-    pub gate_head_stride: u32,
-    pub kv_offset: u32,
-    pub out_offset: u32,
-    pub out_token_stride: u32,
-    pub splits: u32,
-    pub split_len: u32,
+    pub n_rot: u32,
+    /// Positions per slot in the cache.
+    pub ctx: u32,
+    pub k_type: KvType,
+    pub v_type: KvType,
+    /// Softmax scale of q·k.
     pub scale: f32,
-    pub gated: u32,
+    /// RMSNorm epsilon of the q/k norms.
+    pub eps: f32,
 }
 
-impl AttnParams {
-    /// Cache positions per decode split: as many as the shared score array allows for one group
-    /// (128 for the 8 q heads per kv head of the reference models).
-    pub fn decode_split_len(heads: u32, kv_heads: u32) -> u32 {
-        (MAX_SCORES / (heads / kv_heads).max(1)).min(256)
+impl AttnShape {
+    pub fn group(&self) -> u32 {
+        self.heads / self.kv_heads.max(1)
     }
 
-    /// Fills `splits` / `split_len` for a decode dispatch over the longest row's cache: about
-    /// `DECODE_SPLITS_TARGET` splits of at least `MIN_SPLIT_LEN` positions, up to the score array's
-    /// limit. A fixed 128-position split left a short cache to a handful of workgroups, each walking
-    /// hundreds of positions serially (820 µs per layer at 576 positions on the H200). The split
-    /// depends only on the longest row's cache length, so a row's result is the same however a
-    /// prompt is cut at multiples of 64, and in a step as in a single-token run.
-    pub fn with_decode_splits(mut self) -> Self {
-        let kv_len = self.q_pos + self.tokens;
-        self.split_len = Self::split_len_for(kv_len, self.heads, self.kv_heads);
-        self.splits = kv_len.div_ceil(self.split_len);
-        self
+    /// Bytes of one position's K (all kv heads) and V.
+    pub fn k_position_bytes(&self) -> u64 {
+        4 * u64::from(self.kv_heads) * u64::from(self.k_type.row_words(self.head_dim))
     }
 
-    fn split_len_for(kv_len: u32, heads: u32, kv_heads: u32) -> u32 {
-        let cap = Self::decode_split_len(heads, kv_heads);
-        let wanted = kv_len.div_ceil(DECODE_SPLITS_TARGET).next_power_of_two();
-        wanted.clamp(MIN_SPLIT_LEN.min(cap), cap)
+    pub fn v_position_bytes(&self) -> u64 {
+        4 * u64::from(self.kv_heads) * u64::from(self.v_type.row_words(self.head_dim))
     }
 
-    /// The most splits any decode dispatch with a cache of at most `ctx` positions uses (the
-    /// scratch for partial results is sized by it).
-    pub fn max_decode_splits(heads: u32, kv_heads: u32, ctx: u32) -> u32 {
-        let cap = Self::decode_split_len(heads, kv_heads);
-        let small = MIN_SPLIT_LEN.min(cap);
-        // Below the cap the count stays within the target (or within ctx / small for short caches);
-        // at the cap it grows with the cache.
-        ctx.div_ceil(small)
-            .min(DECODE_SPLITS_TARGET.max(ctx.div_ceil(cap)))
+    /// K plus V bytes of one slot of one layer.
+    pub fn slot_bytes(&self) -> u64 {
+        u64::from(self.ctx) * (self.k_position_bytes() + self.v_position_bytes())
     }
 
-    /// Checks the shapes against the shader's fixed-size arrays.
-    pub fn validate(&self) -> crate::Result<()> {
-        use crate::QkError;
-        let group = self.heads.checked_div(self.kv_heads).unwrap_or(0);
-        crate::ensure!(
-            self.kv_heads > 0 && group * self.kv_heads == self.heads && group <= MAX_GROUP,
-            QkError::Engine(format!(
-                "attention: {} heads over {} kv heads",
+    /// Checks the shape against what the kernels handle; a typed error names the problem.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(QkError::Engine(format!("attention: {msg}")));
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) || self.group() > MAX_GROUP {
+            return bad(format!(
+                "{} q heads over {} kv heads (groups up to {MAX_GROUP})",
                 self.heads, self.kv_heads
-            ))
-        );
-        crate::ensure!(
-            self.head_dim <= MAX_HEAD_DIM && group * self.head_dim <= MAX_GROUP_Q,
-            QkError::Engine(format!("attention: head_dim {} too large", self.head_dim))
-        );
+            ));
+        }
+        if self.head_dim > MAX_HEAD_DIM
+            || !self.k_type.fits(self.head_dim)
+            || !self.v_type.fits(self.head_dim)
+        {
+            return bad(format!(
+                "head_dim {} does not suit a {} K / {} V cache (multiples of 8, of 32 for q8_0, up to {MAX_HEAD_DIM})",
+                self.head_dim,
+                self.k_type.name(),
+                self.v_type.name()
+            ));
+        }
+        if self.v_type == KvType::Q8_0 {
+            return bad("a q8_0 V cache is not supported (K only): use f16 or f32".into());
+        }
+        if self.n_rot == 0 || !self.n_rot.is_multiple_of(2) || self.n_rot > self.head_dim {
+            return bad(format!("n_rot {} must be even and fit head_dim", self.n_rot));
+        }
+        if self.ctx == 0 {
+            return bad("ctx must be at least 1".into());
+        }
         Ok(())
     }
+
+    /// Slots one pair of K/V buffers holds: as many as fit the device's largest binding and buffer.
+    pub fn slots_per_buffer(&self, max_binding: u64, max_buffer: u64) -> Result<u32> {
+        let ctx = u64::from(self.ctx);
+        let per_slot = ctx * self.k_position_bytes().max(self.v_position_bytes());
+        let limit = max_binding.min(max_buffer);
+        crate::ensure!(
+            per_slot <= limit,
+            QkError::OutOfMemory(format!(
+                "KV cache: ctx {} needs {per_slot} bytes per slot and tensor, more than one binding ({limit})",
+                self.ctx
+            ))
+        );
+        // Word indices stay below 2^32 (the kernels index in u32).
+        Ok((limit.min(1 << 34) / per_slot).min(u64::from(u32::MAX)) as u32)
+    }
 }
 
-/// The operands of an attention dispatch. `gate` may be any buffer when `gated == 0`.
-pub struct AttnArgs<'a> {
+/// One K/V buffer pair of a layer, holding slots `first_slot .. first_slot + slots`.
+#[derive(Clone, Copy, Debug)]
+pub struct KvGroup<'a> {
+    pub k: &'a GpuBuffer,
+    pub v: &'a GpuBuffer,
+    pub first_slot: u32,
+    pub slots: u32,
+}
+
+/// Where the rows of a prepare dispatch come from.
+#[derive(Clone, Copy, Debug)]
+pub enum AttnRows<'a> {
+    /// A decode step: `n` rows, `[slot, pos]` pairs in `buf`.
+    Step { buf: &'a GpuBuffer, n: u32 },
+    /// A prefill piece: positions `pos .. pos + n` of `slot`.
+    Piece { slot: u32, pos: u32, n: u32 },
+}
+
+impl AttnRows<'_> {
+    pub fn n(&self) -> u32 {
+        match *self {
+            AttnRows::Step { n, .. } | AttnRows::Piece { n, .. } => n,
+        }
+    }
+}
+
+/// Where q, K and V sit in the projection output (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProjLayout {
+    pub row_stride: u32,
+    pub q_offset: u32,
+    pub q_head_stride: u32,
+    pub k_offset: u32,
+    pub v_offset: u32,
+}
+
+pub struct PrepareArgs<'a> {
+    pub proj: &'a GpuBuffer,
+    pub layout: ProjLayout,
+    pub q_norm: &'a GpuBuffer,
+    pub k_norm: &'a GpuBuffer,
+    /// RoPE frequencies from [`super::rope::freq_table`].
+    pub freqs: &'a GpuBuffer,
+    /// Prepared q, packed rows of heads × head_dim.
+    pub q_out: &'a GpuBuffer,
+}
+
+/// Gate logits of (row r, head h, dim d) at `offset + r * row_stride + h * head_stride + d`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GateLayout {
+    pub offset: u32,
+    pub row_stride: u32,
+    pub head_stride: u32,
+}
+
+/// Output of (row r, head h) at `offset + r * row_stride + h * head_dim`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutLayout {
+    pub offset: u32,
+    pub row_stride: u32,
+}
+
+pub struct CoreArgs<'a> {
+    /// Prepared q (packed rows of heads × head_dim, as [`record_prepare`] writes it).
     pub q: &'a GpuBuffer,
-    pub gate: &'a GpuBuffer,
-    pub k_cache: &'a GpuBuffer,
-    pub v_cache: &'a GpuBuffer,
+    /// The sigmoid gate's logits, or None for plain attention.
+    pub gate: Option<(&'a GpuBuffer, GateLayout)>,
     pub out: &'a GpuBuffer,
+    pub out_layout: OutLayout,
+    /// Scratch of [`partial_len`] f32s each.
+    pub part_o: &'a GpuBuffer,
+    pub part_ml: &'a GpuBuffer,
 }
 
-fn check(p: &AttnParams, args: &AttnArgs<'_>) -> crate::Result<()> {
-    p.validate()?;
-    if p.tokens == 0 {
+/// f32 counts of the partial-output and (max, sum) scratch for up to `rows` rows.
+pub fn partial_len(rows: u32, heads: u32, head_dim: u32) -> (u64, u64) {
+    let entries = u64::from(rows) * u64::from(heads) * u64::from(SPLIT_STRIDE);
+    (entries * u64::from(head_dim), entries * 2)
+}
+
+/// (keys per split, splits) of a row (or prefill tile) over `n` keys: the shortest power-of-two
+/// multiple of `min_split` that needs at most `max_splits` splits. Mirrors `plan` in
+/// attention.wgsl; a row's plan depends on its own key count only, so its bytes do not depend on
+/// which other rows share the dispatch.
+pub fn split_plan(n: u32, min_split: u32, max_splits: u32) -> (u32, u32) {
+    let mut len = min_split;
+    while u64::from(len) * u64::from(max_splits) < u64::from(n) {
+        len *= 2;
+    }
+    (len, n.div_ceil(len))
+}
+
+/// Mirrors `CoreParams` in attention.wgsl.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+struct CoreParams {
+    rows: u32,
+    rows_from_buffer: u32,
+    slot: u32,
+    pos: u32,
+    heads: u32,
+    kv_heads: u32,
+    ctx: u32,
+    first_slot: u32,
+    slots: u32,
+    q_offset: u32,
+    q_row_stride: u32,
+    gate_offset: u32,
+    gate_row_stride: u32,
+    gate_head_stride: u32,
+    gated: u32,
+    out_offset: u32,
+    out_row_stride: u32,
+    split_stride: u32,
+    min_split: u32,
+    max_splits: u32,
+    tile_rows: u32,
+    scale: f32,
+}
+
+/// Mirrors `PrepareParams` in attention.wgsl.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+struct PrepareParams {
+    rows: u32,
+    rows_from_buffer: u32,
+    slot: u32,
+    pos: u32,
+    heads: u32,
+    kv_heads: u32,
+    n_rot: u32,
+    ctx: u32,
+    first_slot: u32,
+    slots: u32,
+    proj_row_stride: u32,
+    q_offset: u32,
+    q_head_stride: u32,
+    k_offset: u32,
+    v_offset: u32,
+    q_out_offset: u32,
+    q_out_row_stride: u32,
+    eps: f32,
+}
+
+/// Invocations sharing one key (decode) or one query row (prefill): a power of two dividing the
+/// subgroup size and the head's 8-dim units; 1 without subgroups.
+fn lanes(gpu: &Gpu, head_dim: u32, most: u32) -> u32 {
+    if !gpu.caps.subgroups {
+        return 1;
+    }
+    let units = head_dim / 8;
+    let mut l = most.min(gpu.caps.subgroup_min_size.max(1));
+    while l > 1 && !(units.is_multiple_of(l) && l.is_power_of_two()) {
+        l /= 2;
+    }
+    l.max(1)
+}
+
+fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'static str, String); 9] {
+    [
+        ("OP", op.into()),
+        ("K_TYPE", shape.k_type.define()),
+        ("V_TYPE", shape.v_type.define()),
+        ("HEAD_DIM", shape.head_dim.to_string()),
+        ("GROUP", shape.group().to_string()),
+        ("LANES", lanes.to_string()),
+        ("COLS", DECODE_COLS.to_string()),
+        ("PR", PREFILL_ROWS.to_string()),
+        ("WG", wg.to_string()),
+    ]
+}
+
+fn check_groups(shape: &AttnShape, kv: &[KvGroup<'_>]) -> Result<()> {
+    crate::ensure!(!kv.is_empty(), QkError::Engine("attention: no KV buffers".into()));
+    let cells = |slots: u32| u64::from(slots) * u64::from(shape.ctx) * u64::from(shape.kv_heads);
+    for g in kv {
+        let kw = cells(g.slots) * u64::from(shape.k_type.row_words(shape.head_dim));
+        let vw = cells(g.slots) * u64::from(shape.v_type.row_words(shape.head_dim));
+        require_len("attention k cache", g.k, kw)?;
+        require_len("attention v cache", g.v, vw)?;
+    }
+    Ok(())
+}
+
+/// The rows binding, whether the rows come from it, and (slot, pos) for a piece. A piece binds
+/// `placeholder` (one of the kernel's read-only inputs, never read there) in the rows slot.
+fn rows_source<'a>(rows: AttnRows<'a>, placeholder: &'a GpuBuffer) -> Result<(&'a GpuBuffer, u32, u32, u32)> {
+    match rows {
+        AttnRows::Step { buf, n } => {
+            require_len("attention rows", buf, 2 * u64::from(n))?;
+            Ok((buf, 1, 0, 0))
+        }
+        AttnRows::Piece { slot, pos, .. } => Ok((placeholder, 0, slot, pos)),
+    }
+}
+
+/// The group holding `slot` (a piece's slot must be in one).
+fn group_of<'g, 'a>(kv: &'g [KvGroup<'a>], slot: u32) -> Result<&'g KvGroup<'a>> {
+    kv.iter()
+        .find(|g| slot >= g.first_slot && slot - g.first_slot < g.slots)
+        .ok_or_else(|| QkError::Engine(format!("attention: slot {slot} is in no KV buffer")))
+}
+
+/// Record the prepare op for `rows` (see the module doc). Positions are checked against `ctx` for
+/// a piece; a step's rows are the caller's (the engine checks them before writing the buffer).
+pub fn record_prepare(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    shape: &AttnShape,
+    rows: AttnRows<'_>,
+    kv: &[KvGroup<'_>],
+    args: &PrepareArgs<'_>,
+) -> Result<()> {
+    shape.validate()?;
+    check_groups(shape, kv)?;
+    let n = rows.n();
+    if n == 0 {
         return Ok(());
     }
-    let (t, h) = (p.tokens as u64 - 1, p.heads as u64 - 1);
-    let hd = p.head_dim as u64;
+    let l = args.layout;
+    let hd = u64::from(shape.head_dim);
+    let last = u64::from(n - 1) * u64::from(l.row_stride);
     require_len(
-        "attention q",
-        args.q,
-        p.q_offset as u64 + t * p.q_token_stride as u64 + h * p.q_head_stride as u64 + hd,
+        "attention projection",
+        args.proj,
+        last + (u64::from(l.q_offset) + u64::from(shape.heads - 1) * u64::from(l.q_head_stride) + hd)
+            .max(u64::from(l.k_offset.max(l.v_offset)) + u64::from(shape.kv_heads) * hd),
     )?;
-    if p.gated != 0 {
-        let last = p.gate_offset as u64 + t * p.gate_token_stride as u64 + h * p.gate_head_stride as u64 + hd;
-        require_len("attention gate", args.gate, last)?;
+    require_len("attention q_norm", args.q_norm, hd)?;
+    require_len("attention k_norm", args.k_norm, hd)?;
+    require_len("attention rope freqs", args.freqs, u64::from(shape.n_rot / 2))?;
+    require_len(
+        "attention q out",
+        args.q_out,
+        u64::from(n) * u64::from(shape.heads) * hd,
+    )?;
+    let (rows_buf, from_buffer, slot, pos) = rows_source(rows, args.proj)?;
+    let groups: Vec<&KvGroup<'_>> = match rows {
+        AttnRows::Step { .. } => kv.iter().collect(),
+        AttnRows::Piece { slot, pos, n } => {
+            crate::ensure!(
+                u64::from(pos) + u64::from(n) <= u64::from(shape.ctx),
+                QkError::Engine(format!(
+                    "attention: positions {pos}..{} beyond ctx {}",
+                    u64::from(pos) + u64::from(n),
+                    shape.ctx
+                ))
+            );
+            vec![group_of(kv, slot)?]
+        }
+    };
+    let pipe = gpu.pipeline(&FILE, &kernel_defines(shape, "prepare", 1, 64), &[])?;
+    for g in groups {
+        let p = PrepareParams {
+            rows: n,
+            rows_from_buffer: from_buffer,
+            slot,
+            pos,
+            heads: shape.heads,
+            kv_heads: shape.kv_heads,
+            n_rot: shape.n_rot,
+            ctx: shape.ctx,
+            first_slot: g.first_slot,
+            slots: g.slots,
+            proj_row_stride: l.row_stride,
+            q_offset: l.q_offset,
+            q_head_stride: l.q_head_stride,
+            k_offset: l.k_offset,
+            v_offset: l.v_offset,
+            q_out_offset: 0,
+            q_out_row_stride: shape.heads * shape.head_dim,
+            eps: shape.eps,
+        };
+        rec.dispatch(
+            &pipe,
+            &[
+                rows_buf.all(),
+                args.proj.all(),
+                args.q_norm.all(),
+                args.k_norm.all(),
+                args.freqs.all(),
+                args.q_out.all(),
+                g.k.all(),
+                g.v.all(),
+            ],
+            bytemuck::bytes_of(&p),
+            [shape.heads + shape.kv_heads, n, 1],
+        )?;
     }
-    let kv = p.kv_offset as u64 + (p.q_pos as u64 + p.tokens as u64) * p.kv_heads as u64 * hd;
-    require_len("attention k cache", args.k_cache, kv)?;
-    require_len("attention v cache", args.v_cache, kv)?;
+    Ok(())
+}
+
+fn check_core(shape: &AttnShape, n: u32, kv: &[KvGroup<'_>], args: &CoreArgs<'_>) -> Result<()> {
+    shape.validate()?;
+    check_groups(shape, kv)?;
+    let hd = u64::from(shape.head_dim);
+    let heads = u64::from(shape.heads);
+    require_len("attention q", args.q, u64::from(n) * heads * hd)?;
+    let last = u64::from(n.max(1) - 1);
+    if let Some((gate, gl)) = args.gate {
+        require_len(
+            "attention gate",
+            gate,
+            u64::from(gl.offset)
+                + last * u64::from(gl.row_stride)
+                + (heads - 1) * u64::from(gl.head_stride)
+                + hd,
+        )?;
+    }
+    let o = args.out_layout;
     require_len(
         "attention out",
         args.out,
-        p.out_offset as u64 + t * p.out_token_stride as u64 + (h + 1) * hd,
+        u64::from(o.offset) + last * u64::from(o.row_stride) + heads * hd,
+    )?;
+    let (po, pml) = partial_len(n, shape.heads, shape.head_dim);
+    require_len("attention partial out", args.part_o, po)?;
+    require_len("attention partial max/sum", args.part_ml, pml)
+}
+
+fn core_params(shape: &AttnShape, n: u32, args: &CoreArgs<'_>) -> CoreParams {
+    let (gate_offset, gate_row_stride, gate_head_stride) = args
+        .gate
+        .map_or((0, 0, 0), |(_, g)| (g.offset, g.row_stride, g.head_stride));
+    CoreParams {
+        rows: n,
+        heads: shape.heads,
+        kv_heads: shape.kv_heads,
+        ctx: shape.ctx,
+        q_offset: 0,
+        q_row_stride: shape.heads * shape.head_dim,
+        gate_offset,
+        gate_row_stride,
+        gate_head_stride,
+        gated: u32::from(args.gate.is_some()),
+        out_offset: args.out_layout.offset,
+        out_row_stride: args.out_layout.row_stride,
+        split_stride: SPLIT_STRIDE,
+        tile_rows: 1,
+        scale: shape.scale,
+        ..Default::default()
+    }
+}
+
+/// One split dispatch (decode or prefill) over the cache buffers `g`.
+fn dispatch_core(
+    rec: &mut Recorder<'_>,
+    pipe: &Pipeline,
+    p: &CoreParams,
+    rows_buf: &GpuBuffer,
+    g: &KvGroup<'_>,
+    args: &CoreArgs<'_>,
+    grid: [u32; 3],
+) -> Result<()> {
+    rec.dispatch(
+        pipe,
+        &[
+            rows_buf.all(),
+            args.q.all(),
+            g.k.all(),
+            g.v.all(),
+            args.part_o.all(),
+            args.part_ml.all(),
+        ],
+        bytemuck::bytes_of(p),
+        grid,
     )
 }
 
-/// Record tiled causal prefill attention for `p.tokens` query rows.
-pub fn record_prefill(
+fn record_merge(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
-    p: &AttnParams,
-    args: &AttnArgs<'_>,
-) -> crate::Result<()> {
-    check(p, args)?;
-    let pipe = gpu.pipeline(&FILE, &[("OP", "prefill".into())], &[])?;
+    shape: &AttnShape,
+    p: &CoreParams,
+    rows_buf: &GpuBuffer,
+    args: &CoreArgs<'_>,
+) -> Result<()> {
+    let pipe = gpu.pipeline(&FILE, &kernel_defines(shape, "merge", 1, 64), &[])?;
+    let gate = args.gate.map_or(args.q, |(g, _)| g);
     rec.dispatch(
         &pipe,
         &[
-            args.q.all(),
-            args.gate.all(),
-            args.k_cache.all(),
-            args.v_cache.all(),
+            rows_buf.all(),
+            gate.all(),
+            args.part_o.all(),
+            args.part_ml.all(),
             args.out.all(),
         ],
         bytemuck::bytes_of(p),
-        [p.tokens.div_ceil(PREFILL_ROWS), p.heads, 1],
+        [shape.heads, p.rows, 1],
     )
 }
 
-/// f32 counts of the decode scratch buffers (partial outputs, max/sum pairs) for `p`
-/// (after [`AttnParams::with_decode_splits`]).
-pub fn decode_scratch_len(p: &AttnParams) -> (u64, u64) {
-    let slots = p.tokens as u64 * p.heads as u64 * p.splits as u64;
-    (slots * p.head_dim as u64, slots * 2)
-}
-
-/// Record split-K decode attention (few query rows, any cache length): the split pass and the
-/// reduce pass. `p` must carry `splits`/`split_len` (see [`AttnParams::with_decode_splits`]).
+/// Record decode attention over the `n` rows of `rows_buf` (a step: `[slot, pos]` pairs, K/V of
+/// each row's own position already stored by [`record_prepare`]): one split dispatch per buffer
+/// group, sized for `shape.ctx` (splits past a row's keys exit at once), then the merge.
 pub fn record_decode(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
-    p: &AttnParams,
-    args: &AttnArgs<'_>,
-    partial_out: &GpuBuffer,
-    partial_ml: &GpuBuffer,
-) -> crate::Result<()> {
-    check(p, args)?;
-    let group = p.heads / p.kv_heads;
+    shape: &AttnShape,
+    rows_buf: &GpuBuffer,
+    n: u32,
+    kv: &[KvGroup<'_>],
+    args: &CoreArgs<'_>,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    check_core(shape, n, kv, args)?;
+    require_len("attention rows", rows_buf, 2 * u64::from(n))?;
+    let lanes = lanes(gpu, shape.head_dim, 32);
+    let pipe = gpu.pipeline(
+        &FILE,
+        &kernel_defines(shape, "decode", lanes, DECODE_COLS * lanes),
+        &[],
+    )?;
+    let mut p = CoreParams {
+        rows_from_buffer: 1,
+        min_split: DECODE_MIN_SPLIT,
+        max_splits: DECODE_MAX_SPLITS,
+        ..core_params(shape, n, args)
+    };
+    let splits = split_plan(shape.ctx, DECODE_MIN_SPLIT, DECODE_MAX_SPLITS).1;
+    for g in kv {
+        p.first_slot = g.first_slot;
+        p.slots = g.slots;
+        dispatch_core(rec, &pipe, &p, rows_buf, g, args, [splits, shape.kv_heads, n])?;
+    }
+    record_merge(gpu, rec, shape, &p, rows_buf, args)
+}
+
+/// Record prefill attention for positions `pos .. pos + n` of `slot` (prepared by
+/// [`record_prepare`] with a piece): tiles of query rows over the cache, then the merge.
+#[allow(clippy::too_many_arguments)]
+pub fn record_prefill(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    shape: &AttnShape,
+    slot: u32,
+    pos: u32,
+    n: u32,
+    kv: &[KvGroup<'_>],
+    args: &CoreArgs<'_>,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    check_core(shape, n, kv, args)?;
     crate::ensure!(
-        p.split_len > 0
-            && group * p.split_len <= MAX_SCORES
-            && p.splits as u64 * p.split_len as u64 >= p.q_pos as u64 + p.tokens as u64,
-        crate::QkError::Engine(format!(
-            "attention decode: {} splits of {} do not fit",
-            p.splits, p.split_len
+        u64::from(pos) + u64::from(n) <= u64::from(shape.ctx),
+        QkError::Engine(format!(
+            "attention: positions {pos}..+{n} beyond ctx {}",
+            shape.ctx
         ))
     );
-    let (po, pml) = decode_scratch_len(p);
-    require_len("attention partial out", partial_out, po)?;
-    require_len("attention partial max/sum", partial_ml, pml)?;
-    let split = gpu.pipeline(&FILE, &[("OP", "split".into())], &[])?;
-    rec.dispatch(
-        &split,
-        &[
-            args.q.all(),
-            args.k_cache.all(),
-            args.v_cache.all(),
-            partial_out.all(),
-            partial_ml.all(),
-        ],
-        bytemuck::bytes_of(p),
-        [p.splits, p.kv_heads, p.tokens],
+    let g = group_of(kv, slot)?;
+    let lanes = lanes(gpu, shape.head_dim, 4);
+    let pipe = gpu.pipeline(
+        &FILE,
+        &kernel_defines(shape, "prefill", lanes, PREFILL_ROWS * lanes),
+        &[],
     )?;
-    let reduce = gpu.pipeline(&FILE, &[("OP", "reduce".into())], &[])?;
-    rec.dispatch(
-        &reduce,
-        &[
-            args.gate.all(),
-            partial_out.all(),
-            partial_ml.all(),
-            args.out.all(),
-        ],
-        bytemuck::bytes_of(p),
-        [p.heads, p.tokens, 1],
-    )
+    let tokens_per_tile = PREFILL_ROWS / shape.group();
+    let p = CoreParams {
+        slot,
+        pos,
+        first_slot: g.first_slot,
+        slots: g.slots,
+        min_split: PREFILL_MIN_SPLIT,
+        max_splits: PREFILL_MAX_SPLITS,
+        tile_rows: tokens_per_tile,
+        ..core_params(shape, n, args)
+    };
+    let splits = split_plan(pos + n, PREFILL_MIN_SPLIT, PREFILL_MAX_SPLITS).1;
+    // The rows binding is unused by a piece: bind q (read-only here).
+    let grid = [splits, shape.kv_heads, n.div_ceil(tokens_per_tile)];
+    dispatch_core(rec, &pipe, &p, args.q, g, args, grid)?;
+    record_merge(gpu, rec, shape, &p, args.q, args)
 }
 
 pub mod reference {
-    use super::AttnParams;
+    //! CPU references: the prepare op (f64 norms and rotation, then the cache type's rounding) and
+    //! attention in f64 over cache rows decoded to f32.
 
-    /// f64 attention over `k_cache` / `v_cache` (layout of the shader), gated if `p.gated != 0`.
-    pub fn attention(
-        p: &AttnParams,
-        q: &[f32],
-        gate: &[f32],
-        k_cache: &[f32],
-        v_cache: &[f32],
-        out: &mut [f32],
-    ) {
-        let hd = p.head_dim as usize;
-        let group = (p.heads / p.kv_heads) as usize;
-        let kv =
-            |p_: usize, g: usize, d: usize| p.kv_offset as usize + (p_ * p.kv_heads as usize + g) * hd + d;
-        for t in 0..p.tokens as usize {
-            let len = p.q_pos as usize + t + 1;
-            for h in 0..p.heads as usize {
-                let g = h / group;
-                let qb = p.q_offset as usize + t * p.q_token_stride as usize + h * p.q_head_stride as usize;
-                let scores: Vec<f64> = (0..len)
-                    .map(|pos| {
-                        (0..hd)
-                            .map(|d| q[qb + d] as f64 * k_cache[kv(pos, g, d)] as f64)
-                            .sum::<f64>()
-                            * p.scale as f64
+    use half::f16;
+
+    use super::{AttnShape, KvType};
+
+    /// RMSNorm with weight `w` then RoPE at `pos`, in f64, of one head row.
+    pub fn norm_rope(x: &[f32], w: &[f32], eps: f32, n_rot: u32, pos: u32, freqs: &[f32]) -> Vec<f64> {
+        let n = x.len() as f64;
+        let sq: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+        let inv = 1.0 / (sq / n + f64::from(eps)).sqrt();
+        let mut y: Vec<f64> = x
+            .iter()
+            .zip(w)
+            .map(|(&v, &w)| f64::from(v) * inv * f64::from(w))
+            .collect();
+        crate::ops::rope::reference::rotate(&mut y, n_rot, pos, freqs);
+        y
+    }
+
+    /// The cache words of one row of `values` in type `ty` (q8_0 as ggml: d = amax/127 rounded to
+    /// f16 for storage, quants rounded half to even as the shader's `round`).
+    pub fn encode_row(ty: KvType, values: &[f32]) -> Vec<u32> {
+        match ty {
+            KvType::F32 => values.iter().map(|v| v.to_bits()).collect(),
+            KvType::F16 => values
+                .chunks(2)
+                .map(|p| {
+                    u32::from(f16::from_f32(p[0]).to_bits())
+                        | (u32::from(f16::from_f32(p[1]).to_bits()) << 16)
+                })
+                .collect(),
+            KvType::Q8_0 => {
+                let d_len = values.len();
+                let scales: Vec<f32> = values
+                    .chunks(32)
+                    .map(|b| b.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0)
+                    .collect();
+                let mut out: Vec<u32> = values
+                    .chunks(4)
+                    .enumerate()
+                    .map(|(w, quad)| {
+                        let d = scales[w / 8];
+                        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                        quad.iter()
+                            .enumerate()
+                            .map(|(i, v)| (((v * id).round_ties_even() as i32 as u8) as u32) << (8 * i))
+                            .sum()
                     })
                     .collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-                let l: f64 = e.iter().sum();
-                for d in 0..hd {
-                    let o: f64 = (0..len)
-                        .map(|pos| e[pos] * v_cache[kv(pos, g, d)] as f64)
-                        .sum::<f64>()
-                        / l;
-                    let gate_factor = if p.gated != 0 {
-                        let z = gate[p.gate_offset as usize
-                            + t * p.gate_token_stride as usize
-                            + h * p.gate_head_stride as usize
-                            + d] as f64;
-                        1.0 / (1.0 + (-z).exp())
-                    } else {
-                        1.0
-                    };
-                    out[p.out_offset as usize + t * p.out_token_stride as usize + h * hd + d] =
-                        (o * gate_factor) as f32;
+                for pair in scales.chunks(2) {
+                    let lo = f16::from_f32(pair[0]).to_bits();
+                    let hi = pair.get(1).map_or(0, |s| f16::from_f32(*s).to_bits());
+                    out.push(u32::from(lo) | (u32::from(hi) << 16));
                 }
+                debug_assert_eq!(out.len() as u32, ty.row_words(d_len as u32));
+                out
             }
         }
+    }
+
+    /// The `head_dim` values of one cache row of type `ty`.
+    pub fn decode_row(ty: KvType, words: &[u32], head_dim: usize) -> Vec<f32> {
+        match ty {
+            KvType::F32 => words[..head_dim].iter().map(|w| f32::from_bits(*w)).collect(),
+            KvType::F16 => words[..head_dim / 2]
+                .iter()
+                .flat_map(|w| {
+                    [
+                        f16::from_bits(*w as u16).to_f32(),
+                        f16::from_bits((*w >> 16) as u16).to_f32(),
+                    ]
+                })
+                .collect(),
+            KvType::Q8_0 => (0..head_dim)
+                .map(|i| {
+                    let b = i / 32;
+                    let sw = words[head_dim / 4 + b / 2];
+                    let d = f16::from_bits((sw >> (16 * (b % 2))) as u16).to_f32();
+                    let q = (words[i / 4] >> (8 * (i % 4))) as u8 as i8;
+                    f32::from(q) * d
+                })
+                .collect(),
+        }
+    }
+
+    /// Gated attention of one row in f64: `q` (heads × head_dim, unscaled) over keys `0..n`,
+    /// `k(p, g)` / `v(p, g)` the decoded cache rows; `gate` (heads × head_dim) or None.
+    pub fn attention_row(
+        shape: &AttnShape,
+        q: &[f32],
+        gate: Option<&[f32]>,
+        n: usize,
+        k: &dyn Fn(usize, usize) -> Vec<f32>,
+        v: &dyn Fn(usize, usize) -> Vec<f32>,
+    ) -> Vec<f32> {
+        let hd = shape.head_dim as usize;
+        let group = shape.group() as usize;
+        let mut out = vec![0f32; shape.heads as usize * hd];
+        for h in 0..shape.heads as usize {
+            let g = h / group;
+            let qh = &q[h * hd..(h + 1) * hd];
+            let scores: Vec<f64> = (0..n)
+                .map(|p| {
+                    let kr = k(p, g);
+                    qh.iter()
+                        .zip(&kr)
+                        .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                        .sum::<f64>()
+                        * f64::from(shape.scale)
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let l: f64 = e.iter().sum();
+            let mut o = vec![0f64; hd];
+            for (p, ep) in e.iter().enumerate() {
+                for (od, vd) in o.iter_mut().zip(v(p, g)) {
+                    *od += ep * f64::from(vd);
+                }
+            }
+            for d in 0..hd {
+                let gf = gate.map_or(1.0, |z| 1.0 / (1.0 + (-f64::from(z[h * hd + d])).exp()));
+                out[h * hd + d] = (o[d] / l * gf) as f32;
+            }
+        }
+        out
     }
 }

@@ -9,9 +9,11 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::engine::{Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepProfile, StepTiming};
+use crate::ops::attention::KvType;
 
 /// A model (or a layer range of it) loaded on one GPU, with `slots` independent sequences of up to
-/// `ctx` positions each.
+/// `ctx` positions each. `cache_type_k` ("f16", "q8_0" or "f32") and `cache_type_v` ("f16" or
+/// "f32") set the KV cache element types (default f16).
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -95,7 +97,8 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, cache_type_k = None, cache_type_v = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         path: String,
@@ -103,12 +106,17 @@ impl PyEngine {
         slots: u32,
         ctx: u32,
         device: Option<String>,
+        cache_type_k: Option<String>,
+        cache_type_v: Option<String>,
     ) -> PyResult<Self> {
+        let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
             layers,
             slots,
             ctx,
             device,
+            cache_type_k: parse(cache_type_k)?,
+            cache_type_v: parse(cache_type_v)?,
         };
         let engine = py.detach(|| {
             Engine::load(&path, &opts, &mut |line| {
@@ -242,7 +250,8 @@ impl PyEngine {
         Ok(self.lock()?.state_drop(idx)?)
     }
 
-    /// arch, layers, n_layer, n_embd, vocab, slots, ctx, adapter, memory (bytes).
+    /// arch, layers, n_layer, n_embd, vocab, slots, ctx, adapter, cache_type_k, cache_type_v,
+    /// memory (bytes; kv_per_slot is every local attention layer's K and V at full ctx).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let eng = self.lock()?;
         let cfg = eng.config();
@@ -256,6 +265,9 @@ impl PyEngine {
         d.set_item("slots", eng.n_slots())?;
         d.set_item("ctx", eng.ctx())?;
         d.set_item("adapter", eng.gpu.adapter.name.clone())?;
+        let (k_type, v_type) = eng.kv_types();
+        d.set_item("cache_type_k", k_type.name())?;
+        d.set_item("cache_type_v", v_type.name())?;
         let m = eng.memory();
         let mem = PyDict::new(py);
         mem.set_item("weights", m.weights)?;

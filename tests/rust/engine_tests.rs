@@ -46,6 +46,8 @@ fn engine(layers: Option<(u32, u32)>) -> Option<Engine> {
         slots: 2,
         ctx: 96,
         device: None,
+        cache_type_k: None,
+        cache_type_v: None,
     };
     match Engine::load(
         fixture("tiny-qwen35moe-f32").to_str().unwrap(),
