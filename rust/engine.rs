@@ -2,9 +2,9 @@
 //! state each), `stage_run` for positions of one slot, `step` for one decode position of several
 //! slots in one pass, state snapshots, and counters. No I/O beyond loading, no Python.
 //!
-//! Prefill is cut internally at absolute multiples of 64 (the DeltaNet chunk), so a prompt gives
-//! the same bytes however it is cut into calls at multiples of 64; each piece is one recorded
-//! command sequence, one submit and one readback.
+//! Prefill is cut internally into pieces of up to 512 positions at absolute multiples of 64 (the
+//! DeltaNet chunk; `piece_len`), so a prompt gives the same bytes however it is cut into calls at
+//! multiples of 64; each piece is one recorded command sequence, one submit and one readback.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -18,6 +18,7 @@ use crate::model::forward::{Batch, LayerState, Model, Scratch, SlotState};
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
 use crate::ops::deltanet::CHUNK;
+use crate::ops::matmul::{ColumnClass, Precision, column_class};
 use crate::ops::rope::freq_table;
 use crate::ops::topk::{IdLogit, MAX_K};
 
@@ -220,11 +221,41 @@ fn add_dispatch(o: &mut OpProfile, kernel: &str, gpu_ns: Option<f64>) {
     }
 }
 
+/// Positions per prefill piece (one recorded submit): enough columns for the mat-mats to fill the
+/// GPU and to amortise each weight read, and a multiple of the DeltaNet chunk. The scratch holds
+/// this many rows (its size is in [`Engine::memory`] and the load line).
+pub const PREFILL_PIECE: u32 = 512;
+
+/// Rows of the next prefill piece at absolute position `pos` with `left` rows to go, at most `max`
+/// (a multiple of 64). A piece that starts mid-chunk ends at the chunk's end (its rows run the
+/// recurrent DeltaNet form, as a call starting there would); otherwise it takes whole chunks, and
+/// the last partial chunk joins them only if its rows would get the same kind of product
+/// (`class`) on their own. So the rows of one chunk see the same kernels whatever the piece, and a
+/// prompt gives the same bytes however its calls are cut at multiples of 64.
+pub fn piece_len(pos: u32, left: u32, max: u32, class: impl Fn(u32) -> ColumnClass) -> u32 {
+    let to_boundary = (CHUNK - pos % CHUNK) % CHUNK;
+    if to_boundary > 0 {
+        return left.min(to_boundary);
+    }
+    if left > max {
+        return max;
+    }
+    let tail = left % CHUNK;
+    if left > CHUNK && tail > 0 && class(tail) != class(CHUNK) {
+        left - tail
+    } else {
+        left
+    }
+}
+
 pub struct EngineOptions {
     pub layers: Option<(u32, u32)>,
     pub slots: u32,
     pub ctx: u32,
     pub device: Option<String>,
+    /// f32 products throughout (the float64-reference gates); false: tensor-core (f16-input)
+    /// mat-mats for prefill where the adapter has them.
+    pub precise: bool,
 }
 
 pub struct Engine {
@@ -271,7 +302,7 @@ impl Engine {
             slots.push(SlotState::new(&gpu, &cfg, &weights.layers, opts.ctx, i as usize)?);
         }
         let has_head = weights.output.is_some();
-        let rows = CHUNK.max(opts.slots);
+        let rows = PREFILL_PIECE.max(opts.slots);
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
@@ -283,6 +314,11 @@ impl Engine {
                 weights,
                 freqs,
                 ctx: opts.ctx,
+                precision: if opts.precise {
+                    Precision::Precise
+                } else {
+                    Precision::Fast
+                },
             },
             layers,
             slots,
@@ -446,8 +482,8 @@ impl Engine {
     }
 
     /// [`Engine::stage_run`] profiled like [`Engine::profile_step`]: the dispatches of every
-    /// prefill piece (one submit per piece of at most 64 rows) in one profile, host times summed
-    /// over the pieces.
+    /// prefill piece (one submit per piece of at most [`PREFILL_PIECE`] rows) in one profile, host
+    /// times summed over the pieces.
     pub fn profile_stage_run(
         &mut self,
         slot: usize,
@@ -530,11 +566,11 @@ impl Engine {
         let mut top = Vec::new();
         let mut logits = Vec::new();
         let mut done = 0usize;
+        let max = PREFILL_PIECE.min(self.scratch.rows / CHUNK * CHUNK);
         while done < n {
             let pos = base + done as u32;
-            // Pieces end on absolute multiples of the DeltaNet chunk (and the scratch size).
-            let to_boundary = (CHUNK - pos % CHUNK) as usize;
-            let len = (n - done).min(to_boundary).min(self.scratch.rows as usize);
+            let (gpu, precision) = (&self.gpu, self.model.precision);
+            let len = piece_len(pos, (n - done) as u32, max, |c| column_class(gpu, precision, c)) as usize;
             let final_piece = done + len == n;
             self.write_input(&input, done, done + len)?;
             let model = &self.model;

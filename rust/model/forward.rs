@@ -14,7 +14,10 @@ use crate::ops::conv::{self, ConvParams};
 use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::embed::embed;
-use crate::ops::matmul::{Columns, ExpertIds, MoeInput, matvec_id, mul};
+use crate::ops::matmul::{
+    self, ColumnClass, Columns, ExpertGroups, ExpertIds, GroupShape, MoeInput, Precision, column_class,
+    group_experts, mul_id,
+};
 use crate::ops::norm::{self, NormArgs, NormKind, NormParams, RowLayout};
 use crate::ops::rope::{self, RopeParams};
 use crate::ops::router::{self, RouterParams};
@@ -109,6 +112,8 @@ pub struct Scratch {
     router_logits: GpuBuffer,
     expert_ids: GpuBuffer,
     expert_w: GpuBuffer,
+    /// The rows' (token, slot) entries grouped by expert for the grouped mat-mat (u32).
+    expert_groups: GpuBuffer,
     gate_up: GpuBuffer,
     act: GpuBuffer,
     down: GpuBuffer,
@@ -196,6 +201,15 @@ impl Scratch {
             router_logits: buf("moe.router", r * u64::from(cfg.experts + 1))?,
             expert_ids: buf("moe.ids", r * k)?,
             expert_w: buf("moe.weights", r * k)?,
+            expert_groups: buf(
+                "moe.groups",
+                GroupShape {
+                    experts: cfg.experts,
+                    n_used: cfg.experts_used,
+                    n_tokens: rows,
+                }
+                .words(),
+            )?,
             // The expert columns, then (ff == shared_ff) the shared expert's t columns.
             gate_up: buf("moe.gate_up", r * (k + 1) * 2 * ff)?,
             act: buf("moe.act", r * (k + 1) * ff)?,
@@ -282,6 +296,8 @@ pub struct Model {
     pub weights: Weights,
     pub freqs: GpuBuffer,
     pub ctx: u32,
+    /// How prefill products are computed (the engine's `precise` option).
+    pub precision: Precision,
 }
 
 /// Bytes of a dense weight matrix (what one mat-vec reads).
@@ -324,6 +340,19 @@ fn ew(
 }
 
 impl Model {
+    /// A product over `ncols` activation columns with this model's precision.
+    fn mul(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        w: &WeightTensor,
+        x: Columns<'_>,
+        y: Columns<'_>,
+        ncols: u32,
+    ) -> Result<()> {
+        matmul::mul(gpu, rec, w, x, y, ncols, self.precision)
+    }
+
     /// Token embeddings of `n` ids (already written to `s.tokens`) into x[0].
     pub fn record_embed(&self, gpu: &Gpu, rec: &mut Recorder<'_>, s: &Scratch, n: u32) -> Result<()> {
         let table = self.weights.embed.as_ref().ok_or_else(|| {
@@ -433,16 +462,16 @@ impl Model {
         match &w.proj {
             DeltaNetProjection::Split { qkv, gate } => {
                 rec.op("dn.qkv", layer, dense_bytes(qkv));
-                mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
+                self.mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
                 rec.op("dn.gate", layer, dense_bytes(gate));
-                mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
+                self.mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
             }
             DeltaNetProjection::Legacy(qkvz) => {
                 // One projection, then per k-head group four row copies into the q ‖ k ‖ v and z
                 // layouts the conv and gated norm read (4·nk small dispatches: legacy files only).
                 let lw = cd + vd;
                 rec.op("dn.qkvz", layer, dense_bytes(qkvz));
-                mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
+                self.mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
                 rec.op("dn.qkvz_regroup", layer, 0);
                 let (dk, key_dim) = (cfg.dk, cfg.k_heads * cfg.dk);
                 let rv = (nv / cfg.k_heads) * cfg.dv;
@@ -473,12 +502,12 @@ impl Model {
         match &w.ba {
             BetaAlpha::Grouped(ba) => {
                 rec.op("dn.ba", layer, dense_bytes(ba));
-                mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?
+                self.mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?
             }
             BetaAlpha::Split { beta, alpha } => {
                 rec.op("dn.ba", layer, dense_bytes(beta) + dense_bytes(alpha));
-                mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
-                mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
+                self.mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
+                self.mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
             }
         }
         let dp = delta_params(cfg);
@@ -550,7 +579,7 @@ impl Model {
             },
         )?;
         rec.op("dn.out", layer, dense_bytes(&w.out));
-        mul(
+        self.mul(
             gpu,
             rec,
             &w.out,
@@ -585,13 +614,13 @@ impl Model {
                     layer,
                     dense_bytes(q) + dense_bytes(k) + dense_bytes(v),
                 );
-                mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
-                mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
-                mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
+                self.mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
+                self.mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
+                self.mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
             }
             AttnProjection::Fused(qkv) => {
                 rec.op("attn.qkv", layer, dense_bytes(qkv));
-                mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
+                self.mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
             }
         }
         // Per-head RMSNorm of q (the first half of each head's q+gate slice), before RoPE.
@@ -725,7 +754,7 @@ impl Model {
             }
         }
         rec.op("attn.out", layer, dense_bytes(&w.out));
-        mul(
+        self.mul(
             gpu,
             rec,
             &w.out,
@@ -757,7 +786,7 @@ impl Model {
         let (logit_stride, gate_buf, gate_offset, gate_stride) = match &w.router {
             Stacked::One(router) => {
                 let stride = cfg.experts + 1;
-                mul(gpu, rec, router, xn, Columns::packed(&s.router_logits, stride), t)?;
+                self.mul(gpu, rec, router, xn, Columns::packed(&s.router_logits, stride), t)?;
                 (stride, &s.router_logits, cfg.experts, stride)
             }
             Stacked::Parts(parts) => {
@@ -765,8 +794,8 @@ impl Model {
                     return Err(QkError::Engine("router: expected router and shared gate".into()));
                 };
                 let logits = Columns::packed(&s.router_logits, cfg.experts);
-                mul(gpu, rec, router, xn, logits, t)?;
-                mul(gpu, rec, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
+                self.mul(gpu, rec, router, xn, logits, t)?;
+                self.mul(gpu, rec, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
                 (cfg.experts, &s.sh_gate, 0, 1)
             }
         };
@@ -785,6 +814,23 @@ impl Model {
             n_used: k,
             n_tokens: t,
         };
+        // Beyond the mat-vec's columns the batch's entries are grouped by expert once, for the
+        // grouped mat-mats of gate/up and down.
+        let groups = ExpertGroups {
+            buf: &s.expert_groups,
+            shape: GroupShape {
+                experts: cfg.experts,
+                n_used: k,
+                n_tokens: t,
+            },
+        };
+        if column_class(gpu, self.precision, t) != ColumnClass::MatVec {
+            rec.op("moe.group", layer, 0);
+            group_experts(gpu, rec, ids, groups)?;
+        }
+        let experts = |rec: &mut Recorder<'_>, w: &WeightTensor, x, y, input| {
+            mul_id(gpu, rec, w, x, y, ids, groups, input, self.precision)
+        };
         match &w.gate_up {
             ExpertGateUp::Separate { gate, up } => {
                 rec.op(
@@ -792,36 +838,12 @@ impl Model {
                     layer,
                     expert_bytes(gate, k, t) + expert_bytes(up, k, t),
                 );
-                matvec_id(
-                    gpu,
-                    rec,
-                    gate,
-                    xn,
-                    cols(&s.gate_up, 0, 2 * ff),
-                    ids,
-                    MoeInput::PerToken,
-                )?;
-                matvec_id(
-                    gpu,
-                    rec,
-                    up,
-                    xn,
-                    cols(&s.gate_up, ff, 2 * ff),
-                    ids,
-                    MoeInput::PerToken,
-                )?;
+                experts(rec, gate, xn, cols(&s.gate_up, 0, 2 * ff), MoeInput::PerToken)?;
+                experts(rec, up, xn, cols(&s.gate_up, ff, 2 * ff), MoeInput::PerToken)?;
             }
             ExpertGateUp::Fused(gu) => {
                 rec.op("moe.gate_up", layer, expert_bytes(gu, k, t));
-                matvec_id(
-                    gpu,
-                    rec,
-                    gu,
-                    xn,
-                    cols(&s.gate_up, 0, 2 * ff),
-                    ids,
-                    MoeInput::PerToken,
-                )?;
+                experts(rec, gu, xn, cols(&s.gate_up, 0, 2 * ff), MoeInput::PerToken)?;
             }
         }
         let silu = |rows: u32, n: u32| EwParams {
@@ -845,13 +867,13 @@ impl Model {
         };
         rec.op("shexp.gate_up", layer, w.shared_gate_up.bytes());
         match &w.shared_gate_up {
-            Stacked::One(gu) => mul(gpu, rec, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
+            Stacked::One(gu) => self.mul(gpu, rec, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
             Stacked::Parts(parts) => {
                 let [gate, up] = parts.as_slice() else {
                     return Err(QkError::Engine("shared expert: expected gate and up".into()));
                 };
-                mul(gpu, rec, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
-                mul(gpu, rec, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
+                self.mul(gpu, rec, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
+                self.mul(gpu, rec, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
             }
         }
         let expert_rows = if joint { t * k + t } else { t * k };
@@ -878,17 +900,15 @@ impl Model {
             )?;
         }
         rec.op("moe.down", layer, expert_bytes(&w.down, k, t));
-        matvec_id(
-            gpu,
+        experts(
             rec,
             &w.down,
             Columns::packed(&s.act, ff),
             Columns::packed(&s.down, e),
-            ids,
             MoeInput::PerSlot,
         )?;
         rec.op("shexp.down", layer, dense_bytes(&w.shared_down));
-        mul(
+        self.mul(
             gpu,
             rec,
             &w.shared_down,
@@ -963,7 +983,7 @@ impl Model {
         )?;
         // mat-vec for a few rows (weights read once for all of them), tiled mat-mat for more.
         rec.op("head.lm", None, dense_bytes(head));
-        mul(
+        self.mul(
             gpu,
             rec,
             head,

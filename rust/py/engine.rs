@@ -11,7 +11,8 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use crate::engine::{Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepProfile, StepTiming};
 
 /// A model (or a layer range of it) loaded on one GPU, with `slots` independent sequences of up to
-/// `ctx` positions each.
+/// `ctx` positions each. `precise=True` keeps every product in f32 (the float64-reference gates);
+/// the default runs prefill mat-mats on tensor cores (f16 inputs) where the adapter has them.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -95,7 +96,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false))]
     fn new(
         py: Python<'_>,
         path: String,
@@ -103,12 +104,14 @@ impl PyEngine {
         slots: u32,
         ctx: u32,
         device: Option<String>,
+        precise: bool,
     ) -> PyResult<Self> {
         let opts = EngineOptions {
             layers,
             slots,
             ctx,
             device,
+            precise,
         };
         let engine = py.detach(|| {
             Engine::load(&path, &opts, &mut |line| {

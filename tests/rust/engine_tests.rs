@@ -46,6 +46,7 @@ fn engine(layers: Option<(u32, u32)>) -> Option<Engine> {
         slots: 2,
         ctx: 96,
         device: None,
+        precise: false,
     };
     match Engine::load(
         fixture("tiny-qwen35moe-f32").to_str().unwrap(),
