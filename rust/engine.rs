@@ -226,6 +226,11 @@ fn add_dispatch(o: &mut OpProfile, kernel: &str, gpu_ns: Option<f64>) {
 /// this many rows (its size is in [`Engine::memory`] and the load line).
 pub const PREFILL_PIECE: u32 = 512;
 
+/// Rows of logits the LM head computes at once within a prefill piece: a Qwen vocabulary makes a
+/// row 0.6 MB, so a whole 512-row piece would need 311 MB (and more than lavapipe's 128 MiB
+/// binding). One chunk, so each group is the same rows whatever the piece (like every other op).
+const HEAD_ROWS: u32 = CHUNK;
+
 /// Rows of the next prefill piece at absolute position `pos` with `left` rows to go, at most `max`
 /// (a multiple of 64). A piece that starts mid-chunk ends at the chunk's end (its rows run the
 /// recurrent DeltaNet form, as a call starting there would); otherwise it takes whole chunks, and
@@ -306,7 +311,7 @@ impl Engine {
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
-        let scratch = Scratch::new(&gpu, &cfg, rows, opts.ctx, has_head, legacy)?;
+        let scratch = Scratch::new(&gpu, &cfg, rows, HEAD_ROWS.max(opts.slots), opts.ctx, has_head, legacy)?;
         let engine = Engine {
             gpu,
             model: Model {
@@ -566,7 +571,8 @@ impl Engine {
         let mut top = Vec::new();
         let mut logits = Vec::new();
         let mut done = 0usize;
-        let max = PREFILL_PIECE.min(self.scratch.rows / CHUNK * CHUNK);
+        // Logits are read back whole, so a call that wants them runs one head group per piece.
+        let max = if want_logits { HEAD_ROWS } else { PREFILL_PIECE }.min(self.scratch.rows / CHUNK * CHUNK);
         while done < n {
             let pos = base + done as u32;
             let (gpu, precision) = (&self.gpu, self.model.precision);
@@ -595,14 +601,27 @@ impl Engine {
             let mut hidden_ticket = None;
             let mut logits_ticket = None;
             if last {
-                model.record_head(gpu, &mut rec, s, cur, t)?;
-                // Argmax of every row but the last in one batch; the last row gets its own k.
-                if t > 1 {
-                    model.record_topk_rows(gpu, &mut rec, s, 0, t - 1, 1, &s.results)?;
-                    tickets.push((rec.read(&s.results, 0, u64::from(t - 1) * 8)?, 1));
-                }
+                // The head over groups of HEAD_ROWS rows: the argmax of every row but the piece's
+                // last, gathered in piece_ids; the last row gets its own k.
                 let k = if final_piece { topk.max(1) } else { 1 };
-                model.record_topk_rows(gpu, &mut rec, s, t - 1, 1, k, &s.result_last)?;
+                let mut g0 = 0;
+                while g0 < t {
+                    let g = (t - g0).min(HEAD_ROWS);
+                    model.record_head_rows(gpu, &mut rec, s, cur, g0, g)?;
+                    let argmax_rows = if g0 + g == t { g - 1 } else { g };
+                    if argmax_rows > 0 {
+                        model.record_topk_rows(gpu, &mut rec, s, 0, argmax_rows, 1, &s.results)?;
+                        let bytes = u64::from(argmax_rows) * 8;
+                        rec.copy(&s.results, 0, &s.piece_ids, u64::from(g0) * 8, bytes)?;
+                    }
+                    if g0 + g == t {
+                        model.record_topk_rows(gpu, &mut rec, s, g - 1, 1, k, &s.result_last)?;
+                    }
+                    g0 += g;
+                }
+                if t > 1 {
+                    tickets.push((rec.read(&s.piece_ids, 0, u64::from(t - 1) * 8)?, 1));
+                }
                 tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
                 if want_logits {
                     logits_ticket = Some(rec.read(&s.logits, 0, (len * vocab * 4) as u64)?);

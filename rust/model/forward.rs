@@ -121,6 +121,8 @@ pub struct Scratch {
     sh_act: GpuBuffer,
     sh_down: GpuBuffer,
     sh_gate: GpuBuffer,
+    /// Rows of logits the head computes at once (`logits`, `results` hold that many).
+    pub head_rows: u32,
     pub logits: GpuBuffer,
     pub tokens: GpuBuffer,
     topk_candidates: GpuBuffer,
@@ -128,14 +130,18 @@ pub struct Scratch {
     pub results: GpuBuffer,
     /// The final row of a prefill piece (its own k).
     pub result_last: GpuBuffer,
+    /// Greedy (id, logit) of every row of a prefill piece, gathered from the head's row groups.
+    pub piece_ids: GpuBuffer,
     pub bytes: u64,
 }
 
 impl Scratch {
+    /// Activations for `rows` rows; with `has_head`, logits for `head_rows` of them at a time.
     pub fn new(
         gpu: &Gpu,
         cfg: &ModelConfig,
         rows: u32,
+        head_rows: u32,
         ctx: u32,
         has_head: bool,
         legacy: bool,
@@ -171,7 +177,8 @@ impl Scratch {
         };
         let (po, pml) = attention::decode_scratch_len(&probe);
         let vocab = u64::from(cfg.vocab);
-        let head_rows = if has_head { r } else { 0 };
+        let head_rows = head_rows.min(rows);
+        let logit_rows = if has_head { u64::from(head_rows) } else { 0 };
         let topk_probe = TopkParams::new(cfg.vocab.max(MAX_K), MAX_K, 0)?;
         Ok(Scratch {
             rows,
@@ -218,14 +225,16 @@ impl Scratch {
             sh_act: buf("shexp.act", r * sff)?,
             sh_down: buf("shexp.down", r * e)?,
             sh_gate: buf("shexp.gate", r)?,
-            logits: buf("logits", head_rows * vocab)?,
+            head_rows,
+            logits: buf("logits", logit_rows * vocab)?,
             tokens: buf("tokens", r)?,
             topk_candidates: buf(
                 "topk.candidates",
-                head_rows * 2 * u64::from(topk_probe.candidates()),
+                logit_rows * 2 * u64::from(topk_probe.candidates()),
             )?,
-            results: buf("topk.results", head_rows * 2 * u64::from(MAX_K))?,
+            results: buf("topk.results", logit_rows * 2 * u64::from(MAX_K))?,
             result_last: buf("topk.result_last", 2 * u64::from(MAX_K))?,
+            piece_ids: buf("topk.piece_ids", if has_head { r * 2 } else { 0 })?,
             bytes,
         })
     }
@@ -957,6 +966,23 @@ impl Model {
         cur: usize,
         t: u32,
     ) -> Result<()> {
+        self.record_head_rows(gpu, rec, s, cur, 0, t)
+    }
+
+    /// Final norm and LM head of rows [first, first + t) of x[cur] into rows 0..t of `s.logits`.
+    pub fn record_head_rows(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        cur: usize,
+        first: u32,
+        t: u32,
+    ) -> Result<()> {
+        crate::ensure!(
+            t <= s.head_rows,
+            QkError::Engine(format!("LM head over {t} rows: logits hold {}", s.head_rows))
+        );
         let (norm_w, head) = match (&self.weights.output_norm, &self.weights.output) {
             (Some(n), Some(h)) => (n, h),
             _ => {
@@ -967,12 +993,16 @@ impl Model {
         };
         let e = self.cfg.n_embd;
         let rows_e = RowLayout::packed(e, 1);
+        let src = RowLayout {
+            offset: first * e,
+            ..rows_e
+        };
         rec.op("head.norm", None, 0);
         norm::record(
             gpu,
             rec,
             NormKind::Rms,
-            &NormParams::new(t, 1, e, rows_e, rows_e, self.cfg.eps, 1.0),
+            &NormParams::new(t, 1, e, src, rows_e, self.cfg.eps, 1.0),
             &NormArgs {
                 src: &s.x[cur],
                 dst: &s.xn,
@@ -1007,8 +1037,8 @@ impl Model {
         result: &GpuBuffer,
     ) -> Result<()> {
         crate::ensure!(
-            first + rows <= s.rows,
-            QkError::Engine(format!("top-k rows {first}..{} beyond the scratch", first + rows))
+            first + rows <= s.head_rows,
+            QkError::Engine(format!("top-k rows {first}..{} beyond the logits", first + rows))
         );
         let p = TopkParams::new(self.cfg.vocab, k, first * self.cfg.vocab)?;
         rec.op("head.topk", None, u64::from(rows) * u64::from(self.cfg.vocab) * 4);
