@@ -41,13 +41,15 @@ _engines: dict = {}
 
 
 def engine(name: str, layers=None, slots: int = 3, ctx: int = 512):
-    """One engine per (fixture, layers) for the whole module; a missing adapter skips, or fails
-    under QK_REQUIRE_GPU=1."""
+    """One precise engine (f32 products; the fast default's gates are in test_engine_fast.py) per
+    (fixture, layers) for the whole module; a missing adapter skips, or fails under QK_REQUIRE_GPU=1."""
     key = (name, layers, slots, ctx)
     if key not in _engines:
         qk = _qk()
         try:
-            _engines[key] = qk.Engine(str(FIXTURES / f"{name}.gguf"), layers=layers, slots=slots, ctx=ctx)
+            _engines[key] = qk.Engine(
+                str(FIXTURES / f"{name}.gguf"), layers=layers, slots=slots, ctx=ctx, precise=True
+            )
         except qk.DeviceError:
             if require_gpu():
                 raise
@@ -330,7 +332,7 @@ def test_fused_layouts_and_mtp_block(arch, legacy, tmp_path):
     )
     qk = _qk()
     try:
-        eng = qk.Engine(str(path), slots=1, ctx=128)
+        eng = qk.Engine(str(path), slots=1, ctx=128, precise=True)
     except qk.DeviceError:
         if require_gpu():
             raise
@@ -373,7 +375,7 @@ def test_real_vocab_head_and_embedding_are_windowed():
     path = make_models.big_vocab_model()
     qk = _qk()
     try:
-        eng = qk.Engine(str(path), slots=1, ctx=64)
+        eng = qk.Engine(str(path), slots=1, ctx=64, precise=True)
     except qk.DeviceError:
         if require_gpu():
             raise
