@@ -311,7 +311,15 @@ impl Engine {
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
-        let scratch = Scratch::new(&gpu, &cfg, rows, HEAD_ROWS.max(opts.slots), opts.ctx, has_head, legacy)?;
+        let scratch = Scratch::new(
+            &gpu,
+            &cfg,
+            rows,
+            HEAD_ROWS.max(opts.slots),
+            opts.ctx,
+            has_head,
+            legacy,
+        )?;
         let engine = Engine {
             gpu,
             model: Model {

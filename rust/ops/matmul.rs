@@ -531,13 +531,13 @@ fn coop_tile_for(
 }
 
 /// The kernel [`matmul`] uses for a dense `rows` × `ncols` product of a `ty` matrix: the 128×128
-/// cooperative tile when it still gives [`WIDE_MIN_WORKGROUPS`] workgroups, else 64×64, else f32
-/// tiles. The tile shape does not change any output (every output is the same chain of 16-wide
-/// multiply-adds), so it may follow the piece size.
+/// cooperative tile for more than 64 columns when it still gives [`WIDE_MIN_WORKGROUPS`]
+/// workgroups, else 64×64, else f32 tiles. The tile shape does not change any output (every
+/// output is the same chain of 16-wide multiply-adds), so it may follow the piece size.
 pub fn matmul_kernel(gpu: &Gpu, precision: Precision, ty: GgmlType, rows: u64, ncols: u32) -> MatmulKernel {
     let wide = CoopTile::SQUARE_128;
     let wide_groups = rows.div_ceil(u64::from(wide.rows)) * u64::from(ncols.div_ceil(wide.cols));
-    let tile = if wide_groups >= WIDE_MIN_WORKGROUPS && coop_accumulator(gpu, wide).is_some() {
+    let tile = if ncols > 64 && wide_groups >= WIDE_MIN_WORKGROUPS && coop_accumulator(gpu, wide).is_some() {
         wide
     } else {
         CoopTile::SQUARE_64
