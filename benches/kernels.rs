@@ -165,6 +165,7 @@ fn main() {
     if !flag("QK_BENCH_ONLY_PREFILL") {
         matrix_kernels(&gpu, &mut rng, target_bytes, iters, copy_gbs);
     }
+    projection_prefill(&gpu, &mut rng);
     deltanet_prefill(&gpu, &mut rng);
     moe_prefill(&gpu, &mut rng);
     let c = gpu.counters();
@@ -274,16 +275,82 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
                 )
                 .expect("matmul")
             });
-            let name = match kernel {
-                MatmulKernel::Tiled => "tiled".to_string(),
-                MatmulKernel::Coop(t) => format!("coop{}x{}", t.rows, t.cols),
-            };
-            line += &format!("  {name}: {:>8.1} GFLOP/s ({:.3} ms)", flops / t / 1e9, t * 1e3);
+            line += &format!(
+                "  {}: {:>8.1} GFLOP/s ({:.3} ms)",
+                kernel_name(kernel),
+                flops / t / 1e9,
+                t * 1e3
+            );
         }
-        println!(
-            "{line}  fast={:?}",
-            matmul_kernel(gpu, Precision::Fast, ty, mm as u64, mn)
-        );
+        let fast = matmul_kernel(gpu, Precision::Fast, ty, mm as u64, mn);
+        println!("{line}  fast={}", kernel_name(fast));
+    }
+}
+
+/// The name a mat-mat kernel goes by in the tables.
+fn kernel_name(kernel: MatmulKernel) -> String {
+    match kernel {
+        MatmulKernel::Tiled => "tiled".to_string(),
+        MatmulKernel::Coop(t) => format!("coop{}x{}", t.rows, t.cols),
+    }
+}
+
+/// The dense IQ4_XS products of one Qwen3-Next-80B layer over a 512-token piece (rows × K: DeltaNet
+/// qkv, z and out, the shared expert's gate+up and down), per kernel, and which one a fast engine
+/// picks: where the 128×128 cooperative tile starts to pay.
+fn projection_prefill(gpu: &Gpu, rng: &mut Rng) {
+    let ncols: u32 = if smoke() { 96 } else { 512 };
+    let shapes: &[(&str, usize, usize)] = if smoke() {
+        &[("small", 256, 256)]
+    } else {
+        &[
+            ("dn.qkv", 8192, 2048),
+            ("dn.z", 4096, 2048),
+            ("dn.out", 2048, 4096),
+            ("shexp.gate_up", 1024, 2048),
+            ("shexp.down", 2048, 512),
+        ]
+    };
+    let ty = GgmlType::IQ4XS;
+    for &(name, rows, k) in shapes {
+        let w = gpu
+            .upload_weight(
+                "bench_proj",
+                ty,
+                k as u64,
+                rows as u64,
+                1,
+                &weights(ty, rows * k, rng),
+            )
+            .expect("upload");
+        let x = gpu
+            .buffer_from_f32("x", &vec![0.5; k * ncols as usize])
+            .expect("x");
+        let y = gpu
+            .buffer_zeroed("y", (rows * ncols as usize * 4) as u64)
+            .expect("y");
+        let flops = 2.0 * rows as f64 * k as f64 * f64::from(ncols);
+        let mut line = format!("prefill {name:<14} {rows}x{k}x{ncols} {}:", ty.name());
+        let mut kernels = vec![MatmulKernel::Tiled];
+        for tile in [CoopTile::SQUARE_64, CoopTile::SQUARE_128] {
+            if coop_accumulator(gpu, tile).is_some() {
+                kernels.push(MatmulKernel::Coop(tile));
+            }
+        }
+        for kernel in kernels {
+            let t = time_submit(gpu, 5, |rec| {
+                let (xc, yc) = (Columns::packed(&x, k as u32), Columns::packed(&y, rows as u32));
+                matmul_with(gpu, rec, &w, xc, yc, ncols, kernel).expect("matmul")
+            });
+            line += &format!(
+                "  {}: {:>7.1} µs {:>6.1} TFLOP/s",
+                kernel_name(kernel),
+                t * 1e6,
+                flops / t / 1e12
+            );
+        }
+        let fast = matmul_kernel(gpu, Precision::Fast, ty, rows as u64, ncols);
+        println!("{line}  fast={}", kernel_name(fast));
     }
 }
 
@@ -481,11 +548,7 @@ fn moe_prefill(gpu: &Gpu, rng: &mut Rng) {
     };
     for kernel in kernels {
         let t = time_submit(gpu, 5, |rec| run(rec, kernel));
-        let name = match kernel {
-            MatmulKernel::Tiled => "grouped tiled",
-            MatmulKernel::Coop(_) => "grouped coop",
-        };
-        report(name, t);
+        report(&format!("grouped {}", kernel_name(kernel)), t);
         print_kernel_times(&kernel_times(gpu, |rec| run(rec, kernel)));
     }
     let t = time_submit(gpu, 1, |rec| {

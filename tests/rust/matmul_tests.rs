@@ -319,11 +319,17 @@ fn routed_ids(experts: usize, n_used: usize, n_tokens: usize, seed: u64) -> Vec<
 
 #[test]
 fn expert_groups_sort_every_entry_by_expert() {
-    // Expert 0 in every token (37 entries: three tiles), the last of 9 experts in none: offsets,
-    // the tile table and the order must cover every entry once.
-    let (experts, n_used, n_tokens) = (9usize, 3usize, 37usize);
-    let ids = routed_ids(experts, n_used, n_tokens, 5);
     let Some(gpu) = test_gpu(false) else { return };
+    // Expert 0 in every token (37 or 40 entries: three tiles), the last expert in none: offsets,
+    // the tile table and the order must cover every entry once. 300 experts spread over more
+    // invocations of the scan than one (4 each) and leave most experts empty.
+    for (experts, n_used, n_tokens) in [(9usize, 3usize, 37usize), (300, 8, 40)] {
+        check_expert_groups(gpu, experts, n_used, n_tokens);
+    }
+}
+
+fn check_expert_groups(gpu: &Gpu, experts: usize, n_used: usize, n_tokens: usize) {
+    let ids = routed_ids(experts, n_used, n_tokens, 5);
     let shape = GroupShape {
         experts: experts as u32,
         n_used: n_used as u32,
