@@ -257,7 +257,7 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
         let flops = 2.0 * mm as f64 * mk as f64 * f64::from(mn);
         let mut line = format!("matmul {:<7} {mm}x{mk}x{mn}:", ty.name());
         let mut kernels = vec![MatmulKernel::Tiled];
-        for tile in [CoopTile::SQUARE_64, CoopTile::SQUARE_128] {
+        for tile in CoopTile::DENSE {
             if coop_accumulator(gpu, tile).is_some() {
                 kernels.push(MatmulKernel::Coop(tile));
             }
@@ -332,7 +332,7 @@ fn projection_prefill(gpu: &Gpu, rng: &mut Rng) {
         let flops = 2.0 * rows as f64 * k as f64 * f64::from(ncols);
         let mut line = format!("prefill {name:<14} {rows}x{k}x{ncols} {}:", ty.name());
         let mut kernels = vec![MatmulKernel::Tiled];
-        for tile in [CoopTile::SQUARE_64, CoopTile::SQUARE_128] {
+        for tile in CoopTile::DENSE {
             if coop_accumulator(gpu, tile).is_some() {
                 kernels.push(MatmulKernel::Coop(tile));
             }

@@ -39,6 +39,7 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq4_nl
 #variants QTYPE=iq4_xs ACC=f16
 #variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8
+#variants QTYPE=q6_k TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1
 #variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 ACC=f16
 

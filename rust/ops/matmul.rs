@@ -417,6 +417,14 @@ impl CoopTile {
         sg_rows: 64,
         sg_cols: 32,
     };
+    /// 4 subgroups of 64×32: SQUARE_128's subgroup block with half its columns, for products too
+    /// narrow to give SQUARE_128 enough workgroups.
+    pub const RECT_128X64: CoopTile = CoopTile {
+        rows: 128,
+        cols: 64,
+        sg_rows: 64,
+        sg_cols: 32,
+    };
     /// The grouped MoE product: one 16-wide column of the expert's entries (a few per expert in a
     /// prefill piece), 4 subgroups of 32×16.
     pub const MOE: CoopTile = CoopTile {
@@ -425,7 +433,8 @@ impl CoopTile {
         sg_rows: 32,
         sg_cols: 16,
     };
-    pub const ALL: [CoopTile; 3] = [CoopTile::SQUARE_64, CoopTile::SQUARE_128, CoopTile::MOE];
+    /// The dense tiles, largest first.
+    pub const DENSE: [CoopTile; 3] = [CoopTile::SQUARE_128, CoopTile::RECT_128X64, CoopTile::SQUARE_64];
 
     pub fn subgroups(self) -> u32 {
         (self.rows / self.sg_rows) * (self.cols / self.sg_cols)
@@ -454,9 +463,10 @@ pub const COOP_MIN_COLS: u32 = 16;
 /// [`group_experts`] cuts each expert's entries into.
 pub const MOE_TILE_COLS: u32 = 16;
 
-/// Workgroups below which a dense product takes the 64×64 cooperative tile rather than 128×128:
-/// about two per streaming multiprocessor of the H200 (132), so the larger tile does not leave
-/// the GPU half idle on the narrower projections.
+/// Workgroups a dense product must still give for a larger cooperative tile to be taken: about two
+/// per streaming multiprocessor of the H200 (132), so a larger tile does not leave the GPU half
+/// idle on the narrower projections. Not tuned by measurement yet (benches/kernels.rs prints every
+/// tile for the 80B layer's products).
 const WIDE_MIN_WORKGROUPS: u64 = 256;
 
 /// The accumulator scalar (`"f32"` or `"f16"`) the cooperative mat-mat with `tile` uses on this
@@ -530,18 +540,18 @@ fn coop_tile_for(
         .filter(|t| coop_accumulator(gpu, *t).is_some())
 }
 
-/// The kernel [`matmul`] uses for a dense `rows` × `ncols` product of a `ty` matrix: the 128×128
-/// cooperative tile for more than 64 columns when it still gives [`WIDE_MIN_WORKGROUPS`]
-/// workgroups, else 64×64, else f32 tiles. The tile shape does not change any output (every
-/// output is the same chain of 16-wide multiply-adds), so it may follow the piece size.
+/// The kernel [`matmul`] uses for a dense `rows` × `ncols` product of a `ty` matrix: the largest
+/// cooperative tile (128×128, 128×64) that still gives [`WIDE_MIN_WORKGROUPS`] workgroups, else
+/// 64×64; f32 tiles where the class is not Coop. The tile shape does not change any output
+/// (every output is the same chain of 16-wide multiply-adds), so it may follow the piece size.
 pub fn matmul_kernel(gpu: &Gpu, precision: Precision, ty: GgmlType, rows: u64, ncols: u32) -> MatmulKernel {
-    let wide = CoopTile::SQUARE_128;
-    let wide_groups = rows.div_ceil(u64::from(wide.rows)) * u64::from(ncols.div_ceil(wide.cols));
-    let tile = if ncols > 64 && wide_groups >= WIDE_MIN_WORKGROUPS && coop_accumulator(gpu, wide).is_some() {
-        wide
-    } else {
-        CoopTile::SQUARE_64
-    };
+    let groups = |t: CoopTile| rows.div_ceil(u64::from(t.rows)) * u64::from(ncols.div_ceil(t.cols));
+    let tile = CoopTile::DENSE
+        .into_iter()
+        .find(|t| {
+            ncols > t.cols / 2 && groups(*t) >= WIDE_MIN_WORKGROUPS && coop_accumulator(gpu, *t).is_some()
+        })
+        .unwrap_or(CoopTile::SQUARE_64);
     coop_tile_for(gpu, precision, ty, ncols, tile).map_or(MatmulKernel::Tiled, MatmulKernel::Coop)
 }
 
@@ -635,8 +645,7 @@ pub fn matmul_with(
 ) -> Result<()> {
     check_dense("matmul", "", w, &x, &y, ncols)?;
     if let MatmulKernel::Coop(t) = kernel
-        && t.cols != 64
-        && t.cols != 128
+        && !CoopTile::DENSE.contains(&t)
     {
         return Err(QkError::Engine(format!("{}: {t:?} is not a dense tile", w.name)));
     }

@@ -249,10 +249,10 @@ fn coop_not_exercised(gpu: &Gpu, what: &str) {
 fn matmul_cooperative_matrix_every_type() {
     // With subgroups off the kernel finds its subgroup from the invocation index (fixed-size
     // subgroups only): a different code path, so both devices run it. Both dense tiles: 64×64 (4
-    // subgroups of 32×32) and 128×128 (8 of 64×32).
+    // subgroups of 32×32), 128×128 (8 of 64×32) and 128×64 (4 of 64×32).
     for off in [false, true] {
         let Some(gpu) = test_gpu(off) else { return };
-        for tile in [CoopTile::SQUARE_64, CoopTile::SQUARE_128] {
+        for tile in CoopTile::DENSE {
             let Some(acc) = coop_accumulator(gpu, tile) else {
                 coop_not_exercised(
                     gpu,
