@@ -2,9 +2,9 @@
 //! state each), `stage_run` for positions of one slot, `step` for one decode position of several
 //! slots in one pass, state snapshots, and counters. No I/O beyond loading, no Python.
 //!
-//! Prefill is cut internally at absolute multiples of 64 (the DeltaNet chunk), so a prompt gives
-//! the same bytes however it is cut into calls at multiples of 64; each piece is one recorded
-//! command sequence, one submit and one readback.
+//! Prefill is cut internally into pieces of up to 512 positions at absolute multiples of 64 (the
+//! DeltaNet chunk; `piece_len`), so a prompt gives the same bytes however it is cut into calls at
+//! multiples of 64; each piece is one recorded command sequence, one submit and one readback.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -19,6 +19,7 @@ use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
 use crate::ops::attention::KvType;
 use crate::ops::deltanet::CHUNK;
+use crate::ops::matmul::{ColumnClass, Precision, column_class};
 use crate::ops::rope::freq_table;
 use crate::ops::topk::{IdLogit, MAX_K};
 
@@ -219,23 +220,58 @@ fn add_dispatch(o: &mut OpProfile, kernel: &str, gpu_ns: Option<f64>) {
     }
 }
 
+/// Positions per prefill piece (one recorded submit): enough columns for the mat-mats to fill the
+/// GPU and to amortise each weight read, and a multiple of the DeltaNet chunk. The scratch holds
+/// this many rows (its size is in [`Engine::memory`] and the load line).
+pub const PREFILL_PIECE: u32 = 512;
+
+/// Rows of logits the LM head computes at once within a prefill piece: a Qwen vocabulary makes a
+/// row 0.6 MB, so a whole 512-row piece would need 311 MB (and more than lavapipe's 128 MiB
+/// binding). One chunk, so each group is the same rows whatever the piece (like every other op).
+const HEAD_ROWS: u32 = CHUNK;
+
+/// Rows of the next prefill piece at absolute position `pos` with `left` rows to go, at most `max`
+/// (a multiple of 64). A piece that starts mid-chunk ends at the chunk's end (its rows run the
+/// recurrent DeltaNet form, as a call starting there would); otherwise it takes whole chunks, and
+/// the last partial chunk joins them only if its rows would get the same kind of product
+/// (`class`) on their own. So the rows of one chunk see the same kernels whatever the piece, and a
+/// prompt gives the same bytes however its calls are cut at multiples of 64.
+pub fn piece_len(pos: u32, left: u32, max: u32, class: impl Fn(u32) -> ColumnClass) -> u32 {
+    let to_boundary = (CHUNK - pos % CHUNK) % CHUNK;
+    if to_boundary > 0 {
+        return left.min(to_boundary);
+    }
+    if left > max {
+        return max;
+    }
+    let tail = left % CHUNK;
+    if left > CHUNK && tail > 0 && class(tail) != class(CHUNK) {
+        left - tail
+    } else {
+        left
+    }
+}
+
 pub struct EngineOptions {
     pub layers: Option<(u32, u32)>,
     pub slots: u32,
     pub ctx: u32,
     pub device: Option<String>,
-    /// KV cache element types; None: f16 (see [`EngineOptions::kv_types`]).
+    /// f32 products throughout (the float64-reference gates); false: tensor-core (f16-input)
+    /// mat-mats for prefill where the adapter has them.
+    pub precise: bool,
+    /// KV cache element types; None: f16, or f32 with `precise` (see [`EngineOptions::kv_types`]).
     pub cache_type_k: Option<KvType>,
     pub cache_type_v: Option<KvType>,
 }
 
 impl EngineOptions {
-    /// The K and V cache types: as given, else f16 (llama.cpp's default). The precise setting wants
-    /// f32 here when no type is given.
+    /// The K and V cache types: as given, else f16 (llama.cpp's default), or f32 under `precise`.
     pub fn kv_types(&self) -> (KvType, KvType) {
+        let default = if self.precise { KvType::F32 } else { KvType::F16 };
         (
-            self.cache_type_k.unwrap_or(KvType::F16),
-            self.cache_type_v.unwrap_or(KvType::F16),
+            self.cache_type_k.unwrap_or(default),
+            self.cache_type_v.unwrap_or(default),
         )
     }
 }
@@ -314,11 +350,11 @@ impl Engine {
         let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
         let slots = SlotState::new_all(&gpu, &cfg, &weights.layers, shape, opts.slots)?;
         let has_head = weights.output.is_some();
-        let rows = CHUNK.max(opts.slots);
+        let rows = PREFILL_PIECE.max(opts.slots);
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
-        let scratch = Scratch::new(&gpu, &cfg, rows, has_head, legacy)?;
+        let scratch = Scratch::new(&gpu, &cfg, rows, HEAD_ROWS.max(opts.slots), has_head, legacy)?;
         let engine = Engine {
             gpu,
             model: Model {
@@ -326,6 +362,11 @@ impl Engine {
                 weights,
                 freqs,
                 ctx: opts.ctx,
+                precision: if opts.precise {
+                    Precision::Precise
+                } else {
+                    Precision::Fast
+                },
             },
             kv_types: (k_type, v_type),
             layers,
@@ -499,8 +540,8 @@ impl Engine {
     }
 
     /// [`Engine::stage_run`] profiled like [`Engine::profile_step`]: the dispatches of every
-    /// prefill piece (one submit per piece of at most 64 rows) in one profile, host times summed
-    /// over the pieces.
+    /// prefill piece (one submit per piece of at most [`PREFILL_PIECE`] rows) in one profile, host
+    /// times summed over the pieces.
     pub fn profile_stage_run(
         &mut self,
         slot: usize,
@@ -583,11 +624,12 @@ impl Engine {
         let mut top = Vec::new();
         let mut logits = Vec::new();
         let mut done = 0usize;
+        // Logits are read back whole, so a call that wants them runs one head group per piece.
+        let max = if want_logits { HEAD_ROWS } else { PREFILL_PIECE }.min(self.scratch.rows / CHUNK * CHUNK);
         while done < n {
             let pos = base + done as u32;
-            // Pieces end on absolute multiples of the DeltaNet chunk (and the scratch size).
-            let to_boundary = (CHUNK - pos % CHUNK) as usize;
-            let len = (n - done).min(to_boundary).min(self.scratch.rows as usize);
+            let (gpu, precision) = (&self.gpu, self.model.precision);
+            let len = piece_len(pos, (n - done) as u32, max, |c| column_class(gpu, precision, c)) as usize;
             let final_piece = done + len == n;
             self.write_input(&input, done, done + len)?;
             let model = &self.model;
@@ -614,14 +656,27 @@ impl Engine {
             let mut hidden_ticket = None;
             let mut logits_ticket = None;
             if last {
-                model.record_head(gpu, &mut rec, s, cur, t)?;
-                // Argmax of every row but the last in one batch; the last row gets its own k.
-                if t > 1 {
-                    model.record_topk_rows(gpu, &mut rec, s, 0, t - 1, 1, &s.results)?;
-                    tickets.push((rec.read(&s.results, 0, u64::from(t - 1) * 8)?, 1));
-                }
+                // The head over groups of HEAD_ROWS rows: the argmax of every row but the piece's
+                // last, gathered in piece_ids; the last row gets its own k.
                 let k = if final_piece { topk.max(1) } else { 1 };
-                model.record_topk_rows(gpu, &mut rec, s, t - 1, 1, k, &s.result_last)?;
+                let mut g0 = 0;
+                while g0 < t {
+                    let g = (t - g0).min(HEAD_ROWS);
+                    model.record_head_rows(gpu, &mut rec, s, cur, g0, g)?;
+                    let argmax_rows = if g0 + g == t { g - 1 } else { g };
+                    if argmax_rows > 0 {
+                        model.record_topk_rows(gpu, &mut rec, s, 0, argmax_rows, 1, &s.results)?;
+                        let bytes = u64::from(argmax_rows) * 8;
+                        rec.copy(&s.results, 0, &s.piece_ids, u64::from(g0) * 8, bytes)?;
+                    }
+                    if g0 + g == t {
+                        model.record_topk_rows(gpu, &mut rec, s, g - 1, 1, k, &s.result_last)?;
+                    }
+                    g0 += g;
+                }
+                if t > 1 {
+                    tickets.push((rec.read(&s.piece_ids, 0, u64::from(t - 1) * 8)?, 1));
+                }
                 tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
                 if want_logits {
                     logits_ticket = Some(rec.read(&s.logits, 0, (len * vocab * 4) as u64)?);

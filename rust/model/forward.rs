@@ -18,7 +18,10 @@ use crate::ops::conv::{self, ConvParams};
 use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::embed::embed;
-use crate::ops::matmul::{Columns, ExpertIds, MoeInput, matvec_id, mul};
+use crate::ops::matmul::{
+    self, ColumnClass, Columns, ExpertGroups, ExpertIds, GroupShape, MoeInput, Precision, column_class,
+    group_experts, mul_id,
+};
 use crate::ops::norm::{self, NormArgs, NormKind, NormParams, RowLayout};
 use crate::ops::router::{self, RouterParams};
 use crate::ops::topk::{self, MAX_K, TopkParams};
@@ -252,6 +255,8 @@ pub struct Scratch {
     pub(crate) router_logits: GpuBuffer,
     pub(crate) expert_ids: GpuBuffer,
     pub(crate) expert_w: GpuBuffer,
+    /// The rows' (token, slot) entries grouped by expert for the grouped mat-mat (u32).
+    pub(crate) expert_groups: GpuBuffer,
     pub(crate) gate_up: GpuBuffer,
     pub(crate) act: GpuBuffer,
     pub(crate) down: GpuBuffer,
@@ -259,6 +264,8 @@ pub struct Scratch {
     pub(crate) sh_act: GpuBuffer,
     pub(crate) sh_down: GpuBuffer,
     pub(crate) sh_gate: GpuBuffer,
+    /// Rows of logits the head computes at once (`logits`, `results` hold that many).
+    pub head_rows: u32,
     pub logits: GpuBuffer,
     pub tokens: GpuBuffer,
     pub(crate) topk_candidates: GpuBuffer,
@@ -268,11 +275,21 @@ pub struct Scratch {
     pub result_last: GpuBuffer,
     /// Decode: the slot of each row (u32), written by the engine before each step.
     pub(crate) slots: GpuBuffer,
+    /// Greedy (id, logit) of every row of a prefill piece, gathered from the head's row groups.
+    pub piece_ids: GpuBuffer,
     pub bytes: u64,
 }
 
 impl Scratch {
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig, rows: u32, has_head: bool, legacy: bool) -> Result<Scratch> {
+    /// Activations for `rows` rows; with `has_head`, logits for `head_rows` of them at a time.
+    pub fn new(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        rows: u32,
+        head_rows: u32,
+        has_head: bool,
+        legacy: bool,
+    ) -> Result<Scratch> {
         let mut bytes = 0u64;
         let mut buf = |name: &str, floats: u64| -> Result<GpuBuffer> {
             let b = gpu.buffer_zeroed(name, floats.max(1) * 4)?;
@@ -289,7 +306,8 @@ impl Scratch {
         let dparams = delta_params(cfg);
         let (po, pml) = attention::partial_len(rows, cfg.heads, cfg.head_dim);
         let vocab = u64::from(cfg.vocab);
-        let head_rows = if has_head { r } else { 0 };
+        let head_rows = head_rows.min(rows);
+        let logit_rows = if has_head { u64::from(head_rows) } else { 0 };
         let topk_probe = TopkParams::new(cfg.vocab.max(MAX_K), MAX_K, 0)?;
         Ok(Scratch {
             rows,
@@ -321,6 +339,15 @@ impl Scratch {
             // k routed picks, and the shared expert as pick k in the decode step.
             expert_ids: buf("moe.ids", r * (k + 1))?,
             expert_w: buf("moe.weights", r * (k + 1))?,
+            expert_groups: buf(
+                "moe.groups",
+                GroupShape {
+                    experts: cfg.experts,
+                    n_used: cfg.experts_used,
+                    n_tokens: rows,
+                }
+                .words(),
+            )?,
             // The expert columns, then (ff == shared_ff) the shared expert's t columns.
             gate_up: buf("moe.gate_up", r * (k + 1) * 2 * ff)?,
             act: buf("moe.act", r * (k + 1) * ff)?,
@@ -329,15 +356,17 @@ impl Scratch {
             sh_act: buf("shexp.act", r * sff)?,
             sh_down: buf("shexp.down", r * e)?,
             sh_gate: buf("shexp.gate", r)?,
-            logits: buf("logits", head_rows * vocab)?,
+            head_rows,
+            logits: buf("logits", logit_rows * vocab)?,
             tokens: buf("tokens", r)?,
             topk_candidates: buf(
                 "topk.candidates",
-                head_rows * 2 * u64::from(topk_probe.candidates()),
+                logit_rows * 2 * u64::from(topk_probe.candidates()),
             )?,
-            results: buf("topk.results", head_rows * 2 * u64::from(MAX_K))?,
+            results: buf("topk.results", logit_rows * 2 * u64::from(MAX_K))?,
             result_last: buf("topk.result_last", 2 * u64::from(MAX_K))?,
             slots: buf("decode.slots", r)?,
+            piece_ids: buf("topk.piece_ids", if has_head { r * 2 } else { 0 })?,
             bytes,
         })
     }
@@ -432,6 +461,8 @@ pub struct Model {
     pub weights: Weights,
     pub freqs: GpuBuffer,
     pub ctx: u32,
+    /// How prefill products are computed (the engine's `precise` option).
+    pub precision: Precision,
 }
 
 /// Bytes of a dense weight matrix (what one mat-vec reads).
@@ -474,6 +505,19 @@ fn ew(
 }
 
 impl Model {
+    /// A product over `ncols` activation columns with this model's precision.
+    fn mul(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        w: &WeightTensor,
+        x: Columns<'_>,
+        y: Columns<'_>,
+        ncols: u32,
+    ) -> Result<()> {
+        matmul::mul(gpu, rec, w, x, y, ncols, self.precision)
+    }
+
     /// Token embeddings of `n` ids (already written to `s.tokens`) into x[0].
     pub fn record_embed(&self, gpu: &Gpu, rec: &mut Recorder<'_>, s: &Scratch, n: u32) -> Result<()> {
         let table = self.weights.embed.as_ref().ok_or_else(|| {
@@ -586,16 +630,16 @@ impl Model {
         match &w.proj {
             DeltaNetProjection::Split { qkv, gate } => {
                 rec.op("dn.qkv", layer, dense_bytes(qkv));
-                mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
+                self.mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
                 rec.op("dn.gate", layer, dense_bytes(gate));
-                mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
+                self.mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
             }
             DeltaNetProjection::Legacy(qkvz) => {
                 // One projection, then per k-head group four row copies into the q ‖ k ‖ v and z
                 // layouts the conv and gated norm read (4·nk small dispatches: legacy files only).
                 let lw = cd + vd;
                 rec.op("dn.qkvz", layer, dense_bytes(qkvz));
-                mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
+                self.mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
                 rec.op("dn.qkvz_regroup", layer, 0);
                 let (dk, key_dim) = (cfg.dk, cfg.k_heads * cfg.dk);
                 let rv = (nv / cfg.k_heads) * cfg.dv;
@@ -626,12 +670,12 @@ impl Model {
         match &w.ba {
             BetaAlpha::Grouped(ba) => {
                 rec.op("dn.ba", layer, dense_bytes(ba));
-                mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?
+                self.mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?
             }
             BetaAlpha::Split { beta, alpha } => {
                 rec.op("dn.ba", layer, dense_bytes(beta) + dense_bytes(alpha));
-                mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
-                mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
+                self.mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
+                self.mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
             }
         }
         let dp = delta_params(cfg);
@@ -706,7 +750,7 @@ impl Model {
             },
         )?;
         rec.op("dn.out", layer, dense_bytes(&w.out));
-        mul(
+        self.mul(
             gpu,
             rec,
             &w.out,
@@ -741,19 +785,19 @@ impl Model {
                     layer,
                     dense_bytes(q) + dense_bytes(k) + dense_bytes(v),
                 );
-                mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
-                mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
-                mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
+                self.mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
+                self.mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
+                self.mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
             }
             AttnProjection::Fused(qkv) => {
                 rec.op("attn.qkv", layer, dense_bytes(qkv));
-                mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
+                self.mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
             }
         }
         self.record_attention_core(gpu, rec, s, w, states, batch, layer)?;
         let q_rows = cfg.heads * hd;
         rec.op("attn.out", layer, dense_bytes(&w.out));
-        mul(
+        self.mul(
             gpu,
             rec,
             &w.out,
@@ -870,7 +914,7 @@ impl Model {
         let (logit_stride, gate_buf, gate_offset, gate_stride) = match &w.router {
             Stacked::One(router) => {
                 let stride = cfg.experts + 1;
-                mul(gpu, rec, router, xn, Columns::packed(&s.router_logits, stride), t)?;
+                self.mul(gpu, rec, router, xn, Columns::packed(&s.router_logits, stride), t)?;
                 (stride, &s.router_logits, cfg.experts, stride)
             }
             Stacked::Parts(parts) => {
@@ -878,8 +922,8 @@ impl Model {
                     return Err(QkError::Engine("router: expected router and shared gate".into()));
                 };
                 let logits = Columns::packed(&s.router_logits, cfg.experts);
-                mul(gpu, rec, router, xn, logits, t)?;
-                mul(gpu, rec, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
+                self.mul(gpu, rec, router, xn, logits, t)?;
+                self.mul(gpu, rec, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
                 (cfg.experts, &s.sh_gate, 0, 1)
             }
         };
@@ -898,6 +942,23 @@ impl Model {
             n_used: k,
             n_tokens: t,
         };
+        // Beyond the mat-vec's columns the batch's entries are grouped by expert once, for the
+        // grouped mat-mats of gate/up and down.
+        let groups = ExpertGroups {
+            buf: &s.expert_groups,
+            shape: GroupShape {
+                experts: cfg.experts,
+                n_used: k,
+                n_tokens: t,
+            },
+        };
+        if column_class(gpu, self.precision, t) != ColumnClass::MatVec {
+            rec.op("moe.group", layer, 0);
+            group_experts(gpu, rec, ids, groups)?;
+        }
+        let experts = |rec: &mut Recorder<'_>, w: &WeightTensor, x, y, input| {
+            mul_id(gpu, rec, w, x, y, ids, groups, input, self.precision)
+        };
         match &w.gate_up {
             ExpertGateUp::Separate { gate, up } => {
                 rec.op(
@@ -905,36 +966,12 @@ impl Model {
                     layer,
                     expert_bytes(gate, k, t) + expert_bytes(up, k, t),
                 );
-                matvec_id(
-                    gpu,
-                    rec,
-                    gate,
-                    xn,
-                    cols(&s.gate_up, 0, 2 * ff),
-                    ids,
-                    MoeInput::PerToken,
-                )?;
-                matvec_id(
-                    gpu,
-                    rec,
-                    up,
-                    xn,
-                    cols(&s.gate_up, ff, 2 * ff),
-                    ids,
-                    MoeInput::PerToken,
-                )?;
+                experts(rec, gate, xn, cols(&s.gate_up, 0, 2 * ff), MoeInput::PerToken)?;
+                experts(rec, up, xn, cols(&s.gate_up, ff, 2 * ff), MoeInput::PerToken)?;
             }
             ExpertGateUp::Fused(gu) => {
                 rec.op("moe.gate_up", layer, expert_bytes(gu, k, t));
-                matvec_id(
-                    gpu,
-                    rec,
-                    gu,
-                    xn,
-                    cols(&s.gate_up, 0, 2 * ff),
-                    ids,
-                    MoeInput::PerToken,
-                )?;
+                experts(rec, gu, xn, cols(&s.gate_up, 0, 2 * ff), MoeInput::PerToken)?;
             }
         }
         let silu = |rows: u32, n: u32| EwParams {
@@ -958,13 +995,13 @@ impl Model {
         };
         rec.op("shexp.gate_up", layer, w.shared_gate_up.bytes());
         match &w.shared_gate_up {
-            Stacked::One(gu) => mul(gpu, rec, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
+            Stacked::One(gu) => self.mul(gpu, rec, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
             Stacked::Parts(parts) => {
                 let [gate, up] = parts.as_slice() else {
                     return Err(QkError::Engine("shared expert: expected gate and up".into()));
                 };
-                mul(gpu, rec, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
-                mul(gpu, rec, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
+                self.mul(gpu, rec, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
+                self.mul(gpu, rec, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
             }
         }
         let expert_rows = if joint { t * k + t } else { t * k };
@@ -991,17 +1028,15 @@ impl Model {
             )?;
         }
         rec.op("moe.down", layer, expert_bytes(&w.down, k, t));
-        matvec_id(
-            gpu,
+        experts(
             rec,
             &w.down,
             Columns::packed(&s.act, ff),
             Columns::packed(&s.down, e),
-            ids,
             MoeInput::PerSlot,
         )?;
         rec.op("shexp.down", layer, dense_bytes(&w.shared_down));
-        mul(
+        self.mul(
             gpu,
             rec,
             &w.shared_down,
@@ -1050,6 +1085,23 @@ impl Model {
         cur: usize,
         t: u32,
     ) -> Result<()> {
+        self.record_head_rows(gpu, rec, s, cur, 0, t)
+    }
+
+    /// Final norm and LM head of rows [first, first + t) of x[cur] into rows 0..t of `s.logits`.
+    pub fn record_head_rows(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        cur: usize,
+        first: u32,
+        t: u32,
+    ) -> Result<()> {
+        crate::ensure!(
+            t <= s.head_rows,
+            QkError::Engine(format!("LM head over {t} rows: logits hold {}", s.head_rows))
+        );
         let (norm_w, head) = match (&self.weights.output_norm, &self.weights.output) {
             (Some(n), Some(h)) => (n, h),
             _ => {
@@ -1060,12 +1112,16 @@ impl Model {
         };
         let e = self.cfg.n_embd;
         let rows_e = RowLayout::packed(e, 1);
+        let src = RowLayout {
+            offset: first * e,
+            ..rows_e
+        };
         rec.op("head.norm", None, 0);
         norm::record(
             gpu,
             rec,
             NormKind::Rms,
-            &NormParams::new(t, 1, e, rows_e, rows_e, self.cfg.eps, 1.0),
+            &NormParams::new(t, 1, e, src, rows_e, self.cfg.eps, 1.0),
             &NormArgs {
                 src: &s.x[cur],
                 dst: &s.xn,
@@ -1076,7 +1132,7 @@ impl Model {
         )?;
         // mat-vec for a few rows (weights read once for all of them), tiled mat-mat for more.
         rec.op("head.lm", None, dense_bytes(head));
-        mul(
+        self.mul(
             gpu,
             rec,
             head,
@@ -1100,8 +1156,8 @@ impl Model {
         result: &GpuBuffer,
     ) -> Result<()> {
         crate::ensure!(
-            first + rows <= s.rows,
-            QkError::Engine(format!("top-k rows {first}..{} beyond the scratch", first + rows))
+            first + rows <= s.head_rows,
+            QkError::Engine(format!("top-k rows {first}..{} beyond the logits", first + rows))
         );
         let p = TopkParams::new(self.cfg.vocab, k, first * self.cfg.vocab)?;
         rec.op("head.topk", None, u64::from(rows) * u64::from(self.cfg.vocab) * 4);
