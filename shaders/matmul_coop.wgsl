@@ -26,6 +26,19 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=q6_k
 #variants QTYPE=iq4_nl
 #variants QTYPE=iq4_xs ACC=f16
+#variants QTYPE=q4_1
+#variants QTYPE=q5_0
+#variants QTYPE=q5_1
+#variants QTYPE=q2_k
+#variants QTYPE=q3_k
+#variants QTYPE=iq1_s
+#variants QTYPE=iq1_m
+#variants QTYPE=iq2_xxs
+#variants QTYPE=iq2_xs
+#variants QTYPE=iq2_s
+#variants QTYPE=iq3_xxs
+#variants QTYPE=iq3_s
+#variants QTYPE=mxfp4
 
 struct MatmulParams {
     // Weights per row, rows in this window, bytes per row, byte offset of row 0 in W.

@@ -1,4 +1,5 @@
 //! The one cargo integration-test binary; each area adds a module here.
+mod dequant_tests;
 mod engine_tests;
 mod gguf_tests;
 mod gpu_tests;
