@@ -182,9 +182,11 @@ fn matvec_every_type_subgroups_on_and_off() {
 fn matvec_windows_cut_on_rows() {
     let Some(gpu) = test_gpu(false) else { return };
     // Q6_K rows of 210 bytes and Q8_0 rows of 34·8 bytes: windows of ~1 KiB hold a few rows each.
-    for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16] {
+    // IQ2_XS windows hold four rows of 74 bytes and then the grid (2 KiB).
+    for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16, GgmlType::IQ2XS] {
         let (m, k) = (37, 256);
-        let case = make(gpu, ty, m, k, 1, 1000, 5);
+        let window = qk::gguf::grids::grid_of(ty).map_or(1000, |g| 4 * 74 + 2 * g.len() as u64 + 3);
+        let case = make(gpu, ty, m, k, 1, window, 5);
         assert!(case.w.windows.len() > 3, "{ty}: expected several windows");
         for cols in [1, 2] {
             let e = run_matvec(gpu, &case, m, k, cols, None);
@@ -313,6 +315,8 @@ fn moe_matvec_by_ids() {
             (GgmlType::IQ4XS, u64::MAX),
             (GgmlType::Q8_0, 2 * 40 * 272),
             (GgmlType::Q4K, u64::MAX),
+            // Two experts of 40 rows of 56 bytes per window, then the 4 KiB IQ1 grid.
+            (GgmlType::IQ1M, 2 * 40 * 56 + 4096 + 3),
         ] {
             let case = make(gpu, ty, m, k, experts, window, 31);
             if window != u64::MAX {
