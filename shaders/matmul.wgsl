@@ -24,6 +24,19 @@
 #variants QTYPE=iq4_xs
 #variants QTYPE=iq4_xs TN=16 NJ=1 MOE=1
 #variants QTYPE=q8_0 TN=16 NJ=1 MOE=1
+#variants QTYPE=q4_1
+#variants QTYPE=q5_0
+#variants QTYPE=q5_1
+#variants QTYPE=q2_k
+#variants QTYPE=q3_k
+#variants QTYPE=iq1_s
+#variants QTYPE=iq1_m
+#variants QTYPE=iq2_xxs
+#variants QTYPE=iq2_xs
+#variants QTYPE=iq2_s
+#variants QTYPE=iq3_xxs
+#variants QTYPE=iq3_s
+#variants QTYPE=mxfp4
 
 const TM = 64u;
 // K per tile in vec4s (32 weights).

@@ -42,6 +42,19 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=q6_k TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1
 #variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 ACC=f16
+#variants QTYPE=q4_1
+#variants QTYPE=q5_0
+#variants QTYPE=q5_1
+#variants QTYPE=q2_k
+#variants QTYPE=q3_k
+#variants QTYPE=iq1_s
+#variants QTYPE=iq1_m
+#variants QTYPE=iq2_xxs
+#variants QTYPE=iq2_xs
+#variants QTYPE=iq2_s
+#variants QTYPE=iq3_xxs
+#variants QTYPE=iq3_s
+#variants QTYPE=mxfp4
 
 const TK = 32u;
 // Row pitch of the f16 tiles in halves: 32 + 8 keeps every 16×16 load 16-byte aligned (80-byte

@@ -61,6 +61,19 @@
 #variants QTYPE=iq4_xs WG=128 NR=4 ACC4=2
 #variants QTYPE=iq4_xs NC=8 NR=2 ACC4=4 UNROLL=1
 #variants QTYPE=q8_0 NC=3 NR=2 ACC4=2 MOE=1
+#variants QTYPE=q4_1
+#variants QTYPE=q5_0
+#variants QTYPE=q5_1
+#variants QTYPE=q2_k
+#variants QTYPE=q3_k
+#variants QTYPE=iq1_s
+#variants QTYPE=iq1_m
+#variants QTYPE=iq2_xxs
+#variants QTYPE=iq2_xs
+#variants QTYPE=iq2_s
+#variants QTYPE=iq3_xxs
+#variants QTYPE=iq3_s
+#variants QTYPE=mxfp4
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 PRE=rms
 #variants QTYPE=f32 NC=6 NR=2 ACC4=3 NC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4
 #variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6

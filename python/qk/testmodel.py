@@ -405,7 +405,21 @@ def _softplus_inverse(y: np.ndarray) -> np.ndarray:
     return y + np.log(-np.expm1(-y))
 
 
-def _tensors(arch: str, shape: Shape, layout: Layout, vocab_size: int, seed: int, lm_head_gain: float):
+# Router gain of the committed fixtures: decisive expert choices, so that llama.cpp's 8-bit rounding of
+# activations on quantised files rarely flips a top-k pick. 1.0 is the routers' natural scale (their
+# rows drawn like every other projection's), which the weight-type parity fixtures use.
+DECISIVE_ROUTER_GAIN = 3.0
+
+
+def _tensors(
+    arch: str,
+    shape: Shape,
+    layout: Layout,
+    vocab_size: int,
+    seed: int,
+    lm_head_gain: float,
+    router_gain: float,
+):
     """(name, F32 array in NumPy order) for every tensor of the model, in file order."""
     s = shape
     w = _Weights(seed)
@@ -456,8 +470,7 @@ def _tensors(arch: str, shape: Shape, layout: Layout, vocab_size: int, seed: int
         out.append((f"{p}.ssm_out.weight", w.linear(s.n_embd, s.value_dim)))
 
     def moe(p: str) -> None:
-        # Router gain 3: decisive expert choices, so activation rounding rarely flips a top-k pick.
-        out.append((f"{p}.ffn_gate_inp.weight", _f32(3.0 * w.linear(s.n_expert, s.n_embd))))
+        out.append((f"{p}.ffn_gate_inp.weight", _f32(router_gain * w.linear(s.n_expert, s.n_embd))))
         gate = w.linear(s.ff_exp, s.n_embd, s.n_expert)
         up = w.linear(s.ff_exp, s.n_embd, s.n_expert)
         if layout.fused_gate_up_exps:
@@ -508,12 +521,15 @@ def write_model(
     layout: Layout | None = None,
     vocab: Vocab | None = None,
     lm_head_gain: float = 4.0,
+    router_gain: float = DECISIVE_ROUTER_GAIN,
     name: str | None = None,
 ) -> Path:
     """Write a tiny random-weight F32 GGUF of `arch` to `path`.
 
     lm_head_gain scales output.weight: with unit-variance logits a random model's top-2 gaps are so
-    small that near-ties dominate greedy comparisons (docs/architecture.md "Test data")."""
+    small that near-ties dominate greedy comparisons (docs/architecture.md "Test data"). router_gain scales the
+    MoE routers (ffn_gate_inp): DECISIVE_ROUTER_GAIN by default, as the committed fixtures have it;
+    1.0 for routers at their natural scale."""
     import gguf
 
     if arch not in ARCHES:
@@ -570,7 +586,7 @@ def write_model(
         "tokenizer.chat_template", CHAT_TEMPLATE_QWEN3 if arch == "qwen3next" else CHAT_TEMPLATE_QWEN35
     )
 
-    for tname, data in _tensors(arch, s, layout, len(vocab.tokens), seed, lm_head_gain):
+    for tname, data in _tensors(arch, s, layout, len(vocab.tokens), seed, lm_head_gain, router_gain):
         wr.add_tensor(tname, data)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()

@@ -36,19 +36,32 @@ impl<'a> Columns<'a> {
     }
 }
 
-/// The `QTYPE` name the dequant library uses for a ggml type.
+/// The `QTYPE` name the dequant library uses for a ggml type: its `dq8_<name>` function.
 pub fn qtype_name(ty: GgmlType) -> &'static str {
     match ty {
         GgmlType::F32 => "f32",
         GgmlType::F16 => "f16",
         GgmlType::BF16 => "bf16",
         GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
         GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q2K => "q2_k",
+        GgmlType::Q3K => "q3_k",
         GgmlType::Q4K => "q4_k",
         GgmlType::Q5K => "q5_k",
         GgmlType::Q6K => "q6_k",
+        GgmlType::IQ1S => "iq1_s",
+        GgmlType::IQ1M => "iq1_m",
+        GgmlType::IQ2XXS => "iq2_xxs",
+        GgmlType::IQ2XS => "iq2_xs",
+        GgmlType::IQ2S => "iq2_s",
+        GgmlType::IQ3XXS => "iq3_xxs",
+        GgmlType::IQ3S => "iq3_s",
         GgmlType::IQ4NL => "iq4_nl",
         GgmlType::IQ4XS => "iq4_xs",
+        GgmlType::MXFP4 => "mxfp4",
     }
 }
 

@@ -1,5 +1,6 @@
 //! The one cargo integration-test binary; each area adds a module here.
 mod attention_tests;
+mod dequant_tests;
 mod engine_tests;
 mod fused_tests;
 mod gguf_tests;

@@ -40,8 +40,21 @@ fn put_f16(b: &mut [u8], at: usize, v: f32) {
     b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
 }
 
-/// Random weights of type `ty`: random bytes for quants with every f16 scale field overwritten by
-/// a finite value of a realistic size.
+/// Byte offsets of a block's f16 scale fields (ggml-common.h block structs).
+fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
+        GgmlType::Q6K => &[208],
+        GgmlType::IQ1M | GgmlType::MXFP4 => &[],
+        _ => &[0],
+    }
+}
+
+/// Random weights of type `ty`: random bytes for quants with every scale field overwritten by a
+/// finite value of a realistic size (IQ1_M's f16 lies in the top nibbles of its scale words,
+/// MXFP4's is an E8M0 exponent byte).
 pub(crate) fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     match ty {
         GgmlType::F32 => (0..n).flat_map(|_| rng.f32().to_le_bytes()).collect(),
@@ -56,13 +69,19 @@ pub(crate) fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
             let mut b: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
             let bb = ty.block_bytes();
             for blk in b.chunks_exact_mut(bb) {
+                for &at in f16_fields(ty) {
+                    put_f16(blk, at, rng.f32() * 0.01);
+                }
                 match ty {
-                    GgmlType::Q4K | GgmlType::Q5K => {
-                        put_f16(blk, 0, rng.f32() * 0.01);
-                        put_f16(blk, 2, rng.f32() * 0.01);
+                    GgmlType::IQ1M => {
+                        let d = half::f16::from_f32(rng.f32() * 0.01).to_bits();
+                        for k in 0..4 {
+                            blk[49 + 2 * k] = (blk[49 + 2 * k] & 0x0f) | (((d >> (4 * k)) as u8 & 15) << 4);
+                        }
                     }
-                    GgmlType::Q6K => put_f16(blk, 208, rng.f32() * 0.01),
-                    _ => put_f16(blk, 0, rng.f32() * 0.01),
+                    // 2^(e − 128) between 2^-10 and 2^-4.
+                    GgmlType::MXFP4 => blk[0] = 118 + (rng.next() % 7) as u8,
+                    _ => {}
                 }
             }
             b
@@ -98,7 +117,7 @@ fn reference(w: &[f32], x: &[f32], m: usize, k: usize, cols: usize) -> Vec<f64> 
     y
 }
 
-const TYPES: [GgmlType; 10] = GgmlType::ALL;
+const TYPES: [GgmlType; 23] = GgmlType::ALL;
 
 struct Case {
     w: WeightTensor,
@@ -165,9 +184,11 @@ fn matvec_every_type_subgroups_on_and_off() {
 fn matvec_windows_cut_on_rows() {
     let Some(gpu) = test_gpu(false) else { return };
     // Q6_K rows of 210 bytes and Q8_0 rows of 34·8 bytes: windows of ~1 KiB hold a few rows each.
-    for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16] {
+    // IQ2_XS windows hold four rows of 74 bytes and then the grid (2 KiB).
+    for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16, GgmlType::IQ2XS] {
         let (m, k) = (37, 256);
-        let case = make(gpu, ty, m, k, 1, 1000, 5);
+        let window = qk::gguf::grids::grid_of(ty).map_or(1000, |g| 4 * 74 + 2 * g.len() as u64 + 3);
+        let case = make(gpu, ty, m, k, 1, window, 5);
         assert!(case.w.windows.len() > 3, "{ty}: expected several windows");
         for cols in [1, 2] {
             let e = run_matvec(gpu, &case, m, k, cols, None);
@@ -510,6 +531,8 @@ fn moe_matvec_by_ids() {
             (GgmlType::IQ4XS, u64::MAX),
             (GgmlType::Q8_0, 2 * 40 * 272),
             (GgmlType::Q4K, u64::MAX),
+            // Two experts of 40 rows of 56 bytes per window, then the 4 KiB IQ1 grid.
+            (GgmlType::IQ1M, 2 * 40 * 56 + 4096 + 3),
         ] {
             let case = make(gpu, ty, m, k, experts, window, 31);
             if window != u64::MAX {
