@@ -6,7 +6,6 @@ engine (tests/test_engine.py runs the precise one)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,11 +13,11 @@ import pytest
 from conftest import require_gpu
 from reference import llama
 from reference.model import Model
+from test_engine import QUANT, _qk, golden, teacher_forced_tokens
 
 pytestmark = pytest.mark.gpu
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-QUANT = [f"tiny-{a}-{q}" for a in ("qwen3next", "qwen35moe") for q in ("iq4_xs", "q8_0", "q4_k_m")]
 
 # llama.cpp's own logits NMSE against the float64 reference (reference/model.py without activation
 # rounding) along the teacher-forced path below, over rows: (max, mean). Measured with
@@ -36,16 +35,6 @@ LLAMA_CPP_NMSE = {
 # (activations and dequantised weights) rounded to f16 measured NMSE max 8.0e-07 … 1.7e-06, mean
 # 4.1e-07 … 4.5e-07 on these files (2026-12-01) — four orders below llama.cpp's. The engine prints
 # its own figure; on an adapter without cooperative matrices it is the precise engine's (≤ 1e-10).
-
-
-def _qk():
-    try:
-        from qk import _qk
-    except ImportError:
-        if require_gpu():
-            raise
-        pytest.skip("qk._qk not built")
-    return _qk
 
 
 _engines: dict = {}
@@ -68,16 +57,6 @@ def engine(name: str, layers=None, ctx: int = 512):
 def _release_engines():
     yield
     _engines.clear()
-
-
-def golden(name: str) -> dict:
-    return json.loads((FIXTURES / "goldens" / f"{name}.json").read_text())
-
-
-def teacher_forced_tokens(name: str) -> list[int]:
-    """llama.cpp's greedy path (95 tokens: across the 64-token chunk boundary)."""
-    g = golden(name)
-    return g["prompt_tokens"] + g["greedy"]["tokens"][:-1]
 
 
 @pytest.mark.parametrize("name", QUANT)

@@ -675,37 +675,26 @@ pub struct CoopTile {
 }
 
 impl CoopTile {
+    const fn new(rows: u32, cols: u32, sg_rows: u32, sg_cols: u32) -> Self {
+        CoopTile {
+            rows,
+            cols,
+            sg_rows,
+            sg_cols,
+        }
+    }
+
     /// 4 subgroups of 32×32: the first cooperative kernel's shape.
-    pub const SQUARE_64: CoopTile = CoopTile {
-        rows: 64,
-        cols: 64,
-        sg_rows: 32,
-        sg_cols: 32,
-    };
+    pub const SQUARE_64: CoopTile = CoopTile::new(64, 64, 32, 32);
     /// 8 subgroups of 64×32: each dequantised weight serves 128 columns, and each shared-memory
     /// fragment feeds 2–4 multiply-adds.
-    pub const SQUARE_128: CoopTile = CoopTile {
-        rows: 128,
-        cols: 128,
-        sg_rows: 64,
-        sg_cols: 32,
-    };
+    pub const SQUARE_128: CoopTile = CoopTile::new(128, 128, 64, 32);
     /// 4 subgroups of 64×32: SQUARE_128's subgroup block with half its columns, for products too
     /// narrow to give SQUARE_128 enough workgroups.
-    pub const RECT_128X64: CoopTile = CoopTile {
-        rows: 128,
-        cols: 64,
-        sg_rows: 64,
-        sg_cols: 32,
-    };
+    pub const RECT_128X64: CoopTile = CoopTile::new(128, 64, 64, 32);
     /// The grouped MoE product: one 16-wide column of the expert's entries (a few per expert in a
     /// prefill piece), 4 subgroups of 32×16.
-    pub const MOE: CoopTile = CoopTile {
-        rows: 128,
-        cols: MOE_TILE_COLS,
-        sg_rows: 32,
-        sg_cols: 16,
-    };
+    pub const MOE: CoopTile = CoopTile::new(128, MOE_TILE_COLS, 32, 16);
     /// The dense tiles, largest first.
     pub const DENSE: [CoopTile; 3] = [CoopTile::SQUARE_128, CoopTile::RECT_128X64, CoopTile::SQUARE_64];
 
