@@ -90,14 +90,28 @@ def print_profile(prof: dict, title: str, top: int) -> dict:
     }
 
 
+def decode_rate(eng, slots: list[int], toks: list[int], n: int) -> tuple[float, list[int]]:
+    """Seconds per step of `n` steps of `slots` through Engine.step (the server's path, where the
+    next step is recorded while the GPU runs this one), and the tokens it ended on."""
+    eng.step(slots, toks)  # the first step of a shape records both it and its successor
+    t0 = time.perf_counter()
+    for _ in range(n):
+        outs = eng.step(slots, toks)
+        toks = [o[0][-1] for o in outs]
+    return (time.perf_counter() - t0) / n, toks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=512, help="prefill length, then one-stream decode after it")
+    ap.add_argument("--decode", type=int, default=128, help="steps per decode measurement")
+    ap.add_argument("--depths", default="", help="comma list: one-stream decode after a prompt of each length")
+    ap.add_argument("--long", type=int, default=0, help="also time a prefill of this many tokens")
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--precise", action="store_true", help="f32 everywhere (the reference gates' setting)")
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -105,12 +119,14 @@ def main() -> None:
     import qk
 
     t0 = time.perf_counter()
-    eng = qk.Engine(a.model, slots=a.slots, ctx=a.ctx, device=a.device)
+    eng = qk.Engine(a.model, slots=a.slots, ctx=a.ctx, device=a.device, precise=a.precise)
     load_s = time.perf_counter() - t0
     info = eng.info()
     vocab = int(info.get("vocab", 1000))
     rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(0, vocab, a.prompt)]
+    longest = max([a.prompt, a.long] + [int(d) for d in a.depths.split(",") if d])
+    tokens = [int(t) for t in rng.integers(0, vocab, longest)]
+    prompt = tokens[: a.prompt]
 
     # Warm-up compiles every pipeline once (prefill and decode shapes).
     warm = prompt[:64]
@@ -120,31 +136,24 @@ def main() -> None:
     t0 = time.perf_counter()
     ids, _ = eng.stage_run(0, prompt, 0)
     prefill_s = time.perf_counter() - t0
+    step_s, _ = decode_rate(eng, [0], [ids[-1]], a.decode)
+    timing = eng.last_step_timing()
 
-    tok, pos = ids[-1], a.prompt
-    t0 = time.perf_counter()
-    for _ in range(a.decode):
-        ids, _ = eng.stage_run(0, [tok], pos)
-        tok, pos = ids[-1], pos + 1
-    decode_s = time.perf_counter() - t0
+    depth = {}
+    for d in [int(d) for d in a.depths.split(",") if d]:
+        ids, _ = eng.stage_run(0, tokens[:d], 0)
+        s, _ = decode_rate(eng, [0], [ids[-1]], a.decode)
+        depth[d] = {"ms_per_token": round(1000 * s, 3), "tok_s": round(1 / s, 1)}
+    long = None
+    if a.long:
+        t0 = time.perf_counter()
+        eng.stage_run(0, tokens[: a.long], 0)
+        long = {"tokens": a.long, "tok_s": round(a.long / (time.perf_counter() - t0), 1)}
 
     slots = list(range(a.slots))
     for s in slots:
         eng.stage_run(s, prompt[:64], 0)
-    toks = [1] * a.slots
-    eng.step(slots, toks)  # warm-up of the multi-slot shapes
-    t0 = time.perf_counter()
-    for _ in range(a.decode):
-        outs = eng.step(slots, toks)
-        toks = [o[0][-1] for o in outs]
-    multi_s = time.perf_counter() - t0
-    step_ms = {}
-    for n in sorted({1, a.slots}):
-        t0 = time.perf_counter()
-        for _ in range(a.decode):
-            outs = eng.step(slots[:n], toks[:n])
-            toks[:n] = [o[0][-1] for o in outs]
-        step_ms[n] = round(1000 * (time.perf_counter() - t0) / a.decode, 3)
+    multi_s, toks = decode_rate(eng, slots, [1] * a.slots, a.decode)
     profiles = []
     if a.profile:
         for n in sorted({1, a.slots}):
@@ -154,14 +163,17 @@ def main() -> None:
         "adapter": info.get("adapter"),
         "model": a.model,
         "layers": info.get("n_layer"),
+        "precise": a.precise,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,
         "prefill_tok_s": round(a.prompt / prefill_s, 1),
-        "decode_ms_per_token": round(1000 * decode_s / a.decode, 3),
-        "decode_tok_s": round(a.decode / decode_s, 1),
+        "decode_ms_per_token": round(1000 * step_s, 3),
+        "decode_tok_s": round(1 / step_s, 1),
+        "decode_host": timing,
+        "decode_at_depth": depth,
+        "long_prefill": long,
         "slots": a.slots,
-        "multi_slot_aggregate_tok_s": round(a.slots * a.decode / multi_s, 1),
-        "step_ms_by_slots": step_ms,
+        "multi_slot_aggregate_tok_s": round(a.slots / multi_s, 1),
         "counters": eng.counters(),
     }
     if a.profile:

@@ -1,72 +1,83 @@
 #!/usr/bin/env bash
-# Runs ON the H200 device machine (see benches/device_prepare.sh, which fills .device/ and packs
-# llama.cpp's source into .ref.tar.xz). One command does the whole
-# measurement: llama-bench (CUDA) builds while the random 80B-shaped model is written, then the GPU
-# kernel tests and the engine tests against the committed goldens run (a fast number is never a wrong
-# one), then qk and llama.cpp are measured side by side on the same file.
-# usage: bash benches/h200_engine.sh [LAYERS]   (12 by default: the iteration size)
-# env: QK_SKIP_TESTS=1, QK_SKIP_QK=1, QK_SKIP_LLAMA=1 leave a part out; QK_REUSE=1 adds the turn-2 TTFT
-# bench, QK_SPLIT=1 the unsplit-vs-2-stage loopback bench (benches/split_bench.py), QK_KERNELS=1 the
-# kernel micro-benchmark (cooperative matrix on and off).
+# Runs ON the H200 device machine (benches/device_prepare.sh fills .device/ and packs llama.cpp's
+# source into .ref.tar.xz; .gl/ holds the Vulkan loader debs). One script, two phases, so a device
+# call never runs past its limit:
+#   bash benches/h200_engine.sh start [LAYERS]   set up, then in the background: build llama.cpp
+#                                                 (CUDA) while the random model is written, run the
+#                                                 GPU tests, then qk and llama.cpp side by side
+#   bash benches/h200_engine.sh wait [SECONDS]   wait for the background run; print its log
+# Results land in $OUT (engine.log, qk-bench.json, llama-bench.md, llama-batched.txt, kernels.txt).
+# env: QK_SKIP_TESTS=1, QK_SKIP_LLAMA=1, QK_KERNELS=1 (kernel micro-benchmark),
+#      QK_BENCH_ARGS (extra engine_bench.py flags), QK_SPLIT=1 (the split bench).
 set -uo pipefail
-LAYERS="${1:-12}"
-OUT="${OUT:-/tmp/qk-out}"; mkdir -p "$OUT"
-exec > >(tee -a "$OUT/engine.log") 2>&1
-# llama.cpp's trimmed source may travel packed (.ref.tar.xz) to stay inside the device tool's carry limit.
-[ -d .ref/llama.cpp ] || [ ! -f .ref.tar.xz ] || python3 -c 'import tarfile; tarfile.open(".ref.tar.xz").extractall()'
+WORK=/tmp/qk-bench
+case "${1:-start}" in
+wait)
+  deadline=$((SECONDS + ${2:-540}))
+  while [ ! -f $WORK/done ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
+  cat $WORK/engine.log
+  mkdir -p "$OUT" && cp $WORK/*.json $WORK/*.md $WORK/*.txt $WORK/engine.log "$OUT"/ 2>/dev/null
+  [ -f $WORK/done ] || echo "== still running"
+  exit 0 ;;
+start) ;;
+*) echo "usage: $0 start [LAYERS] | wait [SECONDS]"; exit 2 ;;
+esac
+LAYERS="${2:-48}"
+rm -rf $WORK && mkdir -p $WORK /tmp/site
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
-[ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] \
-  && export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+[ -d /tmp/llama.cpp ] || python3 -c 'import tarfile; tarfile.open(".ref.tar.xz").extractall("/tmp")'
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/qk-*.whl || exit 1
 # The package's Python sources come from this tree (newer than the wheel when only Python changed),
 # its native module from the wheel.
 cp /tmp/site/qk/_qk*.so python/qk/
-export PYTHONPATH=$PWD/python:/tmp/site:$PWD/.device/gguf-py
+cp -r benches python .device "$WORK"/
+cat > $WORK/run.sh <<EOF
+set -uo pipefail
+cd $WORK
+[ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] \
+  && export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+export PYTHONPATH=$WORK/python:/tmp/site:$WORK/.device/gguf-py PYTHONUNBUFFERED=1
 MODEL=/tmp/next80b-$LAYERS.gguf
 date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-
 B=/tmp/llb
-[ "${QK_SKIP_LLAMA:-0}" = 1 ] || ( cmake -S .ref/llama.cpp -B $B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TOOLS=ON -DCMAKE_BUILD_TYPE=Release > /tmp/llb-cfg.log 2>&1 \
-  && cmake --build $B -j "$(nproc)" --target llama-bench > /tmp/llb-build.log 2>&1
-  rc=$?; echo "llama-bench build rc=$rc"; [ $rc = 0 ] || tail -n 25 /tmp/llb-cfg.log /tmp/llb-build.log ) &
-BUILD=$!
-( python3 benches/make_model.py $MODEL --vocab .device/vocab/ggml-vocab-qwen2.gguf --layers "$LAYERS" \
-  > /tmp/make_model.log 2>&1; echo "model rc=$? $(tail -1 /tmp/make_model.log)" ) &
-MAKE=$!
-
-which cmake ninja nvcc
-[ "${QK_SKIP_TESTS:-0}" = 1 ] || {
-echo "== GPU kernel tests (cargo test binary)"
-QK_REQUIRE_GPU=1 QK_REQUIRE_COOP=1 .device/rust-tests --test-threads=1 2>&1 | grep -E "^test result|FAILED|panicked|failures" | head -20
-echo "== cooperative-matrix mat-mat against the CPU reference"
-QK_REQUIRE_GPU=1 QK_REQUIRE_COOP=1 .device/rust-tests matmul_cooperative --test-threads=1 --nocapture 2>&1 | grep -iE "coop|exercised|test result"
-echo "== engine tests against the committed goldens (no llama.cpp here)"
-QK_VOCAB_QWEN2=$PWD/.device/vocab/ggml-vocab-qwen2.gguf QK_REQUIRE_GPU=1 \
-  python3 -m pytest -q -p no:cacheprovider -m "not oracle" tests/test_engine*.py 2>&1 | tail -5
-}
-[ "${QK_KERNELS:-0}" = 1 ] && [ -x .device/kernels-bench ] && {
-  echo "== kernel micro-benchmark (mat-mat lines show the tiled and cooperative kernels side by side)"
-  .device/kernels-bench 2>&1 | tee "$OUT/kernels-bench.txt"
-}
-wait $MAKE
-[ "${QK_SKIP_QK:-0}" = 1 ] || {
-echo "== qk engine"
-python3 benches/engine_bench.py $MODEL --prompt 512 --decode 64 --slots 2 --profile --top 20 | tee "$OUT/qk-bench.json"
-}
-if [ "${QK_REUSE:-0}" = 1 ]; then
-  echo "== cross-turn reuse: turn-2 time to first token, 8k tokens of history"
-  python3 benches/reuse_ttft.py --model $MODEL --history 8192 2>&1 | grep -v "^qk: layer" | tee "$OUT/reuse.txt"
+( [ "${QK_SKIP_LLAMA:-0}" = 1 ] || [ -x \$B/bin/llama-bench ] || {
+  cmake -S /tmp/llama.cpp -B \$B -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TOOLS=ON -DCMAKE_BUILD_TYPE=Release > /tmp/llb-cfg.log 2>&1 \
+  && cmake --build \$B -j "\$(nproc)" --target llama-bench llama-batched-bench > /tmp/llb-build.log 2>&1
+  echo "llama.cpp build rc=\$?"; } ) &
+BUILD=\$!
+( [ -f \$MODEL ] || python3 benches/make_model.py \$MODEL --vocab .device/vocab/ggml-vocab-qwen2.gguf \
+  --layers $LAYERS > /tmp/make_model.log 2>&1; echo "model: \$(tail -1 /tmp/make_model.log)" ) &
+MAKE=\$!
+if [ "${QK_SKIP_TESTS:-0}" != 1 ]; then
+  echo "== GPU tests (cargo test binary; subgroup 32, cooperative matrix, big bindings)"
+  QK_REQUIRE_GPU=1 QK_REQUIRE_COOP=1 .device/rust-tests --test-threads=1 2>&1 \
+    | grep -E "^test result|FAILED|panicked|failures:" | head -20
 fi
+if [ "${QK_KERNELS:-0}" = 1 ]; then
+  echo "== kernel micro-benchmark"
+  .device/kernels-bench > kernels.txt 2>&1; tail -60 kernels.txt
+fi
+wait \$MAKE
+echo "== qk engine (release wheel), $LAYERS layers"
+python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192 --long 4096 --slots 8 --ctx 9216 --profile --top 12} \
+  > qk-bench.json 2> qk-bench.err; echo "rc=\$?"; grep -v "^qk: layer" qk-bench.err | tail -80; cat qk-bench.json
 if [ "${QK_SPLIT:-0}" = 1 ]; then
-  echo "== split serving on one GPU: unsplit vs head + worker over loopback"
-  python3 benches/split_bench.py $MODEL --prompt 512 --decode 64 --ctx 2048 2>&1 | grep -v "^qk: layer" \
-    | tee "$OUT/split.txt"
+  echo "== split serving on one GPU"
+  python3 benches/split_bench.py \$MODEL --prompt 512 --decode 64 --ctx 2048 2>&1 | grep -v "^qk: layer" | tee split.txt
 fi
-[ "${QK_SKIP_LLAMA:-0}" = 1 ] && exit 0
-wait $BUILD
-echo "== llama.cpp CUDA (llama-bench, -fa 1)"
-tail -3 /tmp/llb-build.log
-$B/bin/llama-bench -m $MODEL -ngl 99 -fa 1 -p 512 -n 64 -r 2 -o md 2>&1 | tee "$OUT/llama-bench.md"
+wait \$BUILD
+if [ "${QK_SKIP_LLAMA:-0}" != 1 ]; then
+  echo "== llama.cpp CUDA: llama-bench -fa 1"
+  \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 512,4096 -n 128 -r 2 -o md 2>&1 | tee llama-bench.md
+  \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 0 -n 128 -d 8192 -r 2 -o md 2>&1 | tee -a llama-bench.md
+  echo "== llama.cpp CUDA: llama-batched-bench, 8 streams"
+  \$B/bin/llama-batched-bench -m \$MODEL -ngl 99 -fa on -c 16384 -npp 64 -ntg 128 -npl 1,2,8 2>&1 \
+    | grep -E "^\|" | tee llama-batched.txt
+fi
+date -u
+EOF
+setsid bash -c "bash $WORK/run.sh > $WORK/engine.log 2>&1; touch $WORK/done" < /dev/null > /dev/null 2>&1 &
+echo "started: $WORK/run.sh ($LAYERS layers)"

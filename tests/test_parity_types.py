@@ -1,4 +1,4 @@
-"""DESIGN.md gate 1 for every weight type: on tiny models quantised by llama.cpp's recipes (both
+"""The F32-twin gate (docs/numerics.md "Precision gates") for every weight type: on tiny models quantised by llama.cpp's recipes (both
 architectures, routers at their natural scale), qk must match llama.cpp run on the file's F32 twin
 (every tensor dequantised by gguf-py, written back as F32; F32 KV cache): greedy identical up to a
 certified near-tie, teacher-forced argmax identical wherever llama.cpp's top-2 gap is decisive, and
