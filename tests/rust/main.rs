@@ -1,5 +1,6 @@
 //! The one cargo integration-test binary; each area adds a module here.
 mod engine_tests;
+mod error_tests;
 mod gguf_tests;
 mod gpu_tests;
 mod matmul_tests;
