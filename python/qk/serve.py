@@ -160,9 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--takeover",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="replace a session the chain still holds from this head's previous run (default: on)",
+        action="store_true",
+        help="split head: take the chain over from another head holding it (off by default: a second "
+        "head is refused 'busy'; the head that loses the chain reports it on /health)",
     )
     p.add_argument("--alias", help="model name reported by the API (default: the file name)")
     p.add_argument("--log-level", default="info")
