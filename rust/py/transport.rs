@@ -835,6 +835,9 @@ fn stage_of(obj: &Bound<'_, PyAny>) -> PyResult<Box<dyn Stage + Send>> {
     }))
 }
 
+// The signature's default must be a literal for Python to show it: keep it the core's default.
+const _: () = assert!(crate::transport::worker::MAX_PENDING == 16);
+
 /// A stage's qkp server (``python -m qk.worker`` runs one): binds ``host:port`` at once (``port=0``
 /// picks a free port, see ``.port``), and ``serve()`` blocks, with the GIL released, answering one head
 /// session at a time until ``stop()`` is called from another thread. ``next`` is host:port of the
@@ -856,7 +859,7 @@ impl PyWorker {
     #[new]
     #[pyo3(signature = (stage, *, host="127.0.0.1", port=0, name=None, secret=None, next=None,
         takeover_next=true, connect_timeout=5.0, hello_timeout=30.0, pre_auth_timeout=5.0, base_timeout=30.0,
-        per_row_timeout=0.02, max_pending=crate::transport::worker::MAX_PENDING))]
+        per_row_timeout=0.02, max_pending=16))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         stage: &Bound<'_, PyAny>,
