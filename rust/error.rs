@@ -36,6 +36,10 @@ pub enum QkError {
     /// The stage transport: a malformed frame, a refused hello, a dead or stalled peer.
     #[error("{0}")]
     Transport(String),
+    /// A bug: a Rust panic, caught where Python calls in (`catch_panic`) so that it reaches Python as a
+    /// typed error instead of unwinding into the interpreter.
+    #[error("internal error (a bug in qk): {0}")]
+    Panic(String),
 }
 
 pub type Result<T> = std::result::Result<T, QkError>;
@@ -47,6 +51,23 @@ impl QkError {
             msg: msg.into(),
         }
     }
+}
+
+/// Run `f`, turning a panic inside it into `QkError::Panic` with the panic's message. The last line of
+/// defence at the Python boundary: bad input gets a typed error long before this (bounded parsing,
+/// checked arithmetic), but a panic that got through must not cross into Python as a BaseException.
+pub fn catch_panic<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|payload| Err(QkError::Panic(panic_message(payload.as_ref()))))
+}
+
+/// The message a panic was raised with (`panic!("...")` gives a `&str` or a `String`).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
 }
 
 /// Return early with an error: `bail!(QkError::Engine(format!(...)))`.

@@ -2,7 +2,13 @@
 flips, truncations, insertions) are opened, their metadata converted and every tensor read raw and
 dequantised, in a child process under an address-space cap (RLIMIT_AS) so that a huge allocation
 aborts the child instead of exhausting the machine. Every file must either read or raise
-``qk.GgufError``: no other exception, no crash, no hang."""
+``qk.GgufError``: no other exception, no crash, no hang.
+
+Then hostile hyper-parameters: a tiny model of each architecture with one hyper-parameter rewritten
+to an absurd value (2^31 heads, a 2^32−1 layer count, NaN epsilon…) is loaded as an engine, in a
+child process (an abort must fail the test, not end the run). Each must load or raise
+``qk.GgufError`` / ``qk.EngineError`` — never a Rust panic (``PanicException`` is a BaseException)
+— and no load may allocate its way past a fixed bound."""
 
 from __future__ import annotations
 
@@ -73,7 +79,18 @@ def write_bases(tmp: Path) -> list[list[bytes]]:
 def header_fields(data: bytes) -> list[tuple[int, int]]:
     """(offset, size) of every integer field of a valid GGUF header: version, counts, lengths,
     value types, array element types and counts, n_dims, dims, tensor types and offsets."""
+    return header_layout(data)[0]
+
+
+def metadata_values(data: bytes) -> dict[str, tuple[int, int]]:
+    """Key → (value type, offset of the value) for every u32 and f32 metadata entry."""
+    return header_layout(data)[1]
+
+
+def header_layout(data: bytes) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+    """``header_fields`` and ``metadata_values`` of a valid GGUF header, in one walk."""
     fields = [(4, 4), (8, 8), (16, 8)]
+    scalars: dict[str, tuple[int, int]] = {}
     n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
     pos = 24
 
@@ -96,9 +113,12 @@ def header_fields(data: bytes) -> list[tuple[int, int]]:
         return pos + sizes[ty]
 
     for _ in range(n_kv):
+        key_at = pos
         pos = string(pos)
         fields.append((pos, 4))
         ty = struct.unpack_from("<I", data, pos)[0]
+        if ty in (4, 6):
+            scalars[data[key_at + 8 : pos].decode()] = (ty, pos + 4)
         pos = value(pos + 4, ty)
     for _ in range(n_tensors):
         pos = string(pos)
@@ -110,7 +130,7 @@ def header_fields(data: bytes) -> list[tuple[int, int]]:
             pos += 8
         fields.extend([(pos, 4), (pos + 4, 8)])
         pos += 12
-    return fields
+    return fields, scalars
 
 
 def mutate(data: bytes, fields: list[tuple[int, int]], rnd: random.Random) -> bytes:
@@ -243,3 +263,107 @@ def test_mutated_files_never_crash(tmp_path) -> None:
     # their tensors read, and a fair share is refused.
     assert stats["opened"] > FILES // 10 and stats["refused"] > FILES // 10, stats
     assert stats["tensors_read"] > FILES, stats
+
+
+# -- hostile hyper-parameters -----------------------------------------------------------------------
+
+# The hyper-parameters qk reads (rust/model/config.rs); the others cannot reach the engine.
+HPARAMS = {
+    "block_count",
+    "nextn_predict_layers",
+    "embedding_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.layer_norm_rms_epsilon",
+    "attention.scale",
+    "rope.dimension_count",
+    "rope.freq_base",
+    "full_attention_interval",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+    "expert_shared_feed_forward_length",
+    "ssm.conv_kernel",
+    "ssm.state_size",
+    "ssm.group_count",
+    "ssm.time_step_rank",
+    "ssm.inner_size",
+}
+HOSTILE_U32 = [0, 1, 3, 2**16 + 1, 2**31 - 1, 2**31, 2**32 - 1]
+HOSTILE_F32 = [0.0, -1.0, float("inf"), float("-inf"), float("nan"), 3e38]
+# Peak resident memory a child may add while loading the hostile files: the tiny models need a few
+# tens of MiB; the unbounded layer plan of a 2^31-layer file took 2 GiB.
+HOSTILE_RSS = 768 << 20
+
+
+def hostile_child(workdir: str) -> int:
+    """Entry point of the child process: every (architecture, hyper-parameter, hostile value)."""
+    import math
+    import resource
+
+    import qk
+    from qk import testmodel
+
+    tmp = Path(workdir)
+    start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    stats = {"cases": 0, "loaded": 0, "refused": 0}
+    for arch in ("qwen35moe", "qwen3next"):
+        base = testmodel.write_model(tmp / f"{arch}.gguf", arch).read_bytes()
+        for key, (ty, off) in metadata_values(base).items():
+            if key.removeprefix(arch + ".") not in HPARAMS:
+                continue
+            fmt = "<I" if ty == 4 else "<f"
+            (original,) = struct.unpack_from(fmt, base, off)
+            for value in HOSTILE_U32 if ty == 4 else HOSTILE_F32:
+                if value == original or (math.isnan(value) and math.isnan(original)):
+                    continue
+                data = bytearray(base)
+                struct.pack_into(fmt, data, off, value)
+                path = tmp / "case.gguf"
+                path.write_bytes(data)
+                case = f"{arch} {key} = {value} (was {original})"
+                try:
+                    engine = qk.Engine(str(path), slots=1, ctx=64)
+                    del engine
+                    stats["loaded"] += 1
+                except (qk.GgufError, qk.EngineError):
+                    stats["refused"] += 1
+                except BaseException:
+                    print(f"case {case} raised:", file=sys.stderr)
+                    traceback.print_exc()
+                    return 1
+                grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start_rss
+                if grown > HOSTILE_RSS:
+                    print(f"case {case}: peak memory grew by {grown >> 20} MiB", file=sys.stderr)
+                    return 1
+                stats["cases"] += 1
+    print(json.dumps(stats))
+    return 0
+
+
+@pytest.mark.timeout(300)
+def test_hostile_hyperparameters_never_panic_or_exhaust_memory(tmp_path) -> None:
+    from conftest import require_gpu
+
+    qk = pytest.importorskip("qk")
+    if not require_gpu() and not qk.adapters():
+        pytest.skip("no GPU adapter: loading an engine needs one")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_gguf_fuzz as f; "
+        "sys.exit(f.hostile_child(sys.argv[2]))"
+    )
+    here = os.fspath(Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, here, os.fspath(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=280,
+    )
+    tail = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("qk: "))[-4000:]
+    assert proc.returncode == 0, f"child exited {proc.returncode}\n{tail}"
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Every hyper-parameter of both architectures got its hostile values, and they were refused.
+    assert stats["cases"] > 200 and stats["refused"] > stats["cases"] * 3 // 4, stats

@@ -22,6 +22,7 @@ _NATIVE = {
     "ShaderError",
     "EngineError",
     "TransportError",
+    "InternalError",
     "HeadLink",
     "Worker",
     "adapters",

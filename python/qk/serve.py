@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from qk.server.validate import Limits
+
 __all__ = ["demo_model_path", "main"]
 
 log = logging.getLogger("qk.serve")
@@ -130,6 +132,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 529/429")
     p.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=Limits.max_body_bytes / 2**20,
+        help="largest request body, MiB; larger ones are answered 413 (default: %(default)g)",
+    )
+    p.add_argument(
+        "--max-json-values",
+        type=int,
+        default=Limits.max_json_values,
+        help="JSON values in a request body; more are answered 413 (default: %(default)d)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=Limits.max_connections,
+        help="HTTP connections served at once; more are answered 503 (default: %(default)d)",
+    )
+    p.add_argument(
+        "--prepare-threads",
+        type=int,
+        default=Limits.prepare_threads,
+        help="requests parsed, rendered and tokenised at once, off the event loop (default: %(default)d)",
+    )
+    p.add_argument(
         "--snapshots", type=int, default=16, help="saved conversation states kept for cross-turn reuse"
     )
     p.add_argument(
@@ -150,9 +176,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--takeover",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="replace a session the chain still holds from this head's previous run (default: on)",
+        action="store_true",
+        help="split head: take the chain over from another head holding it (off by default: a second "
+        "head is refused 'busy'; the head that loses the chain reports it on /health)",
     )
     p.add_argument("--alias", help="model name reported by the API (default: the file name)")
     p.add_argument("--log-level", default="info")
@@ -162,6 +188,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.slots < 1 or args.ctx < 2 or args.max_queue < 0:
         p.error("--slots must be ≥ 1, --ctx ≥ 2, --max-queue ≥ 0")
+    try:
+        args.limits = Limits(
+            max_body_bytes=int(args.max_body_mib * 2**20),
+            max_json_values=args.max_json_values,
+            max_connections=args.max_connections,
+            prepare_threads=args.prepare_threads,
+        )
+    except ValueError as e:
+        p.error(f"--max-body-mib, --max-json-values, --max-connections, --prepare-threads: {e}")
     if args.split_next is not None and args.layers is None:
         p.error("--split-next needs --layers 0:A (the layers this head runs)")
     if args.layers is not None and args.layers[0] != 0:
@@ -229,11 +264,17 @@ def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None
         reuse=None
         if args.no_reuse
         else ReuseSettings(max_entries=args.snapshots, max_bytes=int(args.snapshot_gib * 2**30)),
+        limits=args.limits,
     )
     # uvicorn's own SIGTERM handling is the drain: it stops accepting, lets open responses finish,
     # then runs the lifespan shutdown (which waits for the engine thread).
     uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=None
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=None,
+        limit_concurrency=args.limits.max_connections,
     )
     return 0
 

@@ -12,7 +12,9 @@ the chain.
 
 A new link session (a reconnect) means every stage reset its slots and dropped its snapshots; the
 driver then calls ``on_new_session`` (the scheduler voids its reuse table). A ticker thread pings the
-chain while idle (round-trip time for /health and /metrics) and reconnects a down link with backoff.
+chain while idle (round-trip time for /health and /metrics), looks each second for what the chain
+sent unasked (another head taking the chain over: ``chain_status()["taken_over"]``, "taken over by
+head X at T"), and reconnects a down link with backoff.
 
 Example::
 
@@ -127,6 +129,7 @@ class SplitDriver:
             "chain": [dict(s) for s in self.link.chain],
             "last_error": self.link.last_error,
             "retry_in": self.link.retry_in,
+            "taken_over": self.link.taken_over,
         }
 
     def _note_session(self) -> None:
@@ -176,13 +179,16 @@ class SplitDriver:
                     if self.link.reconnect_if_due():
                         log.info("reconnected to the chain")
                         self._note_session()
+                elif not self._pool.submit(self.link.poll).result():
+                    # Through the link thread (between calls) and not counted as activity.
+                    taken = self.link.taken_over
+                    log.warning("the chain ended this head's session: %s", taken or self.link.last_error)
                 elif time.monotonic() - self._last_activity > PING_IDLE_S:
                     # Through the link thread, so a ping never interleaves with a slot's calls.
                     self.rtt = self._submit(self.link.ping).result()
             except Exception as exc:
                 log.debug("link ticker: %s", exc)
-            if not self._status["up"]:
-                self._refresh()
+            self._refresh()
 
     def connect(self) -> bool:
         """Try the chain now (start-up); False with a logged reason when it is not reachable yet."""
@@ -299,4 +305,5 @@ class SplitDriver:
             "step_rtt_seconds": self.step_rtt,
             "last_error": status["last_error"],
             "retry_in": status["retry_in"],
+            "taken_over": status["taken_over"],
         }

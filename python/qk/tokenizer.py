@@ -320,9 +320,11 @@ class Tokenizer:
         message text: a special-token spelling inside one is spelled out as text, so a user
         cannot close a turn by typing ``<|im_end|>``. The rest tokenises as without them.
         """
+        # encode_batch releases the GIL while it works (encode holds it throughout): a long prompt
+        # tokenised on a server's worker thread must not stall its event loop.
         if not special:
-            return self._text_only.encode(text, add_special_tokens=False).ids
-        encoding = self._with_specials.encode(text, add_special_tokens=False)
+            return self._text_only.encode_batch([text], add_special_tokens=False)[0].ids
+        encoding = self._with_specials.encode_batch([text], add_special_tokens=False)[0]
         if not literal_spans:
             return encoding.ids
         ids: list[int] = []

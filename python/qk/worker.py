@@ -156,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--name", default=None, help="this stage's name in errors and logs (default host:port)")
     add_cache_type_args(p)
+    p.add_argument(
+        "--pre-auth-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a new connection has to send its hello and prove the secret (default: 5)",
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=16,
+        help="connections allowed in their hello at once; more are refused at accept (default: 16)",
+    )
     return p
 
 
@@ -197,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} is not a TCP port")
+    if args.pre_auth_timeout <= 0 or args.max_pending < 1:
+        parser.error("--pre-auth-timeout must be > 0 and --max-pending ≥ 1")
     stage = load_engine(args)
 
     from qk import _qk
@@ -209,6 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         secret=secret,
         next=args.next,
         takeover_next=args.takeover,
+        pre_auth_timeout=args.pre_auth_timeout,
+        max_pending=args.max_pending,
     )
     # serve() blocks in Rust with the GIL released; the main thread stays in Python to take signals.
     errors: list[BaseException] = []

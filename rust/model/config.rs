@@ -1,6 +1,8 @@
 //! Model hyper-parameters read from GGUF metadata (docs/numerics.md "Metadata") and the layer plan: which of
 //! the main layers are Gated DeltaNet and which full attention; MTP blocks after the main stack are
-//! counted and skipped.
+//! counted and skipped. Every hyper-parameter is bounded (`Bounds`) and every width derived from
+//! them computed with checked arithmetic before anything is allocated, so a hostile file is a
+//! `GgufError`, never an overflow or an absurd allocation.
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
@@ -28,6 +30,27 @@ impl Arch {
 pub enum LayerKind {
     DeltaNet,
     Attention,
+}
+
+/// The largest value each hyper-parameter may take: far above every model qk serves (Qwen3-Next
+/// 80B: 48 layers, n_embd 2048, 16 heads of 256, 512 experts of 512, a 4-tap conv, 151,936 tokens)
+/// and far below where a product of them overflows the u32 widths the kernels use.
+pub struct Bounds;
+
+impl Bounds {
+    /// Layers stored in the file (main + MTP blocks).
+    pub const BLOCKS: u32 = 4096;
+    /// n_embd, and the feed-forward widths.
+    pub const WIDTH: u32 = 1 << 18;
+    /// Heads of any kind (attention q and kv, DeltaNet k and v).
+    pub const HEADS: u32 = 4096;
+    /// A head's dimension (attention key length, DeltaNet state size).
+    pub const HEAD_DIM: u32 = 4096;
+    pub const EXPERTS: u32 = 1 << 16;
+    pub const CONV_TAPS: u32 = 64;
+    pub const VOCAB: u32 = 1 << 24;
+    /// Any width derived from the above (rows of a stacked projection, conv channels × taps…).
+    pub const DERIVED: u64 = 1 << 30;
 }
 
 #[derive(Clone, Debug)]
@@ -85,6 +108,14 @@ impl ModelConfig {
                 .ok_or_else(|| bad(format!("{} missing or not an unsigned integer", key(k))))
         };
         let block_count = req("block_count")?;
+        // Before the layer plan below allocates one entry per layer.
+        if block_count > Bounds::BLOCKS {
+            return Err(bad(format!(
+                "{} {block_count} is over the {} qk accepts",
+                key("block_count"),
+                Bounds::BLOCKS
+            )));
+        }
         let n_mtp = file.get_u32(&key("nextn_predict_layers")).unwrap_or(0);
         if n_mtp >= block_count {
             return Err(bad(format!(
@@ -127,12 +158,21 @@ impl ModelConfig {
             .tensor("token_embd.weight")
             .or_else(|| file.tensor("output.weight"))
         {
-            Some(t) => t.ne.get(1).copied().unwrap_or(0) as u32,
+            Some(t) => t.ne.get(1).copied().unwrap_or(0),
             None => file
                 .get_arr_str("tokenizer.ggml.tokens")
-                .map(|t| t.len() as u32)
+                .map(|t| t.len() as u64)
                 .ok_or_else(|| bad("no token_embd, output or vocabulary to size the vocab".into()))?,
         };
+        let vocab = u32::try_from(vocab)
+            .ok()
+            .filter(|&v| v <= Bounds::VOCAB)
+            .ok_or_else(|| {
+                bad(format!(
+                    "a vocabulary of {vocab} tokens is over the {} qk accepts",
+                    Bounds::VOCAB
+                ))
+            })?;
         let dk = req("ssm.state_size")?;
         let v_heads = req("ssm.time_step_rank")?;
         let inner = req("ssm.inner_size")?;
@@ -164,7 +204,40 @@ impl ModelConfig {
         Ok(cfg)
     }
 
-    fn check(&self) -> std::result::Result<(), String> {
+    /// Every hyper-parameter within `Bounds`, consistent with the others, and every width derived
+    /// from them (`conv_dim`, projection rows…) far inside u32: what makes the plain u32 arithmetic
+    /// of the weights and kernels safe. `from_gguf` calls it; so does `Weights::load`.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let bounded = [
+            ("embedding_length", self.n_embd, Bounds::WIDTH),
+            ("expert_feed_forward_length", self.expert_ff, Bounds::WIDTH),
+            ("expert_shared_feed_forward_length", self.shared_ff, Bounds::WIDTH),
+            ("head_count", self.heads, Bounds::HEADS),
+            ("head_count_kv", self.kv_heads, Bounds::HEADS),
+            ("ssm.group_count", self.k_heads, Bounds::HEADS),
+            ("ssm.time_step_rank", self.v_heads, Bounds::HEADS),
+            ("key_length", self.head_dim, Bounds::HEAD_DIM),
+            ("ssm.state_size", self.dk, Bounds::HEAD_DIM),
+            ("expert_count", self.experts, Bounds::EXPERTS),
+            ("ssm.conv_kernel", self.conv_taps, Bounds::CONV_TAPS),
+        ];
+        for (what, v, max) in bounded {
+            if v > max {
+                return Err(format!("{what} {v} is over the {max} qk accepts"));
+            }
+        }
+        if !self.rope_base.is_finite() || self.rope_base <= 0.0 {
+            return Err(format!(
+                "rope.freq_base {} is not a positive number",
+                self.rope_base
+            ));
+        }
+        if !self.eps.is_finite() || self.eps < 0.0 || !self.attn_scale.is_finite() {
+            return Err(format!(
+                "layer_norm_rms_epsilon {} or attention.scale {} is not a finite number",
+                self.eps, self.attn_scale
+            ));
+        }
         let nonzero = [
             ("embedding_length", self.n_embd),
             ("head_count", self.heads),
@@ -175,6 +248,7 @@ impl ModelConfig {
             ("ssm.group_count", self.k_heads),
             ("ssm.time_step_rank", self.v_heads),
             ("ssm.state_size", self.dk),
+            ("ssm.conv_kernel", self.conv_taps),
             ("vocab", self.vocab),
         ];
         for (what, v) in nonzero {
@@ -200,10 +274,35 @@ impl ModelConfig {
                 self.n_rot, self.head_dim
             ));
         }
+        // Every width the weights and kernels derive, checked once here so that their plain u32
+        // arithmetic cannot overflow (computed saturating: a saturated width is over the bound).
+        let (q, kv) = (
+            dim(&[2, self.heads, self.head_dim]),
+            dim(&[self.kv_heads, self.head_dim]),
+        );
+        let (key, value) = (dim(&[self.k_heads, self.dk]), dim(&[self.v_heads, self.dv]));
+        let conv = sum(&[key, key, value]);
+        let derived = [
+            ("attention q‖k‖v rows", sum(&[q, kv, kv])),
+            ("DeltaNet conv channels", conv),
+            (
+                "DeltaNet conv weights",
+                conv.saturating_mul(u64::from(self.conv_taps)),
+            ),
+            ("DeltaNet in-projection rows", sum(&[conv, value])),
+            ("expert gate‖up rows", dim(&[2, self.expert_ff])),
+            ("shared expert gate‖up rows", dim(&[2, self.shared_ff])),
+            ("router rows", sum(&[u64::from(self.experts), 1])),
+        ];
+        for (what, v) in derived {
+            if v > Bounds::DERIVED {
+                return Err(format!("{what} {v} is over the {} qk accepts", Bounds::DERIVED));
+            }
+        }
         Ok(())
     }
 
-    /// DeltaNet q‖k‖v channels (the conv width).
+    /// DeltaNet q‖k‖v channels (the conv width). Bounded by `check`, as are the widths below.
     pub fn conv_dim(&self) -> u32 {
         2 * self.k_heads * self.dk + self.v_heads * self.dv
     }
@@ -216,4 +315,14 @@ impl ModelConfig {
     pub fn kv_row(&self) -> u32 {
         self.kv_heads * self.head_dim
     }
+}
+
+/// The product of `factors`, saturating.
+fn dim(factors: &[u32]) -> u64 {
+    factors.iter().fold(1u64, |a, &f| a.saturating_mul(u64::from(f)))
+}
+
+/// The sum of `terms`, saturating.
+fn sum(terms: &[u64]) -> u64 {
+    terms.iter().fold(0u64, |a, &t| a.saturating_add(t))
 }

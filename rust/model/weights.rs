@@ -441,6 +441,10 @@ impl Weights {
         progress: &mut dyn FnMut(&str),
     ) -> Result<Weights> {
         let (a, b) = layers;
+        // The shapes below are products of hyper-parameters in u32: bounded by the config's check
+        // (again here, for a config not read by ModelConfig::from_gguf).
+        cfg.check()
+            .map_err(|msg| QkError::gguf(file.path().display().to_string(), msg))?;
         crate::ensure!(
             a < b && b <= cfg.n_layer,
             QkError::Engine(format!(

@@ -4,10 +4,12 @@
 use std::sync::Mutex;
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2};
-use pyo3::exceptions::{PyRuntimeError, PyTypeError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
+use super::errors::detach;
+use crate::QkError;
 use crate::engine::{Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepProfile, StepTiming};
 use crate::ops::attention::KvType;
 
@@ -53,23 +55,22 @@ impl Rows {
 }
 
 impl PyEngine {
-    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Engine>> {
-        self.inner
-            .lock()
-            .map_err(|_| PyRuntimeError::new_err("engine poisoned by an earlier panic"))
+    fn lock(&self) -> crate::Result<std::sync::MutexGuard<'_, Engine>> {
+        // Poisoned: a call panicked while holding the engine (answered as qk.InternalError); its
+        // GPU state is unknown, so every later call refuses.
+        self.inner.lock().map_err(|_| {
+            QkError::Engine("the engine failed in an earlier call (an internal error): load it again".into())
+        })
     }
 
     /// Run `f` on the engine with the GIL released (the lock is taken without the GIL, so a
-    /// second Python thread waiting on it cannot deadlock the first).
+    /// second Python thread waiting on it cannot deadlock the first); a panic is qk.InternalError.
     fn detached<R: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut Engine) -> crate::Result<R> + Send,
     ) -> PyResult<R> {
-        py.detach(|| {
-            let mut eng = self.lock()?;
-            Ok(f(&mut eng)?)
-        })
+        detach(py, || f(&mut *self.lock()?))
     }
 
     fn output<'py>(&self, py: Python<'py>, out: StageOutput) -> PyResult<Bound<'py, PyAny>> {
@@ -122,7 +123,7 @@ impl PyEngine {
             cache_type_k: parse(cache_type_k)?,
             cache_type_v: parse(cache_type_v)?,
         };
-        let engine = py.detach(|| {
+        let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {
                 eprintln!("qk: {line}");
             })

@@ -1,4 +1,5 @@
-//! The Python exception tree and the exhaustive mapping from `QkError`.
+//! The Python exception tree and the exhaustive mapping from `QkError`; `detach`, the GIL-free call
+//! into the core that also turns a Rust panic into `qk.InternalError`.
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError};
@@ -58,6 +59,25 @@ create_exception!(
     QkBaseError,
     "A stage-transport failure: bad frame, refused hello, dead peer."
 );
+create_exception!(
+    qk,
+    InternalError,
+    QkBaseError,
+    "A bug in qk: a Rust panic, caught at the Python boundary."
+);
+
+/// Run `f` with the GIL released, a panic in it answered as `qk.InternalError` (no Rust panic crosses
+/// into Python: pyo3 would raise it as PanicException, a BaseException that `except Exception`
+/// does not catch).
+pub fn detach<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send) -> PyResult<T> {
+    Ok(py.detach(|| crate::error::catch_panic(f))?)
+}
+
+/// `f` (which holds the GIL), a panic in it answered as `qk.InternalError`.
+pub fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+        .unwrap_or_else(|payload| Err(QkError::Panic(crate::error::panic_message(payload.as_ref())).into()))
+}
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -70,6 +90,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ShaderError", py.get_type::<ShaderError>())?;
     m.add("EngineError", py.get_type::<EngineError>())?;
     m.add("TransportError", py.get_type::<TransportError>())?;
+    m.add("InternalError", py.get_type::<InternalError>())?;
     Ok(())
 }
 
@@ -89,6 +110,7 @@ impl From<QkError> for PyErr {
             QkError::Shader { .. } => ShaderError::new_err(msg),
             QkError::Engine(_) => EngineError::new_err(msg),
             QkError::Transport(_) => TransportError::new_err(msg),
+            QkError::Panic(_) => InternalError::new_err(msg),
         }
     }
 }

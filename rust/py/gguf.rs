@@ -7,6 +7,7 @@ use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
+use super::errors::{detach, guard};
 use crate::gguf::{Array, GgufFile, TensorInfo, Value};
 
 /// An open GGUF model (one file or every shard of a split model), memory-mapped.
@@ -71,7 +72,7 @@ impl PyGgufFile {
     #[new]
     #[pyo3(signature = (path, header_only = false))]
     fn new(py: Python<'_>, path: PathBuf, header_only: bool) -> PyResult<Self> {
-        let inner = py.detach(|| {
+        let inner = detach(py, || {
             if header_only {
                 GgufFile::open_header_only(&path)
             } else {
@@ -123,11 +124,13 @@ impl PyGgufFile {
 
     /// Metadata as a dict in file order: integers → int, floats → float, arrays → (nested) lists.
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        for (k, v) in self.inner.metadata() {
-            d.set_item(k, value_to_py(py, v)?)?;
-        }
-        Ok(d)
+        guard(|| {
+            let d = PyDict::new(py);
+            for (k, v) in self.inner.metadata() {
+                d.set_item(k, value_to_py(py, v)?)?;
+            }
+            Ok(d)
+        })
     }
 
     /// The tensor table: (name, type name, type id, ne, offset in its file, nbytes, shard,
@@ -157,13 +160,13 @@ impl PyGgufFile {
     /// A copy of the tensor's bytes as a 1-D uint8 array.
     fn raw<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyArray1<u8>>> {
         let t = self.tensor_info(name)?;
-        Ok(PyArray1::from_slice(py, self.inner.tensor_data(t)?))
+        guard(|| Ok(PyArray1::from_slice(py, self.inner.tensor_data(t)?)))
     }
 
     /// The tensor dequantised to f32, 1-D in ggml element order (the wrapper reshapes).
     fn dequantize<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyArray1<f32>>> {
         let t = self.tensor_info(name)?;
-        let values = py.detach(|| self.inner.dequantize_tensor(t))?;
+        let values = detach(py, || self.inner.dequantize_tensor(t))?;
         Ok(PyArray1::from_vec(py, values))
     }
 }

@@ -4,6 +4,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use super::errors::detach;
 use crate::gpu::{AdapterSummary, GpuOptions};
 
 fn summary_dict<'py>(py: Python<'py>, a: &AdapterSummary) -> PyResult<Bound<'py, PyDict>> {
@@ -19,7 +20,7 @@ fn summary_dict<'py>(py: Python<'py>, a: &AdapterSummary) -> PyResult<Bound<'py,
 /// Every Vulkan/Metal adapter visible, as dicts with index, name, backend, device_type, driver.
 #[pyfunction]
 fn adapters(py: Python<'_>) -> PyResult<Bound<'_, PyList>> {
-    let list = py.detach(crate::gpu::adapters);
+    let list = detach(py, || Ok(crate::gpu::adapters()))?;
     let items = list
         .iter()
         .map(|a| summary_dict(py, a))
@@ -36,7 +37,7 @@ fn selected_adapter(py: Python<'_>, device: Option<String>) -> PyResult<Bound<'_
     if device.is_some() {
         opts.device = device;
     }
-    let chosen = py.detach(|| crate::gpu::select_adapter(&opts))?;
+    let chosen = detach(py, || crate::gpu::select_adapter(&opts))?;
     summary_dict(py, &chosen)
 }
 

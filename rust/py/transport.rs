@@ -15,6 +15,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
+use super::errors::{detach, guard};
 use crate::error::{QkError, Result};
 use crate::transport::conn::Timeouts;
 use crate::transport::frame::{self, ErrorCode, Limits, Op};
@@ -408,23 +409,24 @@ fn message_dict<'py>(py: Python<'py>, msg: &Message) -> PyResult<Bound<'py, PyDi
 /// {'op': 'ping', 'seq': 7}
 #[pyfunction]
 fn qkp_encode<'py>(py: Python<'py>, message: &Bound<'py, PyDict>) -> PyResult<Bound<'py, PyBytes>> {
-    let msg = message_from(message)?;
-    let bytes = crate::transport::messages::encode(&msg)?;
-    Ok(PyBytes::new(py, &bytes))
+    guard(|| {
+        let msg = message_from(message)?;
+        let bytes = crate::transport::messages::encode(&msg)?;
+        Ok(PyBytes::new(py, &bytes))
+    })
 }
 
 /// Decode exactly one whole qkp frame into a message dict (the inverse of ``qkp_encode``).
 /// Anything malformed raises ``qk.TransportError``.
 #[pyfunction]
 fn qkp_decode<'py>(py: Python<'py>, frame: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-    let msg = crate::transport::messages::decode(frame)?;
-    message_dict(py, &msg)
+    guard(|| message_dict(py, &crate::transport::messages::decode(frame)?))
 }
 
 /// Decode and check a frame header (the first ``QKP_HEADER_LEN`` bytes) into its fields.
 #[pyfunction]
 fn qkp_decode_header<'py>(py: Python<'py>, header: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-    let h = frame::decode_header(header, &Limits::default())?;
+    let h = guard(|| Ok(frame::decode_header(header, &Limits::default())?))?;
     let d = PyDict::new(py);
     d.set_item("op", h.op.name())?;
     d.set_item("flags", h.flags)?;
@@ -456,12 +458,14 @@ fn seconds(what: &str, s: f64) -> PyResult<Duration> {
         .map_err(|_| PyValueError::new_err(format!("{what}: {s} is not a duration in seconds")))
 }
 
-fn timeouts_from(connect: f64, hello: f64, base: f64, per_row: f64) -> PyResult<Timeouts> {
+/// The `*_timeout` keyword arguments, in seconds: connect, hello, pre_auth, base, per_row.
+fn timeouts_from(t: [f64; 5]) -> PyResult<Timeouts> {
     Ok(Timeouts {
-        connect: seconds("connect_timeout", connect)?,
-        hello: seconds("hello_timeout", hello)?,
-        base: seconds("base_timeout", base)?,
-        per_row: seconds("per_row_timeout", per_row)?,
+        connect: seconds("connect_timeout", t[0])?,
+        hello: seconds("hello_timeout", t[1])?,
+        pre_auth: seconds("pre_auth_timeout", t[2])?,
+        base: seconds("base_timeout", t[3])?,
+        per_row: seconds("per_row_timeout", t[4])?,
     })
 }
 
@@ -493,7 +497,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The head's link to the chain of stages after it (docs/protocol.md). Connects lazily: the first call
+/// The head's link to the chain of stages after it (docs/protocol.md). ``takeover=True`` replaces a
+/// session another head holds on the chain (opt-in); a head whose session is taken over is told who
+/// took it and when (``taken_over``), fails calls with that, and reconnects only in the background
+/// once the chain is free (without taking it back). Connects lazily: the first call
 /// (or ``connect()``) says hello and checks the chain against ``own``; a failed call marks the link
 /// down and the next call reconnects at once; ``reconnect_if_due()`` retries with backoff for a
 /// background ticker. Every reconnect is a new session: every stage reset its slots and dropped its
@@ -505,6 +512,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[pyclass(name = "HeadLink", module = "qk._qk", frozen)]
 struct PyHeadLink {
     link: Mutex<HeadLink>,
+}
+
+impl PyHeadLink {
+    /// Run `f` on the link with the GIL released; a panic is answered as qk.InternalError.
+    fn call<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut HeadLink) -> Result<T> + Send,
+    ) -> PyResult<T> {
+        detach(py, || f(&mut lock(&self.link)))
+    }
 }
 
 #[pymethods]
@@ -528,7 +546,15 @@ impl PyHeadLink {
         let mut cfg = HeadConfig::new(next, stage_from(own)?);
         cfg.secret = secret_bytes(secret)?;
         cfg.takeover = takeover;
-        cfg.timeouts = timeouts_from(connect_timeout, hello_timeout, base_timeout, per_row_timeout)?;
+        // A head accepts no connections: the pre-auth bound is a worker's.
+        let pre_auth = cfg.timeouts.pre_auth.as_secs_f64();
+        cfg.timeouts = timeouts_from([
+            connect_timeout,
+            hello_timeout,
+            pre_auth,
+            base_timeout,
+            per_row_timeout,
+        ])?;
         cfg.backoff_min = seconds("backoff_min", backoff_min)?;
         cfg.backoff_max = seconds("backoff_max", backoff_max)?;
         Ok(PyHeadLink {
@@ -538,7 +564,7 @@ impl PyHeadLink {
 
     /// Connect and hello now (ending a live session first); returns the chain after the head.
     fn connect<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
-        let chain = py.detach(|| lock(&self.link).connect().map(<[StageDesc]>::to_vec))?;
+        let chain = self.call(py, |link| link.connect().map(<[StageDesc]>::to_vec))?;
         chain.iter().map(|s| stage_dict(py, s)).collect()
     }
 
@@ -555,7 +581,7 @@ impl PyHeadLink {
         topk: u32,
     ) -> PyResult<(Vec<u32>, TopK)> {
         let rows = rows_arg(tokens, hidden)?;
-        let result = py.detach(|| lock(&self.link).run(slot, base, rows, topk))?;
+        let result = self.call(py, |link| link.run(slot, base, rows, topk))?;
         Ok((result.ids, result.topk))
     }
 
@@ -574,40 +600,48 @@ impl PyHeadLink {
             .into_iter()
             .map(|(slot, base)| StepEntry { slot, base })
             .collect();
-        let result = py.detach(|| lock(&self.link).step(entries, rows, topk))?;
+        let result = self.call(py, |link| link.step(entries, rows, topk))?;
         Ok((result.ids, result.topk))
     }
 
     /// Snapshot ``slot`` into entry ``idx`` on every stage of the chain.
     fn save(&self, py: Python<'_>, slot: u32, idx: u32) -> PyResult<()> {
-        Ok(py.detach(|| lock(&self.link).save(slot, idx))?)
+        self.call(py, |link| link.save(slot, idx))
     }
 
     fn load(&self, py: Python<'_>, slot: u32, idx: u32) -> PyResult<()> {
-        Ok(py.detach(|| lock(&self.link).load(slot, idx))?)
+        self.call(py, |link| link.load(slot, idx))
     }
 
     fn drop(&self, py: Python<'_>, idx: u32) -> PyResult<()> {
-        Ok(py.detach(|| lock(&self.link).drop_snapshot(idx))?)
+        self.call(py, |link| link.drop_snapshot(idx))
     }
 
     /// Round-trip time through the whole chain, in seconds.
     fn ping(&self, py: Python<'_>) -> PyResult<f64> {
-        Ok(py.detach(|| lock(&self.link).ping())?.as_secs_f64())
+        Ok(self.call(py, HeadLink::ping)?.as_secs_f64())
     }
 
     /// End the session cleanly; the next call reconnects.
-    fn close(&self, py: Python<'_>) {
-        py.detach(|| lock(&self.link).close());
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, |link| {
+            link.close();
+            Ok(())
+        })
+    }
+
+    /// Between calls: take in what the chain sent unasked (a takeover notice, or its close) and
+    /// mark the link down with it. True while the link is up; waits at most a millisecond.
+    fn poll(&self, py: Python<'_>) -> PyResult<bool> {
+        self.call(py, |link| Ok(link.poll()))
     }
 
     /// If the link is down and its backoff has passed, try to reconnect: True when it did, False when
     /// nothing was due; a failed attempt raises.
     fn reconnect_if_due(&self, py: Python<'_>) -> PyResult<bool> {
-        match py.detach(|| lock(&self.link).reconnect_if_due()) {
-            None => Ok(false),
-            Some(result) => result.map(|()| true).map_err(Into::into),
-        }
+        self.call(py, |link| {
+            link.reconnect_if_due().transpose().map(|r| r.is_some())
+        })
     }
 
     /// Names of the stages that restarted (changed boot id) at a reconnect since the last call.
@@ -642,6 +676,12 @@ impl PyHeadLink {
     #[getter]
     fn last_error(&self, py: Python<'_>) -> Option<String> {
         py.detach(|| lock(&self.link).last_error().map(str::to_string))
+    }
+
+    /// "taken over by head 'X' at T" while another head holds the chain this head lost to it.
+    #[getter]
+    fn taken_over(&self, py: Python<'_>) -> Option<String> {
+        py.detach(|| lock(&self.link).taken_over().map(str::to_string))
     }
 
     /// Seconds until a background retry is due, while the link is down.
@@ -795,10 +835,16 @@ fn stage_of(obj: &Bound<'_, PyAny>) -> PyResult<Box<dyn Stage + Send>> {
     }))
 }
 
+// The signature's default must be a literal for Python to show it: keep it the core's default.
+const _: () = assert!(crate::transport::worker::MAX_PENDING == 16);
+
 /// A stage's qkp server (``python -m qk.worker`` runs one): binds ``host:port`` at once (``port=0``
 /// picks a free port, see ``.port``), and ``serve()`` blocks, with the GIL released, answering one head
 /// session at a time until ``stop()`` is called from another thread. ``next`` is host:port of the
 /// next stage (None for the last stage); ``secret`` (str or bytes) is proved on both of its hops.
+/// Before a peer has proved the secret, only hello-sized frames are read from it, it has
+/// ``pre_auth_timeout`` seconds for its hello and proof, and at most ``max_pending`` connections may
+/// be in their hello at once (more are refused at accept).
 #[pyclass(name = "Worker", module = "qk._qk", frozen)]
 struct PyWorker {
     listener: Mutex<Option<TcpListener>>,
@@ -812,7 +858,8 @@ struct PyWorker {
 impl PyWorker {
     #[new]
     #[pyo3(signature = (stage, *, host="127.0.0.1", port=0, name=None, secret=None, next=None,
-        takeover_next=true, connect_timeout=5.0, hello_timeout=30.0, base_timeout=30.0, per_row_timeout=0.02))]
+        takeover_next=true, connect_timeout=5.0, hello_timeout=30.0, pre_auth_timeout=5.0, base_timeout=30.0,
+        per_row_timeout=0.02, max_pending=16))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         stage: &Bound<'_, PyAny>,
@@ -824,8 +871,10 @@ impl PyWorker {
         takeover_next: bool,
         connect_timeout: f64,
         hello_timeout: f64,
+        pre_auth_timeout: f64,
         base_timeout: f64,
         per_row_timeout: f64,
+        max_pending: usize,
     ) -> PyResult<PyWorker> {
         let stage = stage_of(stage)?;
         let listener = TcpListener::bind((host, port))
@@ -840,7 +889,17 @@ impl PyWorker {
         }
         cfg.next = next;
         cfg.takeover_next = takeover_next;
-        cfg.timeouts = timeouts_from(connect_timeout, hello_timeout, base_timeout, per_row_timeout)?;
+        cfg.timeouts = timeouts_from([
+            connect_timeout,
+            hello_timeout,
+            pre_auth_timeout,
+            base_timeout,
+            per_row_timeout,
+        ])?;
+        if max_pending == 0 {
+            return Err(PyValueError::new_err("max_pending must be at least 1"));
+        }
+        cfg.max_pending = max_pending;
         Ok(PyWorker {
             listener: Mutex::new(Some(listener)),
             stage: Mutex::new(Some(stage)),
@@ -857,7 +916,9 @@ impl PyWorker {
         let (Some(listener), Some(mut stage)) = (listener, stage) else {
             return Err(QkError::Transport(format!("worker '{}' has already served", self.cfg.name)).into());
         };
-        Ok(py.detach(|| serve_worker(&listener, stage.as_mut(), &self.cfg, &self.control))?)
+        detach(py, || {
+            serve_worker(&listener, stage.as_mut(), &self.cfg, &self.control)
+        })
     }
 
     /// Stop serving: no new connections, every open one shut; ``serve()`` returns.

@@ -3,15 +3,18 @@
 //! the hello, and a worker's one-head-session gate. A bad frame or a timeout is a
 //! `QkError::Transport` naming the peer and the reason; it ends that connection only.
 //!
-//! A worker: `Conn::accept` → `ServerHandshake::start` (version, nonces, the client's proof) →
-//! `SessionGate::begin` (busy / takeover) → its own downstream `Conn::connect` + `client_hello` →
-//! `ServerHandshake::finish` with its description plus the downstream chain → loop on `recv(None)`
-//! and `send`. A head: `Conn::connect` → `client_hello` (checks the chain) → `request` per RUN/STEP.
+//! A worker: `Conn::accept` → `ServerHandshake::start` (version, nonces, the client's proof, all
+//! within `Timeouts::pre_auth`, reading nothing but hello-sized frames) → `SessionGate::begin`
+//! (busy / takeover) → its own downstream `Conn::connect` + `client_hello` →
+//! `ServerHandshake::finish` with its description plus the downstream chain → loop on
+//! `readable_within` (watching its `SessionTicket` for a takeover), `recv` and `send`. A head:
+//! `Conn::connect` → `client_hello` (checks the chain) → `request` per RUN/STEP.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use socket2::{SockRef, TcpKeepalive};
 
@@ -38,6 +41,9 @@ pub struct Timeouts {
     pub connect: Duration,
     /// Each hello step (a worker's reply includes its own downstream connect and hello).
     pub hello: Duration,
+    /// A worker's whole wait for an unauthenticated peer's hello and proof, from accept: a peer
+    /// that has not proved the secret holds a connection (and a thread) no longer than this.
+    pub pre_auth: Duration,
     pub base: Duration,
     pub per_row: Duration,
 }
@@ -48,6 +54,7 @@ impl Default for Timeouts {
         Timeouts {
             connect: Duration::from_secs(5),
             hello: Duration::from_secs(30),
+            pre_auth: Duration::from_secs(5),
             base: Duration::from_secs(30),
             per_row: Duration::from_millis(20),
         }
@@ -274,14 +281,18 @@ impl Conn {
     /// buffer is allocated only after every bound in the header has been checked.
     fn read_rest(&mut self, head: &[u8; HEADER_LEN]) -> Result<Message> {
         let h = frame::decode_header(head, &self.limits).map_err(|e| self.fail(e.to_string()))?;
-        let deadline = Instant::now() + self.timeouts.for_rows(h.n);
+        self.read_payload(&h, Instant::now() + self.timeouts.for_rows(h.n))
+    }
+
+    /// The payload of checked header `h`, read by `deadline` and decoded.
+    fn read_payload(&mut self, h: &frame::Header, deadline: Instant) -> Result<Message> {
         let mut payload = vec![0u8; h.len as usize];
         self.read_by(
             &mut payload,
             Some(deadline),
             &format!("reading a {} payload", h.op.name()),
         )?;
-        decode_payload(&h, &payload).map_err(|e| self.fail(e.to_string()))
+        decode_payload(h, &payload).map_err(|e| self.fail(e.to_string()))
     }
 
     /// Read one message. The first byte may take `wait` (None: forever); once it has come, the frame
@@ -289,6 +300,53 @@ impl Conn {
     pub fn recv(&mut self, wait: Option<Duration>) -> Result<Message> {
         let head = self.read_header_bytes(wait)?;
         self.read_rest(&head)
+    }
+
+    /// Read one frame of the hello before the peer has proved anything: the whole frame by
+    /// `deadline`, and it must be `want` (or the peer's ERROR) — anything else is refused from its
+    /// header alone, so an unauthenticated peer never gets more than a hello-sized payload read
+    /// (the header check caps HELLO, PROOF and ERROR payloads at a few hundred bytes).
+    fn recv_pre_auth(&mut self, want: Op, deadline: Instant) -> Result<Message> {
+        let mut head = [0u8; HEADER_LEN];
+        self.read_by(&mut head, Some(deadline), "waiting for the hello")?;
+        self.decode_pre_auth(&head, want, deadline)
+    }
+
+    fn decode_pre_auth(&mut self, head: &[u8; HEADER_LEN], want: Op, deadline: Instant) -> Result<Message> {
+        let h = frame::decode_header(head, &self.limits).map_err(|e| self.fail(e.to_string()))?;
+        if h.op != want && h.op != Op::Error {
+            return Err(self.fail(format!(
+                "{}: expected a {} before authentication, got a {} header (its payload is not read)",
+                ErrorCode::BadFrame.describe(),
+                want.name(),
+                h.op.name()
+            )));
+        }
+        self.read_payload(&h, deadline)
+    }
+
+    /// Whether a message (or the peer's close) is waiting, after waiting at most `timeout` (at
+    /// least a millisecond). A worker waits for a session's next request in such slices, so it
+    /// notices a takeover or a stop between them; a head looks between calls for what the chain
+    /// sent unasked (a takeover notice).
+    pub fn readable_within(&mut self, timeout: Duration) -> Result<bool> {
+        self.stream
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+            .map_err(|e| self.fail(format!("set read timeout: {e}")))?;
+        let mut byte = [0u8; 1];
+        match self.stream.peek(&mut byte) {
+            // Ok(0) is the peer's close: the next read reports it.
+            Ok(_) => Ok(true),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+                ) =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(self.fail(format!("waiting for a message: {e}"))),
+        }
     }
 
     /// Send a request and read its reply (within `timeouts.for_rows(rows)` of the send, which
@@ -441,10 +499,6 @@ impl Conn {
             }
         }
     }
-
-    fn try_clone_stream(&self) -> Option<TcpStream> {
-        self.stream.try_clone().ok()
-    }
 }
 
 /// A one-line description of a message for "expected X, got Y" errors.
@@ -468,15 +522,18 @@ pub struct ServerHandshake {
 impl ServerHandshake {
     /// Read the hello (a foreign version is answered with an ERROR naming both versions), send a
     /// challenge, and check the client's proof ("authentication failed" to both ends if it is
-    /// missing, wrong, or unexpected).
+    /// missing, wrong, or unexpected). Everything before the proof is checked must arrive within
+    /// `timeouts.pre_auth` and be hello-sized: any other frame is refused from its header.
     pub fn start(conn: &mut Conn, cfg: &ServerConfig) -> Result<ServerHandshake> {
         check_secret(cfg.secret)?;
-        let head = conn.read_header_bytes(Some(conn.timeouts.hello))?;
+        let deadline = Instant::now() + conn.timeouts.pre_auth;
+        let mut head = [0u8; HEADER_LEN];
+        conn.read_by(&mut head, Some(deadline), "waiting for the hello")?;
         if let Some(theirs) = frame::foreign_version(&head) {
             let why = format!("the peer speaks version {theirs}, this worker speaks version {VERSION}");
             return Err(conn.refuse_with(ErrorCode::Version, cfg.name, why));
         }
-        let hello = match conn.read_rest(&head) {
+        let hello = match conn.decode_pre_auth(&head, Op::Hello, deadline) {
             Ok(Message::Hello(hello)) => hello,
             Ok(other) => {
                 let why = format!("expected a hello, got {}", describe(&other));
@@ -492,8 +549,17 @@ impl ServerHandshake {
             has_secret: cfg.secret.is_some(),
         };
         conn.send(&Message::Challenge(challenge.clone()))?;
-        let Message::Proof(proof) = conn.expect_hello_step(Op::Proof)? else {
-            return Err(conn.fail("expected a proof".into()));
+        let proof = match conn.recv_pre_auth(Op::Proof, deadline) {
+            Ok(Message::Proof(proof)) => proof,
+            // Only the client's ERROR gets here (decode_pre_auth refuses any other op).
+            Ok(other) => {
+                let refused = conn.reject_error(other).err();
+                return Err(refused.unwrap_or_else(|| conn.fail("expected a proof".into())));
+            }
+            Err(e) => {
+                conn.refuse(&ErrorMsg::new(ErrorCode::BadFrame, cfg.name, e.to_string()));
+                return Err(e);
+            }
         };
         let from = format!("head '{}'", hello.name);
         let refusal = match (cfg.secret, proof.proof) {
@@ -553,8 +619,9 @@ impl ServerHandshake {
 }
 
 /// One head session per worker chain (docs/protocol.md "Sessions"): a worker's gate admits one session at a time; a
-/// second hello is refused "busy" unless it asks for a takeover, which shuts the live session's
-/// socket so its serve loop ends on its next read or write.
+/// second hello is refused "busy" unless it asks for a takeover. A takeover marks the live session
+/// replaced (by whom, when): its serve loop sees that on its ticket between requests and ends the
+/// session with a "taken over" ERROR, so the head that lost the chain learns who took it and when.
 #[derive(Clone, Default)]
 pub struct SessionGate {
     state: Arc<Mutex<GateState>>,
@@ -564,12 +631,55 @@ pub struct SessionGate {
 struct GateState {
     generation: u64,
     live: Option<LiveSession>,
+    /// Sessions replaced by a takeover whose tickets are still held: generation → who and when.
+    replaced: HashMap<u64, Takeover>,
 }
 
 struct LiveSession {
     generation: u64,
     head: String,
-    stream: Option<TcpStream>,
+}
+
+/// Who took a session over, and when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Takeover {
+    pub head: String,
+    pub at: SystemTime,
+}
+
+impl Takeover {
+    /// The ERROR a taken-over session ends with (code TakenOver): "taken over by head 'X' at T".
+    pub fn error(&self, stage: &str) -> ErrorMsg {
+        ErrorMsg::new(
+            ErrorCode::TakenOver,
+            stage,
+            format!("taken over by head '{}' at {}", self.head, utc_timestamp(self.at)),
+        )
+    }
+}
+
+/// `at` as an RFC 3339 UTC timestamp to the second ("2026-11-29T08:15:02Z").
+pub fn utc_timestamp(at: SystemTime) -> String {
+    let secs = at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (proleptic Gregorian; eras of 400 years = 146097 days).
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 fn lock(state: &Mutex<GateState>) -> MutexGuard<'_, GateState> {
@@ -582,14 +692,10 @@ impl SessionGate {
         SessionGate::default()
     }
 
-    /// Admit the session of `hello` on `conn`, or refuse it "busy" (an ERROR to send with
-    /// `ServerHandshake::refuse`). A takeover ends the live session first.
-    pub fn begin(
-        &self,
-        stage: &str,
-        hello: &ClientHello,
-        conn: &Conn,
-    ) -> std::result::Result<SessionTicket, ErrorMsg> {
+    /// Admit the session of `hello`, or refuse it "busy" (an ERROR to send with
+    /// `ServerHandshake::refuse`). A takeover marks the live session replaced; that session's loop
+    /// ends it (`SessionTicket::taken_over`).
+    pub fn begin(&self, stage: &str, hello: &ClientHello) -> std::result::Result<SessionTicket, ErrorMsg> {
         let mut state = lock(&self.state);
         if let Some(live) = state.live.take() {
             if !hello.takeover {
@@ -600,16 +706,17 @@ impl SessionGate {
                 state.live = Some(live);
                 return Err(ErrorMsg::new(ErrorCode::Busy, stage, why));
             }
-            if let Some(stream) = live.stream {
-                let _ = stream.shutdown(Shutdown::Both);
-            }
+            let takeover = Takeover {
+                head: hello.name.clone(),
+                at: SystemTime::now(),
+            };
+            state.replaced.insert(live.generation, takeover);
         }
         state.generation += 1;
         let generation = state.generation;
         state.live = Some(LiveSession {
             generation,
             head: hello.name.clone(),
-            stream: conn.try_clone_stream(),
         });
         Ok(SessionTicket {
             state: Arc::clone(&self.state),
@@ -637,11 +744,17 @@ impl SessionTicket {
             .as_ref()
             .is_some_and(|l| l.generation == self.generation)
     }
+
+    /// Who took this session over and when, once another head did.
+    pub fn taken_over(&self) -> Option<Takeover> {
+        lock(&self.state).replaced.get(&self.generation).cloned()
+    }
 }
 
 impl Drop for SessionTicket {
     fn drop(&mut self) {
         let mut state = lock(&self.state);
+        state.replaced.remove(&self.generation);
         if state
             .live
             .as_ref()

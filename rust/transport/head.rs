@@ -4,6 +4,11 @@
 //! once (a request never waits out a backoff), while `reconnect_if_due` retries in the background
 //! with exponential backoff. A reconnect is a new session (every stage reset its slots and dropped
 //! its snapshots), and a stage whose boot id changed is reported as restarted.
+//!
+//! Takeover is opt-in (`HeadConfig::takeover`). A head whose session another head took over is told
+//! so by the chain ("taken over by head 'X' at T", `taken_over`): from then on it asks for no
+//! takeover itself, its calls fail at once with that message instead of reconnecting, and only the
+//! background retry reconnects, once the chain is free again.
 
 use std::time::{Duration, Instant};
 
@@ -24,7 +29,8 @@ pub struct HeadConfig {
     /// workers' logs and "busy" messages show.
     pub own: StageDesc,
     pub secret: Option<Vec<u8>>,
-    /// Replace a live session on the chain instead of being refused as busy.
+    /// Replace a live session on the chain instead of being refused as busy (opt-in: a second head
+    /// with the same secret must not silently take the chain from the first).
     pub takeover: bool,
     pub timeouts: Timeouts,
     /// Background retries wait `backoff_min`, doubling after each failed attempt up to `backoff_max`.
@@ -71,6 +77,9 @@ pub struct HeadLink {
     next_attempt: Option<Instant>,
     last_error: Option<String>,
     last_peer_error: Option<ErrorMsg>,
+    /// Set when another head took this head's session over: the chain's words, "taken over by head
+    /// 'X' at T". Cleared by the next session this head gets.
+    taken_over: Option<String>,
     ping_seq: u32,
 }
 
@@ -88,6 +97,7 @@ impl HeadLink {
             next_attempt: None,
             last_error: None,
             last_peer_error: None,
+            taken_over: None,
             ping_seq: 0,
         }
     }
@@ -131,6 +141,11 @@ impl HeadLink {
         self.last_peer_error.as_ref()
     }
 
+    /// "taken over by head 'X' at T" while another head holds the chain this head lost to it.
+    pub fn taken_over(&self) -> Option<&str> {
+        self.taken_over.as_deref()
+    }
+
     /// While down: how long until a background retry is due.
     pub fn retry_in(&self) -> Option<Duration> {
         match (&self.conn, self.next_attempt) {
@@ -147,7 +162,8 @@ impl HeadLink {
             let client = ClientConfig {
                 name: &self.cfg.own.name,
                 secret: self.cfg.secret.as_deref(),
-                takeover: self.cfg.takeover,
+                // A head that lost the chain to another never takes it back by itself.
+                takeover: self.cfg.takeover && self.taken_over.is_none(),
                 own: Some(&self.cfg.own),
             };
             match conn.client_hello(&client) {
@@ -179,6 +195,7 @@ impl HeadLink {
                 self.backoff = self.cfg.backoff_min;
                 self.next_attempt = None;
                 self.last_error = None;
+                self.taken_over = None;
                 Ok(&self.chain)
             }
             Err(e) => {
@@ -195,6 +212,41 @@ impl HeadLink {
             return None;
         }
         Some(self.connect().map(|_| ()))
+    }
+
+    /// Between calls: read what the chain sent unasked — a takeover notice, or its close — and
+    /// mark the link down with it. True while the link is up. Waits at most a millisecond.
+    pub fn poll(&mut self) -> bool {
+        let Some(conn) = self.conn.as_mut() else {
+            return false;
+        };
+        let err = match conn.readable_within(Duration::ZERO) {
+            Ok(false) => return true,
+            // Input is there (or the close): reading it waits for no peer.
+            Ok(true) => match conn.recv(Some(self.cfg.timeouts.base)) {
+                Ok(Message::Error(e)) => {
+                    self.note_peer_error(&e);
+                    QkError::Transport(format!("{}: {e}", self.cfg.next))
+                }
+                Ok(other) => QkError::Transport(format!(
+                    "{}: the chain sent an unrequested {}",
+                    self.cfg.next,
+                    other.op().name()
+                )),
+                Err(e) => e,
+            },
+            Err(e) => e,
+        };
+        self.mark_down(&err);
+        false
+    }
+
+    /// Remember a takeover notice from the chain.
+    fn note_peer_error(&mut self, e: &ErrorMsg) {
+        if e.code == ErrorCode::TakenOver {
+            self.taken_over = Some(e.message.clone());
+        }
+        self.last_peer_error = Some(e.clone());
     }
 
     fn mark_down(&mut self, err: &QkError) {
@@ -216,6 +268,13 @@ impl HeadLink {
     /// down.
     fn call(&mut self, msg: &Message) -> Result<Message> {
         if self.conn.is_none() {
+            if let Some(why) = &self.taken_over {
+                // Reconnecting now would only be refused busy by the head that holds the chain.
+                return Err(QkError::Transport(format!(
+                    "{}: this head lost the chain: {why}",
+                    self.cfg.next
+                )));
+            }
             self.connect()?;
         }
         let Some(conn) = self.conn.as_mut() else {
@@ -227,12 +286,12 @@ impl HeadLink {
                 Ok(reply)
             }
             Err(e) => {
-                self.last_peer_error = conn.peer_error().cloned();
-                if !self
-                    .last_peer_error
-                    .as_ref()
-                    .is_some_and(|p| p.code == ErrorCode::Stage)
-                {
+                let peer = conn.peer_error().cloned();
+                self.last_peer_error = None;
+                if let Some(p) = &peer {
+                    self.note_peer_error(p);
+                }
+                if !peer.as_ref().is_some_and(|p| p.code == ErrorCode::Stage) {
                     self.mark_down(&e);
                 }
                 Err(e)

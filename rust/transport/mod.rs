@@ -11,7 +11,9 @@ pub mod messages;
 pub mod stage;
 pub mod worker;
 
-pub use conn::{ClientConfig, Conn, ServerConfig, ServerHandshake, SessionGate, SessionTicket, Timeouts};
+pub use conn::{
+    ClientConfig, Conn, ServerConfig, ServerHandshake, SessionGate, SessionTicket, Takeover, Timeouts,
+};
 pub use frame::{ErrorCode, Limits, Op, VERSION};
 pub use head::{HeadConfig, HeadLink, RunResult, StepResult};
 pub use hello::{Challenge, ClientHello, HelloReply, Proof, StageDesc, check_chain};

@@ -5,13 +5,16 @@
 //!
 //! Threads: an acceptor polls the listener and runs each connection's hello on its own thread (so a
 //! second head is told "busy" while a session is served, and a slow hello never blocks the next);
-//! admitted sessions are handed to the calling thread, the only one that touches the stage. A bad
-//! frame, a dead peer or a dead downstream ends that session with a `[qk.worker]` line on stderr; the
-//! worker goes on accepting until `WorkerControl::stop`.
+//! at most `max_pending` hellos run at once, each given `Timeouts::pre_auth` to prove the secret,
+//! and a connection beyond that is refused at once, so idle or hostile sockets cannot pile up
+//! threads. Admitted sessions are handed to the calling thread, the only one that touches the
+//! stage; between requests it watches for a takeover, which ends the session with a "taken over"
+//! ERROR to the head that lost it. A bad frame, a dead peer or a dead downstream ends that session
+//! with a `[qk.worker]` line on stderr; the worker goes on accepting until `WorkerControl::stop`.
 
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 use std::thread;
 use std::time::Duration;
@@ -23,6 +26,7 @@ use crate::transport::conn::{
 };
 use crate::transport::frame::{ErrorCode, Op};
 use crate::transport::hello::StageDesc;
+use crate::transport::messages::encode;
 use crate::transport::messages::{
     Ack, ErrorMsg, Message, Rows, Run, RunOut, RunReply, Step, StepOut, StepReply,
 };
@@ -30,6 +34,11 @@ use crate::transport::stage::Stage;
 
 /// How often the acceptor looks for a new connection or a stop request.
 const ACCEPT_POLL: Duration = Duration::from_millis(10);
+/// How often an idle session looks for a takeover or a stop between requests.
+const SESSION_POLL: Duration = Duration::from_millis(100);
+/// Connections in their hello at once, by default: heads and upstream stages connect one at a time
+/// (and retry with backoff), so more than a handful waiting means someone is holding sockets open.
+pub const MAX_PENDING: usize = 16;
 
 /// How a worker serves.
 #[derive(Clone, Debug)]
@@ -44,6 +53,8 @@ pub struct WorkerConfig {
     /// (after this worker restarted, the next one may not have noticed the old connection die yet).
     pub takeover_next: bool,
     pub timeouts: Timeouts,
+    /// Connections allowed in their hello at once; more are refused "busy" at accept.
+    pub max_pending: usize,
 }
 
 impl WorkerConfig {
@@ -54,6 +65,7 @@ impl WorkerConfig {
             next: None,
             takeover_next: true,
             timeouts: Timeouts::default(),
+            max_pending: MAX_PENDING,
         }
     }
 }
@@ -210,12 +222,27 @@ fn accept_loop<'scope>(
     gate: &'scope SessionGate,
     tx: mpsc::Sender<Admitted>,
 ) {
+    let pending = Arc::new(AtomicUsize::new(0));
     while !control.is_stopped() {
         match listener.accept() {
-            Ok((stream, _)) => {
-                let tx = tx.clone();
+            Ok((stream, peer)) => {
+                if pending.load(Ordering::SeqCst) >= cfg.max_pending {
+                    refuse_at_accept(stream, cfg);
+                    log(
+                        &cfg.name,
+                        format_args!(
+                            "refused {peer}: {} connections already in their hello",
+                            cfg.max_pending
+                        ),
+                    );
+                    continue;
+                }
+                pending.fetch_add(1, Ordering::SeqCst);
+                let (tx, pending) = (tx.clone(), Arc::clone(&pending));
                 scope.spawn(move || {
-                    if let Some(admitted) = hello(stream, cfg, control, gate) {
+                    let admitted = hello(stream, cfg, control, gate);
+                    pending.fetch_sub(1, Ordering::SeqCst);
+                    if let Some(admitted) = admitted {
                         // The serving side is gone only after a stop; the session then just closes.
                         let _ = tx.send(admitted);
                     }
@@ -228,6 +255,26 @@ fn accept_loop<'scope>(
             }
         }
     }
+}
+
+/// Refuse a connection on the acceptor's own thread: one ERROR frame if the socket takes it at once
+/// (it is small; nothing waits on a slow peer), then close.
+fn refuse_at_accept(stream: TcpStream, cfg: &WorkerConfig) {
+    use std::io::Write;
+    let err = ErrorMsg::new(
+        ErrorCode::Busy,
+        &cfg.name,
+        format!(
+            "{} connections are already in their hello; try again shortly",
+            cfg.max_pending
+        ),
+    );
+    if let Ok(bytes) = encode(&Message::Error(err)) {
+        if stream.set_nonblocking(true).is_ok() {
+            let _ = (&stream).write(&bytes);
+        }
+    }
+    let _ = stream.shutdown(Shutdown::Write);
 }
 
 /// The hello up to the gate: authenticate the peer, then admit its session or refuse it "busy".
@@ -259,7 +306,7 @@ fn hello(
             return None;
         }
     };
-    match gate.begin(&cfg.name, handshake.hello(), &conn) {
+    match gate.begin(&cfg.name, handshake.hello()) {
         Ok(ticket) => Some(Admitted {
             conn,
             handshake,
@@ -287,6 +334,13 @@ struct Failure {
 }
 
 type Reply = std::result::Result<Message, Failure>;
+
+/// Why a session's wait for its next request ended without one.
+enum Waited {
+    /// Another head took the session over: the ERROR that tells this head so.
+    TakenOver(ErrorMsg),
+    Failed(QkError),
+}
 
 /// How a session's connection is left: a last ERROR then a clean close, or just dropped (the peer
 /// closed it, or it is dead).
@@ -367,13 +421,15 @@ impl Server<'_> {
             ),
         );
         let ending = loop {
-            let msg = match conn.recv(None) {
+            let msg = match self.next_request(&mut conn, &ticket) {
                 Ok(msg) => msg,
-                Err(e) => {
+                Err(Waited::TakenOver(err)) => {
+                    log(self.name(), format_args!("session from '{head}' {}", err.message));
+                    break Ending::Refuse(err);
+                }
+                Err(Waited::Failed(e)) => {
                     let why = if self.control.is_stopped() {
                         "the worker is stopping".to_string()
-                    } else if !ticket.is_current() {
-                        "taken over by another head".to_string()
                     } else {
                         e.to_string()
                     };
@@ -423,6 +479,26 @@ impl Server<'_> {
                 conn.refuse(&err);
                 drop(tracked);
             });
+        }
+    }
+
+    /// The session's next request, waited for in slices so that a takeover (answered with its
+    /// ERROR) or a stop ends an idle session within `SESSION_POLL`. A takeover is noticed before a
+    /// request that came with it is served: the old head gets the ERROR as that request's reply.
+    fn next_request(&self, conn: &mut Conn, ticket: &SessionTicket) -> std::result::Result<Message, Waited> {
+        loop {
+            let ready = conn.readable_within(SESSION_POLL).map_err(Waited::Failed)?;
+            if let Some(takeover) = ticket.taken_over() {
+                return Err(Waited::TakenOver(takeover.error(self.name())));
+            }
+            if self.control.is_stopped() {
+                return Err(Waited::Failed(QkError::Transport(
+                    "the worker is stopping".into(),
+                )));
+            }
+            if ready {
+                return conn.recv(None).map_err(Waited::Failed);
+            }
         }
     }
 

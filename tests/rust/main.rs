@@ -2,6 +2,7 @@
 mod attention_tests;
 mod dequant_tests;
 mod engine_tests;
+mod error_tests;
 mod fused_tests;
 mod gguf_tests;
 mod gpu_tests;

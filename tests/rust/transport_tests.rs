@@ -757,6 +757,7 @@ fn quick() -> Timeouts {
     Timeouts {
         connect: Duration::from_secs(2),
         hello: Duration::from_secs(5),
+        pre_auth: Duration::from_secs(5),
         base: Duration::from_secs(5),
         per_row: Duration::from_millis(1),
     }
@@ -786,7 +787,7 @@ fn test_worker_session(mut conn: Conn, cfg: &TestWorkerConfig, gate: &SessionGat
         Ok(hs) => hs,
         Err(e) => return e.to_string(),
     };
-    let _ticket = match gate.begin(cfg.name, hs.hello(), &conn) {
+    let ticket = match gate.begin(cfg.name, hs.hello()) {
         Ok(ticket) => ticket,
         Err(busy) => return hs.refuse(&mut conn, busy).to_string(),
     };
@@ -795,6 +796,18 @@ fn test_worker_session(mut conn: Conn, cfg: &TestWorkerConfig, gate: &SessionGat
     }
     let mut served = 0;
     loop {
+        // As the real worker: between requests, a takeover ends the session with its notice.
+        let ready = match conn.readable_within(Duration::from_millis(20)) {
+            Ok(ready) => ready,
+            Err(e) => return e.to_string(),
+        };
+        if let Some(takeover) = ticket.taken_over() {
+            conn.refuse(&takeover.error(cfg.name));
+            return format!("taken over after {served}");
+        }
+        if !ready {
+            continue;
+        }
         let reply = match conn.recv(None) {
             Ok(Message::Close) => return format!("served {served}"),
             Ok(Message::Error(e)) => return e.to_string(),
@@ -1079,9 +1092,17 @@ fn one_head_session_busy_then_takeover_then_free() {
     );
     let (mut c, rc) = hello("head-c", true);
     rc.unwrap();
-    // The taken-over session ends: its socket was shut by the takeover.
+    // The taken-over session ends with a notice naming who took it over, and when.
     let ping = Message::Ping { seq: 1 };
-    assert!(a.request(&ping).is_err(), "head-a still served after a takeover");
+    let e = a
+        .request(&ping)
+        .expect_err("head-a still served after a takeover")
+        .to_string();
+    assert!(
+        e.contains("session taken over: stage 'w1': taken over by head 'head-c' at 20"),
+        "{e}"
+    );
+    assert_eq!(a.peer_error().map(|p| p.code), Some(ErrorCode::TakenOver));
     drop(a);
     assert!(matches!(c.request(&ping).unwrap(), Message::Pong { seq: 1 }));
     c.close();
@@ -1235,7 +1256,7 @@ fn relay_session(mut conn: Conn, cfg: &RelayConfig, gate: &SessionGate) -> Strin
         Ok(hs) => hs,
         Err(e) => return e.to_string(),
     };
-    let _ticket = match gate.begin(&name, hs.hello(), &conn) {
+    let _ticket = match gate.begin(&name, hs.hello()) {
         Ok(t) => t,
         Err(busy) => return hs.refuse(&mut conn, busy).to_string(),
     };
@@ -1501,4 +1522,19 @@ fn the_shared_secret_never_crosses_the_wire() {
     );
     // Nor does any 8-byte piece of it.
     assert!(!secret.windows(8).any(|piece| wire.windows(8).any(|w| w == piece)));
+}
+
+#[test]
+fn takeover_times_are_rfc3339_utc() {
+    use qk::transport::conn::utc_timestamp;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    let at = |secs: u64| utc_timestamp(UNIX_EPOCH + Duration::from_secs(secs));
+    assert_eq!(at(0), "1970-01-01T00:00:00Z");
+    assert_eq!(at(951_782_400), "2000-02-29T00:00:00Z");
+    assert_eq!(at(1_709_251_199), "2024-02-29T23:59:59Z");
+    assert_eq!(at(4_102_444_800), "2100-01-01T00:00:00Z");
+    assert_eq!(
+        utc_timestamp(SystemTime::UNIX_EPOCH - Duration::from_secs(5)),
+        "1970-01-01T00:00:00Z"
+    );
 }

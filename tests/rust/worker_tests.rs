@@ -1,13 +1,15 @@
 //! Split-serving tests over loopback: `serve_worker` chains of 2 and 3 stages around a deterministic
 //! test-double `Stage`, driven by a `HeadLink`, against the same stages composed in-process; SAVE /
 //! LOAD through the chain; hello refusals reaching the head with their reason; a stage killed and
-//! restarted mid-session; malformed frames closing only their own connection.
+//! restarted mid-session; malformed frames closing only their own connection; takeover only when
+//! asked, and the head that lost the chain told who took it and when; before the proof, nothing but
+//! a hello-sized frame read, few connections pending and none for long.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use qk::error::{QkError, Result};
 use qk::transport::frame::{self, ErrorCode, HEADER_LEN, Header, Op, VERSION};
@@ -235,6 +237,7 @@ fn timeouts() -> Timeouts {
     Timeouts {
         connect: Duration::from_secs(2),
         hello: Duration::from_secs(5),
+        pre_auth: Duration::from_secs(5),
         base: Duration::from_secs(5),
         per_row: Duration::from_millis(1),
     }
@@ -573,17 +576,171 @@ fn a_second_head_is_busy_unless_it_takes_over() {
     let workers = chain(vec![("w1", Double::new(2, N_LAYER))]);
     let mut first = head(&workers[0].addr, &own);
     first.connect().expect("first head");
-    let mut second = head(&workers[0].addr, &own);
+    let mut second = HeadLink::new(HeadConfig {
+        own: own.desc("head-b"),
+        ..head(&workers[0].addr, &own).config().clone()
+    });
+    assert!(!second.config().takeover, "takeover is opt-in");
     let err = second.connect().expect_err("busy");
     assert!(err.to_string().contains("busy"), "{err}");
+    first.ping().expect("the first head keeps the chain");
     let mut cfg = second.config().clone();
     cfg.takeover = true;
     let mut second = HeadLink::new(cfg);
     second.connect().expect("takeover");
     second.ping().expect("the new session serves");
-    assert!(first.ping().is_err(), "the old session was ended");
+
+    // The first head is told, unasked and between calls, who took the chain and when.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while first.poll() {
+        assert!(
+            Instant::now() < deadline,
+            "no takeover notice reached the first head"
+        );
+        thread::sleep(Duration::from_millis(20));
+    }
+    let taken = first.taken_over().expect("taken over").to_string();
+    assert!(taken.starts_with("taken over by head 'head-b' at 20"), "{taken}");
+    assert!(taken.ends_with('Z'), "{taken}");
+    // Its calls fail at once with that, instead of asking the worker (which would say busy).
+    let err = first
+        .ping()
+        .expect_err("the chain is the second head's")
+        .to_string();
+    assert!(err.contains(&taken), "{err}");
+    assert!(first.reconnect_if_due().is_none() || first.taken_over().is_some());
+    // Once the second head lets go, the background retry gets the chain back (without takeover).
+    second.close();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        thread::sleep(Duration::from_millis(50));
+        if let Some(Ok(())) = first.reconnect_if_due() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the first head never got the chain back"
+        );
+    }
+    assert_eq!(first.taken_over(), None);
+    first.ping().expect("served again");
+    first.close();
+    stop_all(workers);
+}
+
+#[test]
+fn a_head_taken_over_mid_call_gets_the_notice_as_its_reply() {
+    let mut own = Double::new(0, 2);
+    let workers = chain(vec![("w1", Double::new(2, N_LAYER))]);
+    let mut first = head(&workers[0].addr, &own);
+    first.connect().expect("first head");
+    let mut cfg = head(&workers[0].addr, &own).config().clone();
+    cfg.own = own.desc("head-b");
+    cfg.takeover = true;
+    let mut second = HeadLink::new(cfg);
+    second.connect().expect("takeover");
+    let rows = head_rows(&mut own, 0, 0, &[1, 2]);
+    let err = first.run(0, 0, rows, 0).expect_err("taken over").to_string();
+    assert!(
+        err.contains("session taken over: stage 'w1': taken over by head 'head-b' at "),
+        "{err}"
+    );
+    assert!(!first.is_up());
     second.close();
     stop_all(workers);
+}
+
+/// A raw connection to `addr` with a read timeout.
+fn raw(addr: &str) -> TcpStream {
+    let stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    stream
+}
+
+/// A RUN header announcing the largest payload a frame may carry (4096 rows of 16384 floats).
+fn huge_run_header() -> Vec<u8> {
+    let mut h = Header::new(Op::Run);
+    h.n = frame::MAX_ROWS;
+    h.width = frame::MAX_WIDTH;
+    h.len = frame::MAX_ROWS * frame::MAX_WIDTH * 4;
+    frame::encode_header(&h).to_vec()
+}
+
+#[test]
+fn before_the_proof_only_a_hello_sized_frame_is_read() {
+    let workers = chain(vec![("w1", Double::new(2, N_LAYER))]);
+    let addr = workers[0].addr.clone();
+    // A 256 MiB RUN instead of a hello: refused from its header, its payload never awaited.
+    let mut stream = raw(&addr);
+    stream.write_all(&huge_run_header()).expect("send the header");
+    let start = Instant::now();
+    let Message::Error(err) = read_frame(&mut stream) else {
+        panic!("expected an error");
+    };
+    assert!(start.elapsed() < Duration::from_secs(2), "{:?}", start.elapsed());
+    assert_eq!(err.code, ErrorCode::BadFrame, "{err}");
+    assert!(
+        err.message
+            .contains("expected a hello before authentication, got a run"),
+        "{err}"
+    );
+
+    // The same in place of the proof, after a valid hello.
+    let mut stream = raw(&addr);
+    let hello = Message::Hello(ClientHello {
+        nonce: [5; 32],
+        name: "raw".into(),
+        takeover: false,
+        has_secret: false,
+    });
+    stream.write_all(&encode(&hello).expect("encode")).expect("hello");
+    assert!(matches!(read_frame(&mut stream), Message::Challenge(_)));
+    stream.write_all(&huge_run_header()).expect("send the header");
+    let Message::Error(err) = read_frame(&mut stream) else {
+        panic!("expected an error");
+    };
+    assert!(
+        err.message
+            .contains("expected a proof before authentication, got a run"),
+        "{err}"
+    );
+    stop_all(workers);
+}
+
+#[test]
+fn pending_connections_are_few_and_short_lived() {
+    let mut cfg = worker_cfg("w1", None);
+    cfg.max_pending = 4;
+    cfg.timeouts.pre_auth = Duration::from_millis(400);
+    let worker = spawn_on(listener(), Double::new(2, N_LAYER), cfg);
+    let idle: Vec<TcpStream> = (0..4).map(|_| raw(&worker.addr)).collect();
+    thread::sleep(Duration::from_millis(100));
+    // A fifth is refused at once, before it sends anything.
+    let mut fifth = raw(&worker.addr);
+    let Message::Error(err) = read_frame(&mut fifth) else {
+        panic!("expected a refusal");
+    };
+    assert_eq!(err.code, ErrorCode::Busy, "{err}");
+    assert!(
+        err.message.contains("4 connections are already in their hello"),
+        "{err}"
+    );
+    // The idle ones are closed once their pre-auth time is up.
+    let start = Instant::now();
+    for mut s in idle {
+        let mut buf = Vec::new();
+        let _ = s.read_to_end(&mut buf);
+        assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+    }
+    // Then a head is served.
+    let own = Double::new(0, 2);
+    let mut link = head(&worker.addr, &own);
+    link.ping()
+        .expect("a head connects once the idle sockets are gone");
+    link.close();
+    worker.stop().expect("stopped");
 }
 
 #[test]

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from qk.server import validate as v
-from qk.server.errors import RequestError, UnsupportedContentError
+from qk.server.errors import ApiStyle, RequestError, UnsupportedContentError
 from qk.server.generation import (
+    Adapter,
     ChatPrompt,
     Done,
     Keepalive,
@@ -23,7 +24,7 @@ from qk.server.generation import (
 )
 from qk.toolcalls import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd, ToolCallStart
 
-__all__ = ["BlockAssembler", "prepare", "message_id"]
+__all__ = ["ADAPTER", "BlockAssembler", "count_tokens", "message_id", "prepare"]
 
 _UNSUPPORTED = {"image", "document", "search_result", "container_upload"}
 
@@ -181,6 +182,11 @@ def render(model: ServedModel, body: dict[str, Any]) -> ChatPrompt:
     )
 
 
+def count_tokens(model: ServedModel, body: dict[str, Any]) -> dict[str, Any]:
+    """``/v1/messages/count_tokens``: the prompt's length as rendered for generation."""
+    return {"input_tokens": len(render(model, body).ids)}
+
+
 def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
     max_tokens = v.integer(body, "max_tokens", required=True, lo=1)
     stops = v.array(body, "stop_sequences", [])
@@ -192,11 +198,11 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
         v.integer(body, "top_k", lo=0),
         None,
     )
-    v.boolean(body, "stream", False)
+    stream = bool(v.boolean(body, "stream", False))
     chat = render(model, body)
     choice = v.obj(body, "tool_choice", {"type": "auto"})
     single = bool(v.boolean(choice, "disable_parallel_tool_use", False, where="tool_choice."))
-    return chat.prepared(max_tokens, params, stops, single_tool_call=single)
+    return chat.prepared(max_tokens, params, stops, single_tool_call=single, stream=stream)
 
 
 def stop_reason(done: Done, used_tools: bool) -> str:
@@ -328,7 +334,7 @@ def message_shell(model: ServedModel, msg_id: str, input_tokens: int) -> dict[st
     }
 
 
-async def collect(model: ServedModel, outputs: AsyncIterator[Any], prompt_tokens: int) -> dict[str, Any]:
+async def collect(model: ServedModel, prepared: Prepared, outputs: AsyncIterator[Any]) -> dict[str, Any]:
     assembler = BlockAssembler()
     events: list[dict[str, Any]] = []
     done: Done | None = None
@@ -340,7 +346,7 @@ async def collect(model: ServedModel, outputs: AsyncIterator[Any], prompt_tokens
     events.extend(assembler.finish())
     if done is None:
         raise ConnectionAbortedError("the client went away")
-    message = message_shell(model, message_id(), prompt_tokens)
+    message = message_shell(model, message_id(), len(prepared.prompt))
     message["content"] = fold(events)
     message["stop_reason"] = stop_reason(done, assembler.used_tools)
     message["stop_sequence"] = done.stop_sequence
@@ -352,8 +358,14 @@ def sse(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
 
 
-async def stream(
-    model: ServedModel, outputs: AsyncIterator[Any], prompt_tokens: int
+async def stream(model: ServedModel, prepared: Prepared, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed reply."""
+    async for event in stream_events(model, len(prepared.prompt), outputs):
+        yield sse(event)
+
+
+async def stream_events(
+    model: ServedModel, prompt_tokens: int, outputs: AsyncIterator[Any]
 ) -> AsyncIterator[dict[str, Any]]:
     """The SSE event dicts of a streamed reply, in Anthropic's order."""
     yield {"type": "message_start", "message": message_shell(model, message_id(), prompt_tokens)}
@@ -377,3 +389,6 @@ async def stream(
         else:
             for event in assembler.feed(out):
                 yield event
+
+
+ADAPTER = Adapter(ApiStyle.ANTHROPIC, prepare, collect, stream, sse)

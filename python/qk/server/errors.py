@@ -21,13 +21,26 @@ from qk.scheduler import (
     ShuttingDownError,
 )
 
-__all__ = ["ApiStyle", "AuthError", "ErrorInfo", "NotFoundError", "RequestError", "error_body", "lookup"]
+__all__ = [
+    "ApiStyle",
+    "AuthError",
+    "BodyTooLargeError",
+    "ErrorInfo",
+    "NotFoundError",
+    "RequestError",
+    "error_body",
+    "lookup",
+]
 
 log = logging.getLogger("qk.server")
 
 
 class RequestError(ValueError):
     """The request is malformed: a wrong type, a missing field, a value out of range."""
+
+
+class BodyTooLargeError(RequestError):
+    """A request body past the server's size bounds (``validate.Limits``): HTTP 413."""
 
 
 class UnsupportedContentError(RequestError):
@@ -79,6 +92,7 @@ ERROR_TABLE: dict[type[BaseException], ErrorInfo] = {
     PromptTooLongError: ErrorInfo(400, "invalid_request_error", 400, "invalid_request_error"),
     EmptyPromptError: ErrorInfo(400, "invalid_request_error", 400, "invalid_request_error"),
     RequestError: ErrorInfo(400, "invalid_request_error", 400, "invalid_request_error"),
+    BodyTooLargeError: ErrorInfo(413, "request_too_large", 413, "invalid_request_error"),
     ChatTemplateError: ErrorInfo(400, "invalid_request_error", 400, "invalid_request_error"),
     AuthError: ErrorInfo(401, "authentication_error", 401, "authentication_error"),
     NotFoundError: ErrorInfo(404, "not_found_error", 404, "not_found_error"),

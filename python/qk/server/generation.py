@@ -1,6 +1,7 @@
-"""What every API adapter shares: the served model (tokenizer, template, scheduler), prompt
-preparation (chat rendering, forced tool calls) and the token → text → events pipeline of one
-request (incremental detokenisation, stop strings, reasoning/tool-call parsing, disconnect checks).
+"""What every API adapter shares: the ``Adapter`` shape the one generation route drives, the served
+model (tokenizer, template, scheduler), prompt preparation (chat rendering, forced tool calls, the
+context bound checked before tokenising) and the token → text → events pipeline of one request
+(incremental detokenisation, stop strings, reasoning/tool-call parsing, disconnect checks).
 
 The adapters only translate: request JSON → ``Prepared``; ``Output`` events → their wire format.
 Streamed and non-streamed answers come from the same event sequence, so they cannot differ.
@@ -8,6 +9,7 @@ Streamed and non-streamed answers come from the same event sequence, so they can
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -19,13 +21,14 @@ from qk.chat import ChatTemplate
 from qk.driver import Driver
 from qk.reuse import normalise_billing_header
 from qk.sampler import SamplingParams, resolve_temperature
-from qk.scheduler import Failed, Finished, GenerationRequest, Job, Scheduler, Token
-from qk.server.errors import RequestError
+from qk.scheduler import Failed, Finished, GenerationRequest, Job, PromptTooLongError, Scheduler, Token
+from qk.server.errors import ApiStyle, RequestError
 from qk.stops import StopMatcher
 from qk.tokenizer import Tokenizer
 from qk.toolcalls import Event, ReplyParser, TextDelta, ToolCallEnd, ToolFormat
 
 __all__ = [
+    "Adapter",
     "Done",
     "Keepalive",
     "Loaded",
@@ -61,6 +64,24 @@ class ServedModel:
     def attach(self, loaded: Loaded) -> None:
         self.loaded = loaded
         self.template = ChatTemplate.from_tokenizer(loaded.tokenizer)
+        tok = loaded.tokenizer
+        #: Bytes of the longest token's text: a text of n characters is at least n / this many
+        #: tokens, which bounds a prompt before it is tokenised.
+        self.longest_token = max(len(tok.token_to_piece(i, special=True)) for i in range(tok.vocab_size)) or 1
+
+    def check_fits(self, chars: int, ids: int = 0) -> None:
+        """Refuse a prompt of ``chars`` characters of text and ``ids`` token ids that cannot fit
+        the context, from its length alone: tokenising it would hold a preparation thread, and
+        build an id list, far past anything the engine could take."""
+        limit = self.scheduler.ctx - 1
+        at_least = ids + -(-chars // self.longest_token)
+        if at_least > limit:
+            raise PromptFarTooLongError(at_least, limit)
+
+    def encode(self, text: str) -> list[int]:
+        """A rendered prompt's ids (special-token spellings matched), once it is known to fit."""
+        self.check_fits(len(text))
+        return self.tokenizer.encode(text, special=True)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -70,6 +91,15 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.loaded.name if self.loaded else "loading"
+
+
+class PromptFarTooLongError(PromptTooLongError):
+    """A prompt refused before tokenising: its token count is only known from below."""
+
+    def __init__(self, at_least: int, maximum: int) -> None:
+        ValueError.__init__(self, f"prompt is too long: at least {at_least} tokens > {maximum} maximum")
+        self.n_tokens = at_least
+        self.maximum = maximum
 
 
 def sampling_params(
@@ -113,6 +143,10 @@ class Prepared:
     #: End the reply after its first complete tool call (Anthropic ``disable_parallel_tool_use``,
     #: OpenAI ``parallel_tool_calls: false``).
     single_tool_call: bool = False
+    #: Answer as server-sent events.
+    stream: bool = False
+    #: OpenAI ``stream_options.include_usage``: a final chunk with the token counts.
+    stream_usage: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +169,31 @@ class Done:
 
 
 Output = Event | Keepalive | Done
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One API's side of a generation route (``routes.py`` drives every API the same way: parse,
+    prepare off the event loop, generate, render). ``prepare`` turns the request JSON into a
+    ``Prepared`` — validation, chat rendering, tokenising — on a preparation thread, never on the
+    event loop; ``collect`` folds the outputs into the non-streamed reply; ``stream`` turns them
+    into SSE bytes; ``sse_error`` frames the error body of a failure once the stream has begun."""
+
+    style: ApiStyle
+    prepare: Callable[[ServedModel, dict[str, Any]], Prepared]
+    collect: Callable[[ServedModel, Prepared, AsyncIterator[Output]], Awaitable[dict[str, Any]]]
+    stream: Callable[[ServedModel, Prepared, AsyncIterator[Output]], AsyncIterator[bytes]]
+    sse_error: Callable[[dict[str, Any]], bytes]
+
+
+def sse_data(payload: str) -> bytes:
+    """One ``data:`` event (OpenAI, llama.cpp); an empty payload is a keep-alive comment."""
+    return f"data: {payload}\n\n".encode() if payload else b": keep-alive\n\n"
+
+
+def sse_data_error(body: dict[str, Any]) -> bytes:
+    """An error body as a ``data:`` event (OpenAI, llama.cpp)."""
+    return sse_data(json.dumps(body))
 
 
 def submit(model: ServedModel, prepared: Prepared) -> Job:
@@ -268,7 +327,14 @@ class ChatPrompt:
     history: int = 0
 
     def prepared(
-        self, max_tokens: int | None, params: SamplingParams, stops: list[str], *, single_tool_call: bool
+        self,
+        max_tokens: int | None,
+        params: SamplingParams,
+        stops: list[str],
+        *,
+        single_tool_call: bool,
+        stream: bool,
+        stream_usage: bool = False,
     ) -> Prepared:
         """The request to run: this prompt with the API's limits, sampling and stop strings."""
         return Prepared(
@@ -280,6 +346,8 @@ class ChatPrompt:
             self.forced_text,
             history=self.history,
             single_tool_call=single_tool_call,
+            stream=stream,
+            stream_usage=stream_usage,
         )
 
 
@@ -362,11 +430,11 @@ def render_chat(
         starts_in_reasoning=rendered.starts_in_reasoning and not forced,
         new_call_id=new_call_id,
     )
-    ids = model.tokenizer.encode(text, special=True)
+    ids = model.encode(text)
     # The conversation without the new assistant cue is what the next turn's prompt starts with
     # (up to templates that rewrite earlier turns; reuse verifies tokens, so that only costs a miss).
     history = template.render(
         messages, tools=prompt_tools, enable_thinking=enable_thinking, add_generation_prompt=False
     )
-    history_ids = model.tokenizer.encode(history.text, special=True)
+    history_ids = model.encode(history.text)
     return ChatPrompt(ids, parser, forced_text, _common_prefix(ids, history_ids))

@@ -8,20 +8,32 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from qk.server import validate as v
-from qk.server.errors import RequestError
-from qk.server.generation import Done, Keepalive, Prepared, ServedModel, sampling_params
+from qk.server.errors import ApiStyle, RequestError
+from qk.server.generation import (
+    Adapter,
+    Done,
+    Keepalive,
+    Prepared,
+    ServedModel,
+    sampling_params,
+    sse_data,
+    sse_data_error,
+)
 from qk.toolcalls import TextDelta
 
-__all__ = ["collect", "prepare", "stream"]
+__all__ = ["ADAPTER", "collect", "prepare", "stream"]
 
 
 def _prompt_ids(model: ServedModel, prompt: Any) -> list[int]:
     n_vocab = model.tokenizer.vocab_size
     pieces = prompt if isinstance(prompt, list) else [prompt]
+    model.check_fits(
+        sum(len(p) for p in pieces if isinstance(p, str)), sum(not isinstance(p, str) for p in pieces)
+    )
     ids: list[int] = []
     for piece in pieces:
         if isinstance(piece, str):
-            ids.extend(model.tokenizer.encode(piece, special=True))
+            ids.extend(model.encode(piece))
         elif isinstance(piece, int) and not isinstance(piece, bool):
             if not 0 <= piece < n_vocab:
                 raise RequestError(f"prompt: token id {piece} is outside the vocabulary [0, {n_vocab})")
@@ -46,7 +58,7 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
         v.integer(body, "top_k", lo=0),
         v.seed_value(body),
     )
-    v.boolean(body, "stream", False)
+    stream = bool(v.boolean(body, "stream", False))
     prompt = _prompt_ids(model, body["prompt"])
     # A raw prompt has no conversation structure: the whole of it is the prefix a follow-up may share.
     cache_prompt = v.boolean(body, "cache_prompt", True)
@@ -59,6 +71,7 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
         ignore_eos=bool(v.boolean(body, "ignore_eos", False)),
         history=len(prompt) if cache_prompt else 0,
         use_cache=bool(cache_prompt),
+        stream=stream,
     )
 
 
@@ -125,12 +138,15 @@ async def collect(model: ServedModel, prepared: Prepared, outputs: AsyncIterator
     return final_fields(model, prepared, done, "".join(text))
 
 
-async def stream(model: ServedModel, prepared: Prepared, outputs: AsyncIterator[Any]) -> AsyncIterator[str]:
-    """``data:`` payloads: ``content``/``stop:false`` chunks, then the full final object."""
+async def stream(model: ServedModel, prepared: Prepared, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """``data:`` events: ``content``/``stop:false`` chunks, then the full final object."""
     async for out in outputs:
         if isinstance(out, Keepalive):
-            yield ""
+            yield sse_data("")
         elif isinstance(out, TextDelta):
-            yield json.dumps({"content": out.text, "tokens": [], "stop": False}, ensure_ascii=False)
+            yield sse_data(json.dumps({"content": out.text, "tokens": [], "stop": False}, ensure_ascii=False))
         elif isinstance(out, Done):
-            yield json.dumps(final_fields(model, prepared, out, ""), ensure_ascii=False)
+            yield sse_data(json.dumps(final_fields(model, prepared, out, ""), ensure_ascii=False))
+
+
+ADAPTER = Adapter(ApiStyle.LLAMACPP, prepare, collect, stream, sse_data_error)

@@ -11,11 +11,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from qk.server import validate as v
-from qk.server.errors import RequestError, UnsupportedContentError
-from qk.server.generation import Done, Keepalive, Prepared, ServedModel, render_chat, sampling_params
+from qk.server.errors import ApiStyle, RequestError, UnsupportedContentError
+from qk.server.generation import (
+    Adapter,
+    Done,
+    Keepalive,
+    Prepared,
+    ServedModel,
+    render_chat,
+    sampling_params,
+    sse_data,
+    sse_data_error,
+)
 from qk.toolcalls import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart
 
-__all__ = ["collect", "prepare", "stream"]
+__all__ = ["ADAPTER", "collect", "prepare", "stream"]
 
 
 def _call_id() -> str:
@@ -131,7 +141,7 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
         v.integer(body, "top_k", lo=0),
         v.seed_value(body),
     )
-    v.boolean(body, "stream", False)
+    stream = bool(v.boolean(body, "stream", False))
     n = v.integer(body, "n", 1)
     if n != 1:
         raise RequestError("n: only 1 choice per request is supported")
@@ -148,12 +158,11 @@ def prepare(model: ServedModel, body: dict[str, Any]) -> Prepared:
         new_call_id=_call_id,
     )
     single = not v.boolean(body, "parallel_tool_calls", True)
-    return chat.prepared(max_tokens, params, stops, single_tool_call=single)
-
-
-def include_usage(body: dict[str, Any]) -> bool:
     options = v.obj(body, "stream_options", {})
-    return bool(v.boolean(options, "include_usage", False, where="stream_options."))
+    usage = bool(v.boolean(options, "include_usage", False, where="stream_options."))
+    return chat.prepared(
+        max_tokens, params, stops, single_tool_call=single, stream=stream, stream_usage=usage
+    )
 
 
 def finish_reason(done: Done, used_tools: bool) -> str:
@@ -192,7 +201,7 @@ def _delta(event: Any) -> dict[str, Any] | None:
     return None
 
 
-async def collect(model: ServedModel, outputs: AsyncIterator[Any]) -> dict[str, Any]:
+async def collect(model: ServedModel, prepared: Prepared, outputs: AsyncIterator[Any]) -> dict[str, Any]:
     content: list[str] = []
     reasoning: list[str] = []
     calls: dict[int, dict[str, Any]] = {}
@@ -236,8 +245,16 @@ async def collect(model: ServedModel, outputs: AsyncIterator[Any]) -> dict[str, 
     }
 
 
-async def stream(model: ServedModel, outputs: AsyncIterator[Any], with_usage: bool) -> AsyncIterator[str]:
-    """``data:`` payloads (JSON text, then ``[DONE]``); keep-alives are SSE comments."""
+async def stream(model: ServedModel, prepared: Prepared, outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed reply (keep-alives are SSE comments)."""
+    async for data in stream_data(model, outputs, prepared.stream_usage):
+        yield sse_data(data)
+
+
+async def stream_data(
+    model: ServedModel, outputs: AsyncIterator[Any], with_usage: bool
+) -> AsyncIterator[str]:
+    """``data:`` payloads (JSON text, then ``[DONE]``); "" for a keep-alive."""
     chunk_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     created = int(time.time())
 
@@ -277,3 +294,6 @@ async def stream(model: ServedModel, outputs: AsyncIterator[Any], with_usage: bo
             delta = _delta(out)
             if delta is not None:
                 yield chunk(delta)
+
+
+ADAPTER = Adapter(ApiStyle.OPENAI, prepare, collect, stream, sse_data_error)
