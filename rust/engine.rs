@@ -293,7 +293,7 @@ impl Engine {
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
-        let scratch = Scratch::new(&gpu, &cfg, rows, has_head, legacy)?;
+        let scratch = Scratch::new(&gpu, &cfg, rows, opts.slots, has_head, legacy)?;
         let engine = Engine {
             gpu,
             model: Model {

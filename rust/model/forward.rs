@@ -221,7 +221,15 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    pub fn new(gpu: &Gpu, cfg: &ModelConfig, rows: u32, has_head: bool, legacy: bool) -> Result<Scratch> {
+    /// Buffers for prefill pieces of up to `rows` rows and decode steps of up to `step_rows`.
+    pub fn new(
+        gpu: &Gpu,
+        cfg: &ModelConfig,
+        rows: u32,
+        step_rows: u32,
+        has_head: bool,
+        legacy: bool,
+    ) -> Result<Scratch> {
         let mut bytes = 0u64;
         let mut buf = |name: &str, floats: u64| -> Result<GpuBuffer> {
             let b = gpu.buffer_zeroed(name, floats.max(1) * 4)?;
@@ -236,7 +244,7 @@ impl Scratch {
         let aw = u64::from(attn_proj_width(cfg));
         let hd = u64::from(cfg.heads * cfg.head_dim);
         let dparams = delta_params(cfg);
-        let (po, pml) = attention::partial_len(rows, cfg.heads, cfg.head_dim);
+        let (po, pml) = attention::partial_len(step_rows.min(rows), rows, cfg.heads, cfg.head_dim);
         let vocab = u64::from(cfg.vocab);
         let head_rows = if has_head { r } else { 0 };
         let topk_probe = TopkParams::new(cfg.vocab.max(MAX_K), MAX_K, 0)?;
