@@ -192,12 +192,12 @@ pub struct Scratch {
     dn_out: GpuBuffer,
     gated: GpuBuffer,
     dn_scratch: GpuBuffer,
-    /// Attention: [q+gate | K | V] per row.
-    aproj: GpuBuffer,
-    q: GpuBuffer,
-    attn_out: GpuBuffer,
-    part_out: GpuBuffer,
-    part_ml: GpuBuffer,
+    /// Attention: [q+gate | K | V] per row, prepared q, gated output, split partials (ops/attention.rs).
+    pub aproj: GpuBuffer,
+    pub q: GpuBuffer,
+    pub attn_out: GpuBuffer,
+    pub part_out: GpuBuffer,
+    pub part_ml: GpuBuffer,
     /// A decode step's `[slot, pos]` per row (ops/attention.rs), written once per step.
     pub attn_rows: GpuBuffer,
     router_logits: GpuBuffer,
