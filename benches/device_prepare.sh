@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Run HERE (the build machine) before a device run: builds what the H200 machine cannot (it has no
 # Rust and no registry) into .device/ (git-ignored; carried by the device tool):
-#   qk-*.whl          the abi3 wheel (same dev profile as every other build)
-#   rust-tests        the cargo integration-test binary (GPU kernel tests, run there on real hardware)
-#   kernels-bench     the kernel micro-benchmark (benches/kernels.rs)
-#   gguf-py/          llama.cpp's gguf-py from the sdist (writes the random 80B-shaped model)
+#   qk-*.whl          the abi3 wheel, release profile (what users run; every figure is taken with it)
+#   rust-tests        the cargo integration-test binary (GPU kernel tests, run there on real hardware;
+#                     test profile)
+#   kernels-bench     the kernel micro-benchmark (benches/kernels.rs, release profile)
+#   gguf-py/          llama.cpp's gguf-py from the sdist (benches/make_model.py writes the model with it)
 #   vocab/            the qwen2 vocabulary GGUF from the sdist
-#   make_big.py       ../shared/tools' random 80B-shaped model writer
-# The Vulkan loader debs live in .gl/ (see the device README).
+# and .ref.tar.xz: llama.cpp's source from the same sdist, cut to what llama-bench and
+# llama-batched-bench need with the CUDA backend (the side-by-side reference, built there).
+# The Vulkan loader debs live in .gl/ (the device tool's instructions).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../scripts/env.sh"
 cd "$ROOT"
 qk_python_env >/dev/null
 rm -rf .device && mkdir -p .device/vocab
-maturin build -q -o .device 2>&1 | grep -v '^📦' || true
+maturin build -q --release -o .device 2>&1 | { grep -v '^📦' || true; }
 # The executable cargo built for target NAME, from cargo's JSON messages on stdin.
 executable_of() {
   python -c 'import json,sys
@@ -24,11 +26,21 @@ for l in sys.stdin:
 }
 cp "$(cargo test --no-default-features --no-run --message-format=json 2>/dev/null | executable_of rust)" \
   .device/rust-tests
-cp "$(cargo build --no-default-features --bench kernels --message-format=json 2>/dev/null | executable_of kernels)" \
+cp "$(cargo build --release --no-default-features --bench kernels --message-format=json 2>/dev/null | executable_of kernels)" \
   .device/kernels-bench
 strip .device/rust-tests .device/kernels-bench
 cp -r "$(python scripts/sdist.py gguf-py)" .device/gguf-py
 cp "$(python scripts/sdist.py llama.cpp)/models/ggml-vocab-qwen2.gguf" .device/vocab/
-# The random full-size model writer is a shared tool beside the checkout (shared/ does not travel).
-cp "$ROOT/../shared/tools/make_big.py" .device/
-du -sh .device
+# llama.cpp for the side-by-side numbers: the library, ggml with its CPU and CUDA backends, and the two
+# bench tools; the other backends and tools stay behind (the device tool carries at most 64 MiB).
+LL="$(python scripts/sdist.py llama.cpp)"
+REF=$(mktemp -d)/llama.cpp
+mkdir -p "$REF/tools"
+cp -r "$LL"/{ggml,src,include,common,vendor,cmake,CMakeLists.txt} "$REF/"
+cp -r "$LL/tools/llama-bench" "$LL/tools/batched-bench" "$REF/tools/"
+printf 'add_subdirectory(llama-bench)\nadd_subdirectory(batched-bench)\n' > "$REF/tools/CMakeLists.txt"
+for b in sycl cann musa opencl hip metal zdnn hexagon openvino vulkan webgpu zendnn blas et virtgpu; do
+  rm -rf "$REF/ggml/src/ggml-$b"
+done
+tar -C "$(dirname "$REF")" -cJf .ref.tar.xz llama.cpp
+du -sh .device .ref.tar.xz

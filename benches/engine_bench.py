@@ -113,8 +113,9 @@ def main() -> None:
     prompt = [int(t) for t in rng.integers(0, vocab, a.prompt)]
 
     # Warm-up compiles every pipeline once (prefill and decode shapes).
-    ids, _ = eng.stage_run(0, prompt[:64], 0)
-    eng.stage_run(0, [ids[-1]], 64)
+    warm = prompt[:64]
+    ids, _ = eng.stage_run(0, warm, 0)
+    eng.stage_run(0, [ids[-1]], len(warm))
 
     t0 = time.perf_counter()
     ids, _ = eng.stage_run(0, prompt, 0)
@@ -130,14 +131,12 @@ def main() -> None:
     slots = list(range(a.slots))
     for s in slots:
         eng.stage_run(s, prompt[:64], 0)
-    toks, base = [1] * a.slots, 64
+    toks = [1] * a.slots
     eng.step(slots, toks)  # warm-up of the multi-slot shapes
-    base += 1
     t0 = time.perf_counter()
     for _ in range(a.decode):
         outs = eng.step(slots, toks)
         toks = [o[0][-1] for o in outs]
-        base += 1
     multi_s = time.perf_counter() - t0
     step_ms = {}
     for n in sorted({1, a.slots}):

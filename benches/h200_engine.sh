@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs ON the H200 device machine (see benches/device_prepare.sh, which fills .device/, and .ref/ with
-# llama.cpp's source trimmed as ../shared/tools/llamacpp_h200.sh describes). One command does the whole
+# Runs ON the H200 device machine (see benches/device_prepare.sh, which fills .device/ and packs
+# llama.cpp's source into .ref.tar.xz). One command does the whole
 # measurement: llama-bench (CUDA) builds while the random 80B-shaped model is written, then the GPU
 # kernel tests and the engine tests against the committed goldens run (a fast number is never a wrong
 # one), then qk and llama.cpp are measured side by side on the same file.
@@ -33,8 +33,8 @@ B=/tmp/llb
   && cmake --build $B -j "$(nproc)" --target llama-bench > /tmp/llb-build.log 2>&1
   rc=$?; echo "llama-bench build rc=$rc"; [ $rc = 0 ] || tail -n 25 /tmp/llb-cfg.log /tmp/llb-build.log ) &
 BUILD=$!
-( python3 .device/make_big.py $MODEL --vocab .device/vocab/ggml-vocab-qwen2.gguf --layers "$LAYERS" \
-  > /tmp/make_big.log 2>&1; echo "model rc=$? $(tail -1 /tmp/make_big.log)" ) &
+( python3 benches/make_model.py $MODEL --vocab .device/vocab/ggml-vocab-qwen2.gguf --layers "$LAYERS" \
+  > /tmp/make_model.log 2>&1; echo "model rc=$? $(tail -1 /tmp/make_model.log)" ) &
 MAKE=$!
 
 which cmake ninja nvcc

@@ -1,28 +1,35 @@
 //! Kernel micro-benchmark: device-to-device copy bandwidth (the baseline), mat-vec GB/s of weight
-//! bytes per type, mat-mat GFLOP/s, attention (decode GB/s of K/V per cache type and depth, prepare,
-//! prefill TFLOP/s), on whatever adapter QK_DEVICE picks.
+//! bytes per type, mat-mat GFLOP/s, the prefill kernels at the Qwen3-Next-80B shape (chunked
+//! DeltaNet, grouped MoE mat-mat), and attention (decode GB/s of K/V per cache type and depth,
+//! prepare, prefill TFLOP/s), on whatever adapter QK_DEVICE picks.
 //!
 //!   cargo bench --no-default-features --bench kernels            # full sizes (a real GPU)
 //!   QK_BENCH_SMOKE=1 cargo bench --no-default-features --bench kernels   # tiny sizes, CI
 //!
 //! QK_BENCH_TYPES=IQ4_XS,Q8_0 limits the mat-vec types, QK_BENCH_NO_MATMUL=1 skips mat-mat,
-//! QK_BENCH_ONLY=attention runs only the copy baseline and attention, QK_BENCH_NO_ATTENTION=1
-//! skips attention.
-//! Mat-mat runs the f32 tiled kernel and, where the adapter offers it, the cooperative-matrix one
-//! side by side; `auto` names the one prefill uses (the tiled one unless QK_COOP=1).
+//! QK_BENCH_ONLY_PREFILL=1 runs only the prefill cases (DeltaNet and MoE), QK_BENCH_ONLY_ATTENTION=1
+//! only attention, QK_BENCH_NO_ATTENTION=1 skips attention. QK_MATVEC_NR /
+//! QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning runs).
+//! Mat-mat runs the f32 tiled kernel and, where the adapter offers them, the cooperative-matrix
+//! tiles side by side; `fast` names the kernel a default (not precise) engine picks.
 //! QK_BENCH_MIB sets the mat-vec weight size (default 256 MiB; the H200 target is IQ4_XS and Q8_0
 //! mat-vec ≥ 70% of copy bandwidth from 64 MiB up). Timing is wall-clock around one submit of
-//! `iters` dependent dispatches, after a warm-up, so per-submit overhead (~0.2 ms) is amortised.
+//! `iters` dependent dispatches, after a warm-up, so per-submit overhead (~0.2 ms) is amortised;
+//! the prefill cases add one profiled submit that times each kernel on the GPU.
 
 use std::time::Instant;
 
 use qk::gguf::GgmlType;
-use qk::gpu::{Gpu, GpuBuffer};
+use qk::gpu::{Gpu, GpuBuffer, Recorder};
 use qk::ops::attention::{
     self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrepareArgs, ProjLayout,
     reference,
 };
-use qk::ops::matmul::{Columns, MatmulKernel, coop_accumulator, matmul_kernel, matmul_with, matvec};
+use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
+use qk::ops::matmul::{
+    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecShape, MoeInput, Precision,
+    coop_accumulator, group_experts, matmul_id, matmul_kernel, matmul_with, matvec_id, matvec_shaped,
+};
 
 struct Rng(u64);
 
@@ -56,12 +63,51 @@ fn weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     b
 }
 
-fn env_is(name: &str, value: &str) -> bool {
-    std::env::var(name).is_ok_and(|v| v.eq_ignore_ascii_case(value))
+fn flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
 }
 
 fn smoke() -> bool {
-    std::env::var("QK_BENCH_SMOKE").is_ok_and(|v| v == "1")
+    flag("QK_BENCH_SMOKE")
+}
+
+/// The mat-vec launch shape from QK_MATVEC_NR / _WG / _UNROLL over the type's default, if any is set.
+fn matvec_shape_from_env(ty: GgmlType, ncols: u32) -> Option<MatvecShape> {
+    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+    let (nr, wg, unroll) = (env("QK_MATVEC_NR"), env("QK_MATVEC_WG"), env("QK_MATVEC_UNROLL"));
+    if nr.is_none() && wg.is_none() && unroll.is_none() {
+        return None;
+    }
+    let d = MatvecShape::default_for(ty, ncols);
+    Some(MatvecShape {
+        rows: nr.unwrap_or(d.rows),
+        wg: wg.unwrap_or(d.wg),
+        unroll: unroll.unwrap_or(d.unroll),
+    })
+}
+
+/// GPU time of each kernel of one profiled submit of `record` (µs, in recording order, dispatches
+/// of one pipeline summed); empty without timestamp queries.
+fn kernel_times(gpu: &Gpu, record: impl FnOnce(&mut Recorder<'_>)) -> Vec<(String, f64)> {
+    let mut rec = gpu.profiling_recorder();
+    rec.op("bench", None, 0);
+    record(&mut rec);
+    let (_, finished) = rec.finish_and_read_timed().expect("profiled submit");
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for d in finished.profile.map(|p| p.dispatches).unwrap_or_default() {
+        let Some(ns) = d.gpu_ns else { return Vec::new() };
+        match out.iter_mut().find(|(k, _)| *k == d.kernel) {
+            Some((_, us)) => *us += ns / 1e3,
+            None => out.push((d.kernel, ns / 1e3)),
+        }
+    }
+    out
+}
+
+fn print_kernel_times(times: &[(String, f64)]) {
+    for (k, us) in times {
+        println!("    {us:>10.1} µs  {k}");
+    }
 }
 
 /// Seconds per iteration: the best of 4 submits of `iters` recorded iterations (the first warms
@@ -121,14 +167,30 @@ fn main() {
         copy_bytes as f64 / 1048576.0
     );
 
-    if !env_is("QK_BENCH_NO_ATTENTION", "1") {
+    if !flag("QK_BENCH_NO_ATTENTION") {
         attention_bench(&gpu, copy_gbs, smoke);
     }
-    if env_is("QK_BENCH_ONLY", "attention") {
+    if flag("QK_BENCH_ONLY_ATTENTION") {
         return;
     }
-    let k: usize = if smoke { 256 } else { 4096 };
     let mut rng = Rng(0x5eed);
+    if !flag("QK_BENCH_ONLY_PREFILL") {
+        matrix_kernels(&gpu, &mut rng, target_bytes, iters, copy_gbs);
+    }
+    projection_prefill(&gpu, &mut rng);
+    deltanet_prefill(&gpu, &mut rng);
+    moe_prefill(&gpu, &mut rng);
+    let c = gpu.counters();
+    println!(
+        "counters: {} pipelines, {} bind groups, {} buffers, {} submits",
+        c.pipelines, c.bind_groups, c.buffers, c.submits
+    );
+}
+
+/// Mat-vec GB/s per type and dense mat-mat GFLOP/s per kernel.
+fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_gbs: f64) {
+    let smoke = smoke();
+    let k: usize = if smoke { 256 } else { 4096 };
     for ty in [
         GgmlType::IQ4XS,
         GgmlType::Q8_0,
@@ -150,14 +212,7 @@ fn main() {
         let row_bytes = ty.bytes_for(k as u64).expect("k");
         let m = (target_bytes / row_bytes).max(64) as usize;
         let w = gpu
-            .upload_weight(
-                "bench_w",
-                ty,
-                k as u64,
-                m as u64,
-                1,
-                &weights(ty, m * k, &mut rng),
-            )
+            .upload_weight("bench_w", ty, k as u64, m as u64, 1, &weights(ty, m * k, rng))
             .expect("upload");
         let x = gpu.buffer_from_f32("x", &vec![0.5; k * 8]).expect("x");
         let y = gpu.buffer_zeroed("y", (m * 8 * 4) as u64).expect("y");
@@ -167,14 +222,16 @@ fn main() {
             (m as u64 * row_bytes) as f64 / 1048576.0
         );
         for cols in [1u32, 4, 8] {
-            let t = time_submit(&gpu, iters, |rec| {
-                matvec(
-                    &gpu,
+            let shape = matvec_shape_from_env(ty, cols);
+            let t = time_submit(gpu, iters, |rec| {
+                matvec_shaped(
+                    gpu,
                     rec,
                     &w,
                     Columns::packed(&x, k as u32),
                     Columns::packed(&y, m as u32),
                     cols,
+                    shape,
                 )
                 .expect("matvec")
             });
@@ -188,7 +245,7 @@ fn main() {
         println!("{line}");
     }
 
-    if std::env::var("QK_BENCH_NO_MATMUL").is_ok_and(|v| v == "1") {
+    if flag("QK_BENCH_NO_MATMUL") {
         return;
     }
     let (mm, mk, mn) = if smoke {
@@ -204,7 +261,7 @@ fn main() {
                 mk as u64,
                 mm as u64,
                 1,
-                &weights(ty, mm * mk, &mut rng),
+                &weights(ty, mm * mk, rng),
             )
             .expect("upload");
         let x: GpuBuffer = gpu.buffer_from_f32("x", &vec![0.5; mk * mn as usize]).expect("x");
@@ -212,13 +269,15 @@ fn main() {
         let flops = 2.0 * mm as f64 * mk as f64 * f64::from(mn);
         let mut line = format!("matmul {:<7} {mm}x{mk}x{mn}:", ty.name());
         let mut kernels = vec![MatmulKernel::Tiled];
-        if coop_accumulator(&gpu).is_some() {
-            kernels.push(MatmulKernel::Coop);
+        for tile in CoopTile::DENSE {
+            if coop_accumulator(gpu, tile).is_some() {
+                kernels.push(MatmulKernel::Coop(tile));
+            }
         }
         for kernel in kernels {
-            let t = time_submit(&gpu, iters.min(5), |rec| {
+            let t = time_submit(gpu, iters.min(5), |rec| {
                 matmul_with(
-                    &gpu,
+                    gpu,
                     rec,
                     &w,
                     Columns::packed(&x, mk as u32),
@@ -229,18 +288,306 @@ fn main() {
                 .expect("matmul")
             });
             line += &format!(
-                "  {kernel:?}: {:>8.1} GFLOP/s ({:.3} ms)",
+                "  {}: {:>8.1} GFLOP/s ({:.3} ms)",
+                kernel_name(kernel),
                 flops / t / 1e9,
                 t * 1e3
             );
         }
-        println!("{line}  auto={:?}", matmul_kernel(&gpu, mn));
+        let fast = matmul_kernel(gpu, Precision::Fast, ty, mm as u64, mn);
+        println!("{line}  fast={}", kernel_name(fast));
     }
-    let c = gpu.counters();
-    println!(
-        "counters: {} pipelines, {} bind groups, {} buffers, {} submits",
-        c.pipelines, c.bind_groups, c.buffers, c.submits
-    );
+}
+
+/// The name a mat-mat kernel goes by in the tables.
+fn kernel_name(kernel: MatmulKernel) -> String {
+    match kernel {
+        MatmulKernel::Tiled => "tiled".to_string(),
+        MatmulKernel::Coop(t) => format!("coop{}x{}", t.rows, t.cols),
+    }
+}
+
+/// The dense IQ4_XS products of one Qwen3-Next-80B layer over a 512-token piece (rows × K: DeltaNet
+/// qkv, z and out, the shared expert's gate+up and down), per kernel, and which one a fast engine
+/// picks: where the 128×128 cooperative tile starts to pay.
+fn projection_prefill(gpu: &Gpu, rng: &mut Rng) {
+    let ncols: u32 = if smoke() { 96 } else { 512 };
+    let shapes: &[(&str, usize, usize)] = if smoke() {
+        &[("small", 256, 256)]
+    } else {
+        &[
+            ("dn.qkv", 8192, 2048),
+            ("dn.z", 4096, 2048),
+            ("dn.out", 2048, 4096),
+            ("shexp.gate_up", 1024, 2048),
+            ("shexp.down", 2048, 512),
+        ]
+    };
+    let ty = GgmlType::IQ4XS;
+    for &(name, rows, k) in shapes {
+        let w = gpu
+            .upload_weight(
+                "bench_proj",
+                ty,
+                k as u64,
+                rows as u64,
+                1,
+                &weights(ty, rows * k, rng),
+            )
+            .expect("upload");
+        let x = gpu
+            .buffer_from_f32("x", &vec![0.5; k * ncols as usize])
+            .expect("x");
+        let y = gpu
+            .buffer_zeroed("y", (rows * ncols as usize * 4) as u64)
+            .expect("y");
+        let flops = 2.0 * rows as f64 * k as f64 * f64::from(ncols);
+        let mut line = format!("prefill {name:<14} {rows}x{k}x{ncols} {}:", ty.name());
+        let mut kernels = vec![MatmulKernel::Tiled];
+        for tile in CoopTile::DENSE {
+            if coop_accumulator(gpu, tile).is_some() {
+                kernels.push(MatmulKernel::Coop(tile));
+            }
+        }
+        for kernel in kernels {
+            let t = time_submit(gpu, 5, |rec| {
+                let (xc, yc) = (Columns::packed(&x, k as u32), Columns::packed(&y, rows as u32));
+                matmul_with(gpu, rec, &w, xc, yc, ncols, kernel).expect("matmul")
+            });
+            line += &format!(
+                "  {}: {:>7.1} µs {:>6.1} TFLOP/s",
+                kernel_name(kernel),
+                t * 1e6,
+                flops / t / 1e12
+            );
+        }
+        let fast = matmul_kernel(gpu, Precision::Fast, ty, rows as u64, ncols);
+        println!("{line}  fast={}", kernel_name(fast));
+    }
+}
+
+/// Chunked DeltaNet prefill at the Qwen3-Next-80B shape (16 k-heads, 32 v-heads, dk = dv = 128):
+/// µs per call and per 64-token chunk, tokens/s of one layer, and the prep and state kernels'
+/// own GPU times.
+fn deltanet_prefill(gpu: &Gpu, rng: &mut Rng) {
+    let (nk, nv, dk, dv) = if smoke() {
+        (2u32, 4u32, 32u32, 32u32)
+    } else {
+        (16, 32, 128, 128)
+    };
+    let lengths: &[u32] = if smoke() { &[128] } else { &[512, 4096] };
+    let mut f = |n: usize, scale: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| ((rng.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
+            .collect()
+    };
+    for &tokens in lengths {
+        let stride = 2 * nk * dk + nv * dv;
+        let p = DeltaParams {
+            tokens,
+            k_heads: nk,
+            v_heads: nv,
+            dk,
+            dv,
+            pairing: HeadPairing::Grouped as u32,
+            qkv_token_stride: stride,
+            k_offset: nk * dk,
+            v_offset: 2 * nk * dk,
+            ba_token_stride: 2 * nv,
+            ba_group: nv / nk,
+            ba_group_stride: 2 * (nv / nk),
+            alpha_offset: nv / nk,
+            out_token_stride: nv * dv,
+            eps: 1e-6,
+            q_scale: 1.0 / (dk as f32).sqrt(),
+            ..bytemuck::Zeroable::zeroed()
+        };
+        let up = |name: &str, v: &[f32]| gpu.buffer_from_f32(name, v).expect("upload");
+        let qkv = up("qkv", &f((tokens * stride) as usize, 1.0));
+        let ba = up("ba", &f((tokens * 2 * nv) as usize, 2.0));
+        let ssm_a: Vec<f32> = f(nv as usize, 1.0).iter().map(|x| -(x * 1.5).exp()).collect();
+        let ssm_a = up("ssm_a", &ssm_a);
+        let dt_bias = up("dt_bias", &f(nv as usize, 1.0));
+        let state = up("state", &f((nv * dk * dv) as usize, 0.5));
+        let out = gpu
+            .buffer_zeroed("out", u64::from(tokens * nv * dv) * 4)
+            .expect("out");
+        let scratch = gpu
+            .buffer_zeroed("dn_scratch", p.scratch_len(tokens) * 4)
+            .expect("scratch");
+        let args = DeltaArgs {
+            qkv: &qkv,
+            ba: &ba,
+            ssm_a: &ssm_a,
+            dt_bias: &dt_bias,
+            state: &state,
+            out: &out,
+            scratch: Some(&scratch),
+        };
+        let t = time_submit(gpu, 5, |rec| {
+            deltanet::record_chunked(gpu, rec, &p, &args).expect("deltanet")
+        });
+        let chunks = tokens.div_ceil(deltanet::CHUNK);
+        println!(
+            "deltanet chunked {tokens} tokens ({nv} v-heads, {nk} k-heads, dk {dk}, dv {dv}): {:>9.1} µs per \
+             layer, {:>7.2} µs per chunk, {:>10.0} tokens/s per layer",
+            t * 1e6,
+            t * 1e6 / f64::from(chunks),
+            f64::from(tokens) / t
+        );
+        print_kernel_times(&kernel_times(gpu, |rec| {
+            deltanet::record_chunked(gpu, rec, &p, &args).expect("deltanet")
+        }));
+    }
+}
+
+/// The MoE of one layer for a prefill piece at the Qwen3-Next-80B shape (512 experts, 10 used,
+/// ff 512, n_embd 2048, 512 tokens, IQ4_XS): the grouping kernel, then gate+up (2·ff rows) and
+/// down by the grouped mat-mat per kernel, against the per-token mat-vec by ids it replaces.
+/// TFLOP/s counts the routed products only; GB/s the expert weights read (every expert is hit).
+fn moe_prefill(gpu: &Gpu, rng: &mut Rng) {
+    let (experts, n_used, ff, n_embd, tokens) = if smoke() {
+        (16u32, 4u32, 256u32, 256u32, 40u32)
+    } else {
+        (512, 10, 512, 2048, 512)
+    };
+    let ty = GgmlType::IQ4XS;
+    let gate_up = gpu
+        .upload_weight(
+            "bench_gate_up_exps",
+            ty,
+            u64::from(n_embd),
+            u64::from(2 * ff),
+            u64::from(experts),
+            &weights(ty, (experts * 2 * ff * n_embd) as usize, rng),
+        )
+        .expect("upload");
+    let down = gpu
+        .upload_weight(
+            "bench_down_exps",
+            ty,
+            u64::from(ff),
+            u64::from(n_embd),
+            u64::from(experts),
+            &weights(ty, (experts * ff * n_embd) as usize, rng),
+        )
+        .expect("upload");
+    // Distinct uniform experts per token (a router's top-k).
+    let mut ids = Vec::new();
+    for _ in 0..tokens {
+        let mut chosen: Vec<u32> = Vec::new();
+        while chosen.len() < n_used as usize {
+            let e = (rng.next() % u64::from(experts)) as u32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids.extend(chosen);
+    }
+    let idb = gpu.buffer_from_u32("ids", &ids).expect("ids");
+    let entries = tokens * n_used;
+    let x = gpu
+        .buffer_from_f32("x", &vec![0.5; (tokens * n_embd) as usize])
+        .expect("x");
+    let act = gpu
+        .buffer_from_f32("act", &vec![0.5; (entries * ff) as usize])
+        .expect("act");
+    let y_gu = gpu
+        .buffer_zeroed("y_gu", u64::from(entries * 2 * ff) * 4)
+        .expect("y");
+    let y_down = gpu
+        .buffer_zeroed("y_down", u64::from(entries * n_embd) * 4)
+        .expect("y");
+    let shape = GroupShape {
+        experts,
+        n_used,
+        n_tokens: tokens,
+    };
+    let gb = gpu.buffer_zeroed("groups", shape.words() * 4).expect("groups");
+    let groups = ExpertGroups { buf: &gb, shape };
+    let ids_arg = ExpertIds {
+        buf: &idb,
+        offset: 0,
+        n_used,
+        n_tokens: tokens,
+    };
+    let flops = 2.0 * f64::from(entries) * 3.0 * f64::from(ff) * f64::from(n_embd);
+    let bytes = (gate_up.rows * gate_up.row_bytes + down.rows * down.row_bytes) * u64::from(experts);
+    let report = |name: &str, t: f64| {
+        println!(
+            "moe {tokens} tokens × {n_used} of {experts} experts (ff {ff}, n_embd {n_embd}, {}) {name:<12} \
+             {:>9.1} µs  {:>7.2} TFLOP/s  {:>7.1} GB/s of expert weights",
+            ty.name(),
+            t * 1e6,
+            flops / t / 1e12,
+            bytes as f64 / t / 1e9
+        );
+    };
+    let t = time_submit(gpu, 5, |rec| {
+        group_experts(gpu, rec, ids_arg, groups).expect("group")
+    });
+    println!("moe grouping ({entries} entries): {:>9.1} µs", t * 1e6);
+    let mut kernels = vec![MatmulKernel::Tiled];
+    if coop_accumulator(gpu, CoopTile::MOE).is_some() {
+        kernels.push(MatmulKernel::Coop(CoopTile::MOE));
+    }
+    let run = |rec: &mut Recorder<'_>, kernel: MatmulKernel| {
+        group_experts(gpu, rec, ids_arg, groups).expect("group");
+        let gu_y = Columns::packed(&y_gu, 2 * ff);
+        matmul_id(
+            gpu,
+            rec,
+            &gate_up,
+            Columns::packed(&x, n_embd),
+            gu_y,
+            groups,
+            MoeInput::PerToken,
+            kernel,
+        )
+        .expect("gate_up");
+        let down_y = Columns::packed(&y_down, n_embd);
+        matmul_id(
+            gpu,
+            rec,
+            &down,
+            Columns::packed(&act, ff),
+            down_y,
+            groups,
+            MoeInput::PerSlot,
+            kernel,
+        )
+        .expect("down");
+    };
+    for kernel in kernels {
+        let t = time_submit(gpu, 5, |rec| run(rec, kernel));
+        report(&format!("grouped {}", kernel_name(kernel)), t);
+        print_kernel_times(&kernel_times(gpu, |rec| run(rec, kernel)));
+    }
+    let t = time_submit(gpu, 1, |rec| {
+        let gu_y = Columns::packed(&y_gu, 2 * ff);
+        matvec_id(
+            gpu,
+            rec,
+            &gate_up,
+            Columns::packed(&x, n_embd),
+            gu_y,
+            ids_arg,
+            MoeInput::PerToken,
+        )
+        .expect("gate_up");
+        let down_y = Columns::packed(&y_down, n_embd);
+        matvec_id(
+            gpu,
+            rec,
+            &down,
+            Columns::packed(&act, ff),
+            down_y,
+            ids_arg,
+            MoeInput::PerSlot,
+        )
+        .expect("down");
+    });
+    report("matvec by ids", t);
 }
 
 impl Rng {

@@ -2,9 +2,9 @@
 //! state each), `stage_run` for positions of one slot, `step` for one decode position of several
 //! slots in one pass, state snapshots, and counters. No I/O beyond loading, no Python.
 //!
-//! Prefill is cut internally at absolute multiples of 64 (the DeltaNet chunk), so a prompt gives
-//! the same bytes however it is cut into calls at multiples of 64; each piece is one recorded
-//! command sequence, one submit and one readback.
+//! Prefill is cut internally into pieces of up to 512 positions at absolute multiples of 64 (the
+//! DeltaNet chunk; `piece_len`), so a prompt gives the same bytes however it is cut into calls at
+//! multiples of 64; each piece is one recorded command sequence, one submit and one readback.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -12,14 +12,15 @@ use std::time::Instant;
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
-use crate::gpu::record::{OpLabel, SubmitProfile};
+use crate::gpu::record::{Encoded, OpLabel, SubmitProfile};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
-use crate::model::forward::{Batch, LayerState, Model, Scratch, SlotState};
+use crate::model::forward::{Batch, Model, Scratch, SlotState, write_step_rows};
 use crate::model::kv::attn_shape;
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
 use crate::ops::attention::KvType;
 use crate::ops::deltanet::CHUNK;
+use crate::ops::matmul::{ColumnClass, Precision, column_class};
 use crate::ops::rope::freq_table;
 use crate::ops::topk::{IdLogit, MAX_K};
 
@@ -54,16 +55,12 @@ struct Snapshot {
     buffer: GpuBuffer,
 }
 
-/// The slot's state ranges (buffer, offset, bytes) a snapshot at `pos` holds, in layer order: the
-/// slot's KV cells of positions `0..pos` (their bytes per position depend on the cache types), conv
-/// rows and S.
-fn state_parts(st: &SlotState, pos: u32) -> Result<Vec<(&GpuBuffer, u64, u64)>> {
+/// The slot's state ranges (buffer, byte offset, bytes) a snapshot at `pos` holds, in layer order:
+/// its KV cells of positions `0..pos` (their bytes depend on the cache types), conv rows and S.
+fn state_parts<'a>(st: &'a SlotState, cfg: &ModelConfig, pos: u32) -> Result<Vec<(&'a GpuBuffer, u64, u64)>> {
     let mut parts = Vec::new();
     for l in &st.layers {
-        match l {
-            LayerState::Attention { kv, slot } => parts.extend(kv.slot_ranges(*slot, pos)?),
-            LayerState::DeltaNet { conv, s } => parts.extend([(conv, 0, conv.size), (s, 0, s.size)]),
-        }
+        parts.extend(l.parts(cfg, pos)?);
     }
     Ok(parts)
 }
@@ -224,23 +221,58 @@ fn add_dispatch(o: &mut OpProfile, kernel: &str, gpu_ns: Option<f64>) {
     }
 }
 
+/// Positions per prefill piece (one recorded submit): enough columns for the mat-mats to fill the
+/// GPU and to amortise each weight read, and a multiple of the DeltaNet chunk. The scratch holds
+/// this many rows (its size is in [`Engine::memory`] and the load line).
+pub const PREFILL_PIECE: u32 = 512;
+
+/// Rows of logits the LM head computes at once within a prefill piece: a Qwen vocabulary makes a
+/// row 0.6 MB, so a whole 512-row piece would need 311 MB (and more than lavapipe's 128 MiB
+/// binding). One chunk, so each group is the same rows whatever the piece (like every other op).
+const HEAD_ROWS: u32 = CHUNK;
+
+/// Rows of the next prefill piece at absolute position `pos` with `left` rows to go, at most `max`
+/// (a multiple of 64). A piece that starts mid-chunk ends at the chunk's end (its rows run the
+/// recurrent DeltaNet form, as a call starting there would); otherwise it takes whole chunks, and
+/// the last partial chunk joins them only if its rows would get the same kind of product
+/// (`class`) on their own. So the rows of one chunk see the same kernels whatever the piece, and a
+/// prompt gives the same bytes however its calls are cut at multiples of 64.
+pub fn piece_len(pos: u32, left: u32, max: u32, class: impl Fn(u32) -> ColumnClass) -> u32 {
+    let to_boundary = (CHUNK - pos % CHUNK) % CHUNK;
+    if to_boundary > 0 {
+        return left.min(to_boundary);
+    }
+    if left > max {
+        return max;
+    }
+    let tail = left % CHUNK;
+    if left > CHUNK && tail > 0 && class(tail) != class(CHUNK) {
+        left - tail
+    } else {
+        left
+    }
+}
+
 pub struct EngineOptions {
     pub layers: Option<(u32, u32)>,
     pub slots: u32,
     pub ctx: u32,
     pub device: Option<String>,
-    /// KV cache element types; None: f16 (see [`EngineOptions::kv_types`]).
+    /// f32 products throughout (the float64-reference gates); false: tensor-core (f16-input)
+    /// mat-mats for prefill where the adapter has them.
+    pub precise: bool,
+    /// KV cache element types; None: f16, or f32 with `precise` (see [`EngineOptions::kv_types`]).
     pub cache_type_k: Option<KvType>,
     pub cache_type_v: Option<KvType>,
 }
 
 impl EngineOptions {
-    /// The K and V cache types: as given, else f16 (llama.cpp's default). The precise setting wants
-    /// f32 here when no type is given.
+    /// The K and V cache types: as given, else f16 (llama.cpp's default), or f32 under `precise`.
     pub fn kv_types(&self) -> (KvType, KvType) {
+        let default = if self.precise { KvType::F32 } else { KvType::F16 };
         (
-            self.cache_type_k.unwrap_or(KvType::F16),
-            self.cache_type_v.unwrap_or(KvType::F16),
+            self.cache_type_k.unwrap_or(default),
+            self.cache_type_v.unwrap_or(default),
         )
     }
 }
@@ -254,6 +286,35 @@ pub struct Engine {
     snapshots: HashMap<u64, Snapshot>,
     last_step: Option<StepTiming>,
     kv_types: (KvType, KvType),
+    /// The decode step recorded while the previous one ran (see `step_inner`).
+    ahead: Option<Ahead>,
+}
+
+/// What a recorded decode step is for: its rows' slots and positions, the top-k, and whether its
+/// rows are token ids (first stage) or hidden rows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct StepShape {
+    slots: Vec<usize>,
+    positions: Vec<u32>,
+    k: u32,
+    tokens: bool,
+}
+
+impl StepShape {
+    /// The same slots one position on: what the next call most likely asks for.
+    fn advanced(&self) -> StepShape {
+        StepShape {
+            positions: self.positions.iter().map(|p| p + 1).collect(),
+            ..self.clone()
+        }
+    }
+}
+
+/// A decode step recorded ahead of its call.
+struct Ahead {
+    shape: StepShape,
+    encoded: Encoded,
+    tickets: Vec<usize>,
 }
 
 impl Engine {
@@ -290,11 +351,19 @@ impl Engine {
         let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
         let slots = SlotState::new_all(&gpu, &cfg, &weights.layers, shape, opts.slots)?;
         let has_head = weights.output.is_some();
-        let rows = CHUNK.max(opts.slots);
+        let rows = PREFILL_PIECE.max(opts.slots);
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
-        let scratch = Scratch::new(&gpu, &cfg, rows, opts.slots, has_head, legacy)?;
+        let scratch = Scratch::new(
+            &gpu,
+            &cfg,
+            rows,
+            HEAD_ROWS.max(opts.slots),
+            opts.slots,
+            has_head,
+            legacy,
+        )?;
         let engine = Engine {
             gpu,
             model: Model {
@@ -302,6 +371,11 @@ impl Engine {
                 weights,
                 freqs,
                 ctx: opts.ctx,
+                precision: if opts.precise {
+                    Precision::Precise
+                } else {
+                    Precision::Fast
+                },
             },
             kv_types: (k_type, v_type),
             layers,
@@ -309,6 +383,7 @@ impl Engine {
             scratch,
             snapshots: HashMap::new(),
             last_step: None,
+            ahead: None,
         };
         let m = engine.memory();
         progress(&format!(
@@ -405,7 +480,7 @@ impl Engine {
         }
         if base == 0 {
             let gpu = &self.gpu;
-            self.slots[slot].reset(gpu)?;
+            self.slots[slot].reset(gpu, &self.model.cfg)?;
         }
         Ok(())
     }
@@ -474,8 +549,8 @@ impl Engine {
     }
 
     /// [`Engine::stage_run`] profiled like [`Engine::profile_step`]: the dispatches of every
-    /// prefill piece (one submit per piece of at most 64 rows) in one profile, host times summed
-    /// over the pieces.
+    /// prefill piece (one submit per piece of at most [`PREFILL_PIECE`] rows) in one profile, host
+    /// times summed over the pieces.
     pub fn profile_stage_run(
         &mut self,
         slot: usize,
@@ -558,11 +633,12 @@ impl Engine {
         let mut top = Vec::new();
         let mut logits = Vec::new();
         let mut done = 0usize;
+        // Logits are read back whole, so a call that wants them runs one head group per piece.
+        let max = if want_logits { HEAD_ROWS } else { PREFILL_PIECE }.min(self.scratch.rows / CHUNK * CHUNK);
         while done < n {
             let pos = base + done as u32;
-            // Pieces end on absolute multiples of the DeltaNet chunk (and the scratch size).
-            let to_boundary = (CHUNK - pos % CHUNK) as usize;
-            let len = (n - done).min(to_boundary).min(self.scratch.rows as usize);
+            let (gpu, precision) = (&self.gpu, self.model.precision);
+            let len = piece_len(pos, (n - done) as u32, max, |c| column_class(gpu, precision, c)) as usize;
             let final_piece = done + len == n;
             self.write_input(&input, done, done + len)?;
             let model = &self.model;
@@ -579,7 +655,9 @@ impl Engine {
                 model.record_embed(gpu, &mut rec, s, t)?;
             }
             let cur = if len == 1 {
-                model.record_layers(gpu, &mut rec, s, &[st], Batch::Decode { positions: &[pos] })?
+                gpu.write(&s.slots, 0, bytemuck::bytes_of(&(slot as u32)))?;
+                write_step_rows(gpu, s, &[st], &[pos])?;
+                model.record_decode_layers(gpu, &mut rec, s, &[st], &[pos])?
             } else {
                 model.record_layers(gpu, &mut rec, s, &[st], Batch::Prefill { base: pos, n: t })?
             };
@@ -587,14 +665,27 @@ impl Engine {
             let mut hidden_ticket = None;
             let mut logits_ticket = None;
             if last {
-                model.record_head(gpu, &mut rec, s, cur, t)?;
-                // Argmax of every row but the last in one batch; the last row gets its own k.
-                if t > 1 {
-                    model.record_topk_rows(gpu, &mut rec, s, 0, t - 1, 1, &s.results)?;
-                    tickets.push((rec.read(&s.results, 0, u64::from(t - 1) * 8)?, 1));
-                }
+                // The head over groups of HEAD_ROWS rows: the argmax of every row but the piece's
+                // last, gathered in piece_ids; the last row gets its own k.
                 let k = if final_piece { topk.max(1) } else { 1 };
-                model.record_topk_rows(gpu, &mut rec, s, t - 1, 1, k, &s.result_last)?;
+                let mut g0 = 0;
+                while g0 < t {
+                    let g = (t - g0).min(HEAD_ROWS);
+                    model.record_head_rows(gpu, &mut rec, s, cur, g0, g)?;
+                    let argmax_rows = if g0 + g == t { g - 1 } else { g };
+                    if argmax_rows > 0 {
+                        model.record_topk_rows(gpu, &mut rec, s, 0, argmax_rows, 1, &s.results)?;
+                        let bytes = u64::from(argmax_rows) * 8;
+                        rec.copy(&s.results, 0, &s.piece_ids, u64::from(g0) * 8, bytes)?;
+                    }
+                    if g0 + g == t {
+                        model.record_topk_rows(gpu, &mut rec, s, g - 1, 1, k, &s.result_last)?;
+                    }
+                    g0 += g;
+                }
+                if t > 1 {
+                    tickets.push((rec.read(&s.piece_ids, 0, u64::from(t - 1) * 8)?, 1));
+                }
                 tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
                 if want_logits {
                     logits_ticket = Some(rec.read(&s.logits, 0, (len * vocab * 4) as u64)?);
@@ -712,47 +803,57 @@ impl Engine {
         }
         let positions: Vec<u32> = slots.iter().map(|&s| self.slots[s].pos).collect();
         self.write_input(&input, 0, n)?;
-        let e = self.model.cfg.n_embd as usize;
-        let model = &self.model;
-        let s = &self.scratch;
-        let gpu = &self.gpu;
-        let states: Vec<&SlotState> = slots.iter().map(|&i| &self.slots[i]).collect();
-        let mut rec = if profile {
-            gpu.profiling_recorder()
-        } else {
-            gpu.recorder()
+        let slot_table: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        self.gpu
+            .write(&self.scratch.slots, 0, bytemuck::cast_slice(&slot_table))?;
+        {
+            let states: Vec<&SlotState> = slots.iter().map(|&i| &self.slots[i]).collect();
+            write_step_rows(&self.gpu, &self.scratch, &states, &positions)?;
+        }
+        let shape = StepShape {
+            slots: slots.to_vec(),
+            positions,
+            k: topk.max(1),
+            tokens: matches!(input, StageInput::Tokens(_)),
         };
-        if matches!(input, StageInput::Tokens(_)) {
-            model.record_embed(gpu, &mut rec, s, n as u32)?;
-        }
-        let cur = model.record_layers(
-            gpu,
-            &mut rec,
-            s,
-            &states,
-            Batch::Decode {
-                positions: &positions,
-            },
-        )?;
-        let last = self.is_last();
-        let k = topk.max(1);
-        let mut tickets = Vec::new();
-        if last {
-            model.record_head(gpu, &mut rec, s, cur, n as u32)?;
-            model.record_topk_rows(gpu, &mut rec, s, 0, n as u32, k, &s.results)?;
-            for row in 0..n as u64 {
-                tickets.push(rec.read(&s.results, row * u64::from(k) * 8, u64::from(k) * 8)?);
+        // A step recorded while the previous one ran serves if it was recorded for exactly this.
+        let ahead = match self.ahead.take() {
+            Some(a) if !profile && a.shape == shape => Some(a),
+            Some(a) => {
+                a.encoded.discard(&self.gpu);
+                None
             }
-        } else {
-            tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);
+            None => None,
+        };
+        let (encoded, tickets) = match ahead {
+            Some(a) => (a.encoded, a.tickets),
+            None => self.record_step(&shape, profile)?,
+        };
+        let submit_begin = Instant::now();
+        let submitted = encoded.submit(&self.gpu);
+        let submitted_at = Instant::now();
+        // Record the likely next step (same slots, one position on) while the GPU runs this one:
+        // its recording then costs the next call nothing. Any other next call discards it.
+        if !profile {
+            let next = shape.advanced();
+            if next.positions.iter().all(|&p| p < self.model.ctx) {
+                let (encoded, tickets) = self.record_step(&next, false)?;
+                self.ahead = Some(Ahead {
+                    shape: next,
+                    encoded,
+                    tickets,
+                });
+            }
         }
-        let (out, finished) = rec.finish_and_read_timed()?;
+        let (out, finished) = submitted.wait(&self.gpu)?;
+        let e = self.model.cfg.n_embd as usize;
+        let (last, k) = (self.is_last(), shape.k);
         let mut results = Vec::with_capacity(n);
         if last {
             for t in &tickets {
                 let pairs: &[IdLogit] = bytemuck::cast_slice(&out[*t]);
                 let top = if topk > 0 {
-                    pairs.iter().map(|p| (p.id, p.logit)).collect()
+                    pairs[..k as usize].iter().map(|p| (p.id, p.logit)).collect()
                 } else {
                     Vec::new()
                 };
@@ -767,19 +868,51 @@ impl Engine {
                 results.push(StageOutput::Hidden(rows[i * e..(i + 1) * e].to_vec()));
             }
         }
-        for (&sl, &p) in slots.iter().zip(&positions) {
+        for (&sl, &p) in slots.iter().zip(&shape.positions) {
             self.slots[sl].pos = p + 1;
         }
         let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
         let timing = StepTiming {
             rows: n as u32,
-            record_us: us(started, finished.encoded),
-            submit_us: us(finished.encoded, finished.submitted),
-            wait_us: us(finished.submitted, finished.done),
+            record_us: us(started, submit_begin),
+            submit_us: us(submit_begin, submitted_at),
+            wait_us: us(submitted_at, finished.done),
             total_us: us(started, Instant::now()),
         };
         self.last_step = Some(timing);
         Ok((results, finished.profile, timing))
+    }
+
+    /// Record one decode step of `shape` (its inputs are written separately, before the submit):
+    /// the encoded commands and, per row (last stage) or once (hidden rows), the readback index.
+    fn record_step(&self, shape: &StepShape, profile: bool) -> Result<(Encoded, Vec<usize>)> {
+        let n = shape.slots.len();
+        let e = self.model.cfg.n_embd as usize;
+        let model = &self.model;
+        let s = &self.scratch;
+        let gpu = &self.gpu;
+        let states: Vec<&SlotState> = shape.slots.iter().map(|&i| &self.slots[i]).collect();
+        let mut rec = if profile {
+            gpu.profiling_recorder()
+        } else {
+            gpu.recorder()
+        };
+        if shape.tokens {
+            model.record_embed(gpu, &mut rec, s, n as u32)?;
+        }
+        let cur = model.record_decode_layers(gpu, &mut rec, s, &states, &shape.positions)?;
+        let k = shape.k;
+        let mut tickets = Vec::new();
+        if self.is_last() {
+            model.record_head(gpu, &mut rec, s, cur, n as u32)?;
+            model.record_topk_rows(gpu, &mut rec, s, 0, n as u32, k, &s.results)?;
+            for row in 0..n as u64 {
+                tickets.push(rec.read(&s.results, row * u64::from(k) * 8, u64::from(k) * 8)?);
+            }
+        } else {
+            tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);
+        }
+        Ok((rec.finish()?, tickets))
     }
 
     /// Greedy generation on one slot from position 0: the prompt, then `max_new` tokens.
@@ -812,7 +945,7 @@ impl Engine {
     pub fn state_save(&mut self, slot: usize, idx: u64) -> Result<()> {
         let st = self.slot(slot)?;
         let pos = st.pos;
-        let parts = state_parts(st, pos)?;
+        let parts = state_parts(st, &self.model.cfg, pos)?;
         let total: u64 = parts.iter().map(|(_, _, b)| b).sum();
         let gpu = &self.gpu;
         let buffer = gpu.buffer_zeroed(&format!("snapshot{idx}"), total.max(4))?;
@@ -836,7 +969,7 @@ impl Engine {
             .snapshots
             .get(&idx)
             .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))?;
-        let parts = state_parts(&self.slots[slot], snap.pos)?;
+        let parts = state_parts(&self.slots[slot], &self.model.cfg, snap.pos)?;
         let mut rec = self.gpu.recorder();
         let mut at = 0;
         for (dst, offset, bytes) in parts {

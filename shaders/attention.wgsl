@@ -1,10 +1,10 @@
-// Causal GQA attention over the KV cache with the Qwen3-Next sigmoid output gate (spec model.md §3.5),
+// Causal GQA attention over the KV cache with the Qwen3-Next sigmoid output gate (docs/numerics.md "Gated attention"),
 // flash style: the keys of a row are cut into splits, each split keeps an online softmax (running
 // max m, sum l, unnormalised output o) and writes it as a partial; OP=merge combines a row's
 // partials, normalises and gates. OP=prepare fills the cache first. Layouts and the host side:
 // rust/ops/attention.rs.
 //
-// OP=prepare (spec §3.5 steps 2-4): grid (heads + kv_heads, rows), one workgroup per head row: q
+// OP=prepare (docs/numerics.md "Gated attention"): grid (heads + kv_heads, rows), one workgroup per head row: q
 // heads get their RMSNorm and partial NeoX RoPE into Q_OUT, kv heads' K its RMSNorm and RoPE and,
 // with V, a store into the row's cache cell in the cache type (f32, f16, or q8_0 for K: blocks of
 // 32 with an f16 scale, as ggml's quantize_row_q8_0). RoPE rotates the pairs (i, i + n_rot/2) by

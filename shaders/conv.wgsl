@@ -1,4 +1,4 @@
-// Causal depthwise conv1d + SiLU over the GDN channels (spec model.md §3.2 step 3), for one token
+// Causal depthwise conv1d + SiLU over the GDN channels (docs/numerics.md "Gated DeltaNet" step 3), for one token
 // (decode) or many (prefill), updating the (K-1)-row conv state in place. One invocation owns one
 // channel and walks the tokens in order with a sliding window, so decode and prefill are the same
 // kernel and the state update needs no synchronisation.

@@ -1,4 +1,4 @@
-// Gated DeltaNet (spec model.md §3.2 steps 2 and 5-8, §3.3, §3.4) on the conv output of a GDN layer.
+// Gated DeltaNet (docs/numerics.md "Gated DeltaNet" and the two sections after it) on the conv output of a GDN layer.
 // Each entry point computes from raw inputs: the L2 norms of q and k (x / max(|x|, eps), q times
 // q_scale = 1/sqrt(dk)), beta = sigmoid(b) and g = ssm_a * softplus(alpha + dt_bias).
 //
@@ -10,14 +10,20 @@
 // * recurrent: token by token (decode, and the head of a prefill that starts mid-chunk).
 //   Grid (ceil(dv / COLS), v_heads); invocation = (column, lane), a lane owns every LANES-th key row
 //   of its column in registers.
-// * prep + state: the chunked WY/UT form for chunks of 64 tokens
-//   starting at token first_token of the call, which the caller puts on an absolute multiple of 64.
-//   prep (grid (chunks, v_heads), invocation = chunk row) writes per chunk and head: W, U, the
-//   masked decayed q.k matrix P, the cumulative log-decays and the inverse norms to scratch.
-//   state (grid (ceil(dv / COLS), v_heads)) walks the chunks in order, carrying a column block of S
-//   in workgroup memory: V' = U - W S, O = e^gamma Q S + P V', S = e^gamma_C S + K^T diag(.) V'.
+// * prep + state: the chunked WY/UT form for chunks of 64 tokens starting at token first_token of
+//   the call, which the caller puts on an absolute multiple of 64.
+//   prep (grid (chunks, v_heads), 256 invocations, every chunk at once) stages 16-wide slices of
+//   q, k and v in workgroup memory and works as small mat-mats: K^ K^T and Q^ K^T (64 x 64, each
+//   invocation a 4 x 4 block), the triangular solve T = (I + A)^-1 (row by row, one invocation
+//   per column), then W = T diag(beta e^gamma) K^ and U = T diag(beta) V slice by slice. It
+//   writes W, U, the masked decayed q.k matrix P, the cumulative log-decays and the inverse norms
+//   to scratch.
+//   state (grid (ceil(dv / 16), v_heads), 256 invocations) walks the chunks in order, carrying a
+//   dk x 16 column block of S in workgroup memory: V' = U - W S, O = e^gamma Q S + P V',
+//   S = e^gamma_C S + K^T diag(.) V'; an invocation owns one chunk row and 4 value columns.
 //   A last partial chunk behaves like zero padding, and its outputs are the same numbers as the
-//   same rows of a full chunk (sums only run over real rows).
+//   same rows of a full chunk (sums only run over real rows, or add exact zeros).
+//   Every sum has a fixed order, so a chunk gives the same bytes in whatever call it runs.
 
 #include "common.wgsl"
 #define WG 64
@@ -61,10 +67,12 @@ const COLS: u32 = 16u;
 const LANES: u32 = 4u;
 const MAX_DK: u32 = 128u;
 const MAX_ROWS_PER_LANE: u32 = 32u;
-// Chunk state: value columns per workgroup.
+// Chunked form: invocations per workgroup, value columns per state workgroup, and the width and
+// row pitch of the slices prep stages (the pitch keeps column reads off one bank).
+const CHUNK_WG: u32 = 256u;
 const STATE_COLS: u32 = 16u;
-// Packed strictly-lower 64x64 matrix: row i holds i entries starting at i*(i-1)/2.
-const TRI_LEN: u32 = 2016u;
+const SLICE: u32 = 16u;
+const SLICE_PITCH: u32 = 17u;
 
 var<immediate> P: DeltaParams;
 @group(0) @binding(0) var<storage, read> QKV: array<f32>;
@@ -94,17 +102,26 @@ var<workgroup> rec_o_parts: array<f32, {{WG}}>;
 #endif
 
 #if OP == prep
-var<workgroup> prep_tri: array<f32, TRI_LEN>;
+// A, then T in place: row-major 64 x 64, strictly lower (the unit diagonal is implicit).
+var<workgroup> prep_t: array<f32, 4096>;
+// Slices of 64 rows x SLICE columns (row pitch SLICE_PITCH): k (and the W / U operand), and q.
+var<workgroup> prep_ka: array<f32, 1088>;
+var<workgroup> prep_qa: array<f32, 1088>;
 var<workgroup> prep_gamma: array<f32, CHUNK>;
 var<workgroup> prep_beta: array<f32, CHUNK>;
+var<workgroup> prep_inv_q: array<f32, CHUNK>;
 var<workgroup> prep_inv_k: array<f32, CHUNK>;
+// beta e^gamma / |k| per row: the scale of k^ in W.
+var<workgroup> prep_wk: array<f32, CHUNK>;
 #endif
 
 #if OP == state
-var<workgroup> st_s: array<f32, 2048>;
-var<workgroup> st_vp: array<f32, 1024>;
-var<workgroup> st_gamma: array<f32, CHUNK>;
-var<workgroup> st_inv_k: array<f32, CHUNK>;
+// S[i][j0 + 4 g .. + 4] at 4 i + g, for key rows i < dk.
+var<workgroup> st_s: array<vec4<f32>, 512>;
+// V' of the chunk: row s, columns j0 + 4 g .. + 4 at 4 s + g.
+var<workgroup> st_vp: array<vec4<f32>, 256>;
+// e^(gamma_C - gamma_s) / |k_s| per row (0 past the chunk's end).
+var<workgroup> st_kf: array<f32, CHUNK>;
 #endif
 
 fn k_head_of(n: u32) -> u32 {
@@ -251,228 +268,298 @@ fn scratch_base(c: u32, n: u32) -> u32 {
 }
 
 #if OP == prep
-fn tri_index(i: u32, j: u32) -> u32 {
-    return i * (i - 1u) / 2u + j;
-}
-
-// T[row][s] for s <= row: the unit diagonal is implicit in the packed storage.
-fn t_entry(row: u32, s: u32) -> f32 {
-    if s == row {
-        return 1.0;
-    }
-    return prep_tri[tri_index(row, s)];
-}
-#endif
-
-#if OP == prep
-@compute @workgroup_size({{WG}})
+@compute @workgroup_size(256)
 fn main(ids: ComputeIds) {
-    let wid = ids.wid;
     let lid = ids.lid;
-    let c = wid.x;
-    let n = wid.y;
+    let c = ids.wid.x;
+    let n = ids.wid.y;
     let kh = k_head_of(n);
     let dk = P.dk;
     let dv = P.dv;
-    let row = lid;
-    let t = P.first_token + c * CHUNK + row;
-    let valid = c * CHUNK + row < P.tokens;
+    let t0 = P.first_token + c * CHUNK;
+    let len = min(CHUNK, P.tokens - c * CHUNK);
     let base = scratch_base(c, n);
     let w_base = base;
     let u_base = base + CHUNK * dk;
     let p_base = u_base + CHUNK * dv;
     let tail = p_base + CHUNK * CHUNK;
 
-    var g = 0.0;
-    var beta = 0.0;
-    var inv_q = 0.0;
-    var inv_k = 0.0;
-    if valid {
-        g = log_decay_of(t, n);
-        beta = beta_of(t, n);
+    // Squared norms of q and k: four invocations per row, each every fourth element, partial sums
+    // through prep_t (free until A is written).
+    {
+        let row = lid / 4u;
         var qq = 0.0;
         var kk = 0.0;
-        for (var i = 0u; i < dk; i++) {
-            let qv = q_at(t, kh, i);
-            let kv = k_at(t, kh, i);
-            qq += qv * qv;
-            kk += kv * kv;
+        if row < len {
+            for (var i = lid % 4u; i < dk; i += 4u) {
+                let qv = q_at(t0 + row, kh, i);
+                let kv = k_at(t0 + row, kh, i);
+                qq += qv * qv;
+                kk += kv * kv;
+            }
         }
-        inv_q = P.q_scale / max(sqrt(qq), P.eps);
-        inv_k = 1.0 / max(sqrt(kk), P.eps);
+        prep_t[lid] = qq;
+        prep_t[CHUNK_WG + lid] = kk;
     }
-    prep_gamma[row] = g;
-    prep_beta[row] = beta;
-    prep_inv_k[row] = inv_k;
+    workgroupBarrier();
+    var g = 0.0;
+    if lid < CHUNK {
+        let row = lid;
+        var beta = 0.0;
+        var inv_q = 0.0;
+        var inv_k = 0.0;
+        if row < len {
+            let qq = ((prep_t[4u * row] + prep_t[4u * row + 1u]) + prep_t[4u * row + 2u]) + prep_t[4u * row + 3u];
+            let kr = CHUNK_WG + 4u * row;
+            let kk = ((prep_t[kr] + prep_t[kr + 1u]) + prep_t[kr + 2u]) + prep_t[kr + 3u];
+            g = log_decay_of(t0 + row, n);
+            beta = beta_of(t0 + row, n);
+            inv_q = P.q_scale / max(sqrt(qq), P.eps);
+            inv_k = 1.0 / max(sqrt(kk), P.eps);
+        }
+        prep_gamma[row] = g;
+        prep_beta[row] = beta;
+        prep_inv_q[row] = inv_q;
+        prep_inv_k[row] = inv_k;
+    }
     workgroupBarrier();
     var gamma = 0.0;
-    for (var s = 0u; s <= row; s++) {
-        gamma += prep_gamma[s];
+    if lid < CHUNK {
+        for (var s = 0u; s <= lid; s++) {
+            gamma += prep_gamma[s];
+        }
     }
     workgroupBarrier();
-    prep_gamma[row] = gamma;
+    if lid < CHUNK {
+        prep_gamma[lid] = gamma;
+        prep_wk[lid] = prep_beta[lid] * exp(gamma) * prep_inv_k[lid];
+        SCRATCH[tail + lid] = gamma;
+        SCRATCH[tail + CHUNK + lid] = prep_inv_q[lid];
+        SCRATCH[tail + 2u * CHUNK + lid] = prep_inv_k[lid];
+    }
+
+    // K K^T and Q K^T of the raw rows over dk, a 16-wide slice at a time; invocation (tx, ty) owns
+    // rows ty + 16 a and columns tx + 16 b (a, b < 4).
+    let tx = lid % 16u;
+    let ty = lid / 16u;
+    var kkt: array<f32, 16>;
+    var qkt: array<f32, 16>;
+    for (var i0 = 0u; i0 < dk; i0 += SLICE) {
+        workgroupBarrier();
+        for (var e = lid; e < CHUNK * SLICE; e += CHUNK_WG) {
+            let r = e / SLICE;
+            let i = i0 + e % SLICE;
+            var kv = 0.0;
+            var qv = 0.0;
+            if r < len && i < dk {
+                kv = k_at(t0 + r, kh, i);
+                qv = q_at(t0 + r, kh, i);
+            }
+            prep_ka[r * SLICE_PITCH + e % SLICE] = kv;
+            prep_qa[r * SLICE_PITCH + e % SLICE] = qv;
+        }
+        workgroupBarrier();
+        for (var ii = 0u; ii < SLICE; ii++) {
+#for a in 0..4
+            let ka{{a}} = prep_ka[(ty + 16u * {{a}}u) * SLICE_PITCH + ii];
+            let qa{{a}} = prep_qa[(ty + 16u * {{a}}u) * SLICE_PITCH + ii];
+#endfor
+#for b in 0..4
+            let kb{{b}} = prep_ka[(tx + 16u * {{b}}u) * SLICE_PITCH + ii];
+#endfor
+#for a in 0..4
+#for b in 0..4
+            kkt[{{a}}u * 4u + {{b}}u] += ka{{a}} * kb{{b}};
+            qkt[{{a}}u * 4u + {{b}}u] += qa{{a}} * kb{{b}};
+#endfor
+#endfor
+        }
+    }
+    // A[i][j] = beta_i (k^_i . k^_j) e^(gamma_i - gamma_j) for j < i; P[i][j] = (q^_i . k^_j)
+    // e^(gamma_i - gamma_j) for j <= i. Both are 0 elsewhere (and on rows past the chunk's end).
+#for a in 0..4
+#for b in 0..4
+    {
+        let i = ty + 16u * {{a}}u;
+        let j = tx + 16u * {{b}}u;
+        var av = 0.0;
+        var pv = 0.0;
+        if j <= i && i < len {
+            let decay = exp(prep_gamma[i] - prep_gamma[j]);
+            pv = qkt[{{a}}u * 4u + {{b}}u] * prep_inv_q[i] * prep_inv_k[j] * decay;
+            if j < i {
+                av = prep_beta[i] * kkt[{{a}}u * 4u + {{b}}u] * prep_inv_k[i] * prep_inv_k[j] * decay;
+            }
+        }
+        prep_t[i * CHUNK + j] = av;
+        SCRATCH[p_base + i * CHUNK + j] = pv;
+    }
+#endfor
+#endfor
     workgroupBarrier();
 
-    // A[row][j] = beta_row (k_row . k_j) e^(gamma_row - gamma_j), j < row.
-    for (var j = 0u; j < row; j++) {
-        var a = 0.0;
-        if valid {
-            var dot = 0.0;
-            for (var i = 0u; i < dk; i++) {
-                dot += k_at(t, kh, i) * k_at(t - row + j, kh, i);
-            }
-            a = beta * dot * inv_k * prep_inv_k[j] * exp(gamma - prep_gamma[j]);
-        }
-        prep_tri[tri_index(row, j)] = a;
-    }
-    workgroupBarrier();
     // T = (I + A)^-1 in place, row by row: T[i][j] = -(A[i][j] + sum_{j<m<i} A[i][m] T[m][j]).
-    for (var i = 1u; i < CHUNK; i++) {
+    // Rows past the chunk's end stay 0.
+    for (var i = 1u; i < len; i++) {
         var value = 0.0;
         let j = lid;
         if j < i {
-            value = prep_tri[tri_index(i, j)];
+            value = prep_t[i * CHUNK + j];
             for (var m = j + 1u; m < i; m++) {
-                value += prep_tri[tri_index(i, m)] * prep_tri[tri_index(m, j)];
+                value += prep_t[i * CHUNK + m] * prep_t[m * CHUNK + j];
             }
         }
         workgroupBarrier();
         if j < i {
-            prep_tri[tri_index(i, j)] = -value;
+            prep_t[i * CHUNK + j] = -value;
         }
         workgroupBarrier();
     }
 
-    if valid {
-        // W = T diag(beta e^gamma) K^, U = T diag(beta) V, P[row][s] = (q^_row . k^_s) e^(gamma_row - gamma_s).
-        for (var i = 0u; i < dk; i++) {
-            var acc = 0.0;
-            for (var s = 0u; s <= row; s++) {
-                let tv = t_entry(row, s);
-                acc += tv * prep_beta[s] * exp(prep_gamma[s]) * prep_inv_k[s] * k_at(t - row + s, kh, i);
+    // W = T diag(beta e^gamma / |k|) K and U = T diag(beta) V, a 16-wide column slice at a time
+    // (the dk slices of W, then the dv slices of U); invocation (tx, ty) owns column tx of rows
+    // ty + 16 a.
+    let w_slices = (dk + SLICE - 1u) / SLICE;
+    let slices = w_slices + (dv + SLICE - 1u) / SLICE;
+    for (var sl = 0u; sl < slices; sl++) {
+        let is_w = sl < w_slices;
+        let c0 = select((sl - w_slices) * SLICE, sl * SLICE, is_w);
+        let width = select(dv, dk, is_w);
+        workgroupBarrier();
+        for (var e = lid; e < CHUNK * SLICE; e += CHUNK_WG) {
+            let r = e / SLICE;
+            let col = c0 + e % SLICE;
+            var bv = 0.0;
+            if r < len && col < width {
+                if is_w {
+                    bv = prep_wk[r] * k_at(t0 + r, kh, col);
+                } else {
+                    bv = prep_beta[r] * v_at(t0 + r, n, col);
+                }
             }
-            SCRATCH[w_base + row * dk + i] = acc;
+            prep_ka[r * SLICE_PITCH + e % SLICE] = bv;
         }
-        for (var jv = 0u; jv < dv; jv++) {
-            var acc = 0.0;
-            for (var s = 0u; s <= row; s++) {
-                let tv = t_entry(row, s);
-                acc += tv * prep_beta[s] * v_at(t - row + s, n, jv);
+        workgroupBarrier();
+        let col = c0 + tx;
+#for a in 0..4
+        {
+            let i = ty + 16u * {{a}}u;
+            var acc = prep_ka[i * SLICE_PITCH + tx];
+            for (var s = 0u; s < i; s++) {
+                acc += prep_t[i * CHUNK + s] * prep_ka[s * SLICE_PITCH + tx];
             }
-            SCRATCH[u_base + row * dv + jv] = acc;
-        }
-        for (var s = 0u; s <= row; s++) {
-            var dot = 0.0;
-            for (var i = 0u; i < dk; i++) {
-                dot += q_at(t, kh, i) * k_at(t - row + s, kh, i);
+            if i < len && col < width {
+                if is_w {
+                    SCRATCH[w_base + i * dk + col] = acc;
+                } else {
+                    SCRATCH[u_base + i * dv + col] = acc;
+                }
             }
-            SCRATCH[p_base + row * CHUNK + s] = dot * inv_q * prep_inv_k[s] * exp(gamma - prep_gamma[s]);
         }
+#endfor
     }
-    SCRATCH[tail + row] = gamma;
-    SCRATCH[tail + CHUNK + row] = inv_q;
-    SCRATCH[tail + 2u * CHUNK + row] = inv_k;
 }
 
 #endif
 
 #if OP == state
-@compute @workgroup_size({{WG}})
+@compute @workgroup_size(256)
 fn main(ids: ComputeIds) {
-    let wid = ids.wid;
     let lid = ids.lid;
-    let n = wid.y;
+    let n = ids.wid.y;
     let kh = k_head_of(n);
     let dk = P.dk;
     let dv = P.dv;
-    let j0 = wid.x * STATE_COLS;
+    let j0 = ids.wid.x * STATE_COLS;
+    // Phases a-c: invocation = (chunk row r, column group g of 4 value columns).
+    let r = lid / 4u;
+    let grp = lid % 4u;
+    let jg = j0 + 4u * grp;
 
-    for (var idx = lid; idx < dk * STATE_COLS; idx += {{WG}}u) {
-        let j = j0 + idx % STATE_COLS;
-        st_s[idx] = select(0.0, STATE[state_index(n, j, idx / STATE_COLS)], j < dv);
+    for (var idx = lid; idx < dk * 4u; idx += CHUNK_WG) {
+        let i = idx / 4u;
+        let j = j0 + 4u * (idx % 4u);
+        var s = vec4<f32>(0.0);
+        for (var q = 0u; q < 4u; q++) {
+            if j + q < dv {
+                s[q] = STATE[state_index(n, j + q, i)];
+            }
+        }
+        st_s[idx] = s;
     }
     for (var c = 0u; c < P.chunks; c++) {
-        let valid = min(CHUNK, P.tokens - c * CHUNK);
+        let len = min(CHUNK, P.tokens - c * CHUNK);
+        let t0 = P.first_token + c * CHUNK;
         let base = scratch_base(c, n);
         let u_base = base + CHUNK * dk;
         let p_base = u_base + CHUNK * dv;
         let tail = p_base + CHUNK * CHUNK;
-        st_gamma[lid] = SCRATCH[tail + lid];
-        st_inv_k[lid] = SCRATCH[tail + 2u * CHUNK + lid];
+        let gamma_last = SCRATCH[tail + len - 1u];
         workgroupBarrier();
-
-        // Phase a (invocation = chunk row): V' = U - W S and the inter-chunk part e^gamma q^ S.
-        let row = lid;
-        let t = P.first_token + c * CHUNK + row;
-        var ws: array<f32, STATE_COLS>;
-        var qs: array<f32, STATE_COLS>;
-        for (var jj = 0u; jj < STATE_COLS; jj++) {
-            ws[jj] = 0.0;
-            qs[jj] = 0.0;
+        if lid < CHUNK {
+            var kf = 0.0;
+            if lid < len {
+                kf = SCRATCH[tail + 2u * CHUNK + lid] * exp(gamma_last - SCRATCH[tail + lid]);
+            }
+            st_kf[lid] = kf;
         }
-        if row < valid {
+
+        // Phase a: W S and q S over the key rows; V' = U - W S.
+        var ws = vec4<f32>(0.0);
+        var qs = vec4<f32>(0.0);
+        if r < len {
             for (var i = 0u; i < dk; i++) {
-                let w = SCRATCH[base + row * dk + i];
-                let qv = q_at(t, kh, i);
-                for (var jj = 0u; jj < STATE_COLS; jj++) {
-                    let s = st_s[i * STATE_COLS + jj];
-                    ws[jj] += w * s;
-                    qs[jj] += qv * s;
+                let s = st_s[4u * i + grp];
+                ws += SCRATCH[base + r * dk + i] * s;
+                qs += q_at(t0 + r, kh, i) * s;
+            }
+        }
+        var vp = vec4<f32>(0.0);
+        if r < len {
+            for (var q = 0u; q < 4u; q++) {
+                if jg + q < dv {
+                    vp[q] = SCRATCH[u_base + r * dv + jg + q] - ws[q];
                 }
             }
         }
-        var o_part: array<f32, STATE_COLS>;
-        let q_factor = exp(st_gamma[row]) * SCRATCH[tail + CHUNK + row];
-        for (var jj = 0u; jj < STATE_COLS; jj++) {
-            let j = j0 + jj;
-            var vp = 0.0;
-            if row < valid && j < dv {
-                vp = SCRATCH[u_base + row * dv + j] - ws[jj];
-            }
-            st_vp[row * STATE_COLS + jj] = vp;
-            o_part[jj] = q_factor * qs[jj];
-        }
+        st_vp[lid] = vp;
         workgroupBarrier();
 
-        // Phase b: the intra-chunk part P V' completes the outputs.
-        if row < valid {
-            for (var jj = 0u; jj < STATE_COLS; jj++) {
-                let j = j0 + jj;
-                if j < dv {
-                    var acc = o_part[jj];
-                    for (var s = 0u; s <= row; s++) {
-                        acc += SCRATCH[p_base + row * CHUNK + s] * st_vp[s * STATE_COLS + jj];
-                    }
-                    OUT[out_index(t, n, j)] = acc;
+        // Phase b: O = e^gamma q^ S + P V' (P is 0 above the diagonal).
+        if r < len {
+            var o = exp(SCRATCH[tail + r]) * SCRATCH[tail + CHUNK + r] * qs;
+            for (var s = 0u; s <= r; s++) {
+                o += SCRATCH[p_base + r * CHUNK + s] * st_vp[4u * s + grp];
+            }
+            for (var q = 0u; q < 4u; q++) {
+                if jg + q < dv {
+                    OUT[out_index(t0 + r, n, jg + q)] = o[q];
                 }
             }
         }
-        // Phase c (invocation = key rows): S = e^gamma_C S + sum_s k^_s e^(gamma_C - gamma_s) V'_s.
-        // Phase b never reads st_s, so this needs no barrier before it.
-        let gamma_last = st_gamma[valid - 1u];
+
+        // Phase c (invocation = key row, column group): S = e^gamma_C S + sum_s k_s kf_s V'_s.
+        // Phase a's reads of st_s are behind the barrier above.
         let decay = exp(gamma_last);
-        for (var i = lid; i < dk; i += {{WG}}u) {
-            var acc: array<f32, STATE_COLS>;
-            for (var jj = 0u; jj < STATE_COLS; jj++) {
-                acc[jj] = decay * st_s[i * STATE_COLS + jj];
+        for (var idx = lid; idx < dk * 4u; idx += CHUNK_WG) {
+            let i = idx / 4u;
+            let g4 = idx % 4u;
+            var acc = decay * st_s[idx];
+            for (var s = 0u; s < len; s++) {
+                acc += (k_at(t0 + s, kh, i) * st_kf[s]) * st_vp[4u * s + g4];
             }
-            for (var s = 0u; s < valid; s++) {
-                let ts = P.first_token + c * CHUNK + s;
-                let factor = k_at(ts, kh, i) * st_inv_k[s] * exp(gamma_last - st_gamma[s]);
-                for (var jj = 0u; jj < STATE_COLS; jj++) {
-                    acc[jj] += factor * st_vp[s * STATE_COLS + jj];
-                }
-            }
-            for (var jj = 0u; jj < STATE_COLS; jj++) {
-                st_s[i * STATE_COLS + jj] = acc[jj];
-            }
+            st_s[idx] = acc;
         }
-        workgroupBarrier();
     }
-    for (var idx = lid; idx < dk * STATE_COLS; idx += {{WG}}u) {
-        let j = j0 + idx % STATE_COLS;
-        if j < dv {
-            STATE[state_index(n, j, idx / STATE_COLS)] = st_s[idx];
+    workgroupBarrier();
+    for (var idx = lid; idx < dk * 4u; idx += CHUNK_WG) {
+        let i = idx / 4u;
+        let j = j0 + 4u * (idx % 4u);
+        let s = st_s[idx];
+        for (var q = 0u; q < 4u; q++) {
+            if j + q < dv {
+                STATE[state_index(n, j + q, i)] = s[q];
+            }
         }
     }
 }

@@ -1,6 +1,7 @@
 // Small fused element-wise ops on f32 rows (variant OP): silu_mul = SiLU(a) * b; add = a + b;
 // mul_sigmoid = a * sigmoid(b); copy = a (e.g. V rows into the KV cache); moe_combine =
-// sum_e w_e * a_e + sigmoid(gate) * b, optionally added to out (the residual stream).
+// sum_e w_e * a_e + sigmoid(gate) * b, optionally added to out (the residual stream); moe_sum =
+// sum_e w_e * a_e (the decode step's combine, whose shared expert is one of the e), likewise.
 // Operand X of row r, element i sits at x_offset + r * x_stride + i. One invocation per element.
 #include "common.wgsl"
 #define WG 64
@@ -9,6 +10,7 @@
 #variants OP=mul_sigmoid
 #variants OP=copy
 #variants OP=moe_combine
+#variants OP=moe_sum
 
 struct EwParams {
     rows: u32,
@@ -36,8 +38,13 @@ var<immediate> P: EwParams;
 #if OP == copy
 @group(0) @binding(1) var<storage, read_write> OUT: array<f32>;
 #else
+#if OP == moe_sum
+@group(0) @binding(1) var<storage, read_write> OUT: array<f32>;
+@group(0) @binding(2) var<storage, read> WEIGHTS: array<f32>;
+#else
 @group(0) @binding(1) var<storage, read> B: array<f32>;
 @group(0) @binding(2) var<storage, read_write> OUT: array<f32>;
+#endif
 #endif
 #if OP == moe_combine
 @group(0) @binding(3) var<storage, read> WEIGHTS: array<f32>;
@@ -61,6 +68,16 @@ fn main(ids: ComputeIds) {
 #if OP == copy
     OUT[o] = A[a];
 #else
+#if OP == moe_sum
+    var acc = 0.0;
+    for (var e = 0u; e < P.experts; e++) {
+        acc += WEIGHTS[P.weights_offset + r * P.weights_stride + e] * A[a + e * P.n];
+    }
+    if P.accumulate != 0u {
+        acc += OUT[o];
+    }
+    OUT[o] = acc;
+#else
     let b = P.b_offset + r * P.b_stride + i;
 #if OP == add
     OUT[o] = A[a] + B[b];
@@ -81,6 +98,7 @@ fn main(ids: ComputeIds) {
         acc += OUT[o];
     }
     OUT[o] = acc;
+#endif
 #endif
 #endif
 }

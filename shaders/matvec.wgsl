@@ -9,6 +9,22 @@
 // Every other type goes 8 weights at a time through common_dequant. With MOE=1 the grid is
 // (row groups, n_used, tokens) and each workgroup reads its expert id from IDS (no CPU round
 // trip) and skips experts outside this window.
+//
+// Fused input and output stages (the decode step's way of saving a dispatch per norm and per
+// residual add; every activation read goes through x_at):
+// * PRE=rms: each column is RMS-normalised on the fly, x * (NORM * 1/sqrt(mean(x^2) + eps)); every
+//   workgroup sums the squares of its columns itself (K floats from cache) instead of waiting on a
+//   norm kernel. XN_STORE=1 also has workgroup 0 write the normalised columns to XN (packed, K
+//   floats each) for the kernels that read them next.
+// * PRE=silu_mul: a column is a gate ‖ up pair (the expert's gate_up output), read as
+//   silu(gate) * up with up P.pre_offset floats after gate: the MoE down projection's input.
+// * EPI=add: Y = RES + W·x (RES laid out like Y): the residual stream update.
+// * EPI=conv: rows below P.conv_rows are a GDN channel's pre-conv input, so the causal conv1d
+//   (P.taps taps, CONV_W[ch * taps + j], tap taps-1 the current input) and SiLU run here and the
+//   slot's conv state (STATE[SLOTS[c] * state_stride + j * conv_rows + ch], oldest first) advances;
+//   each channel has one owner, so the update needs no synchronisation. Rows above are stored as is.
+// Extra bindings follow W, X, Y in the order IDS, NORM, XN, RES, CONV_W, STATE, SLOTS (those the
+// mode uses); their numbers come from the B_* defines the host computes.
 #include "common.wgsl"
 #include "common_dequant.wgsl"
 #include "common_reduce.wgsl"
@@ -18,6 +34,18 @@
 #define ACC4 1
 #define WG 64
 #define MOE 0
+#define PRE none
+#define XN_STORE 0
+#define EPI store
+// Columns of the PRE=rms sums, packed four to a vec4: ceil(NC / 4).
+#define NC4 1
+#define B_IDS 3
+#define B_NORM 3
+#define B_XN 4
+#define B_RES 3
+#define B_CW 3
+#define B_ST 4
+#define B_SL 5
 // Steps per loop iteration of the word paths (loads of all issued first); 1 for many columns,
 // whose activation registers would otherwise crowd out occupancy.
 #define UNROLL 2
@@ -33,6 +61,24 @@
 #variants QTYPE=iq4_xs WG=128 NR=4 ACC4=2
 #variants QTYPE=iq4_xs NC=8 NR=2 ACC4=4 UNROLL=1
 #variants QTYPE=q8_0 NC=3 NR=2 ACC4=2 MOE=1
+#variants QTYPE=q4_1
+#variants QTYPE=q5_0
+#variants QTYPE=q5_1
+#variants QTYPE=q2_k
+#variants QTYPE=q3_k
+#variants QTYPE=iq1_s
+#variants QTYPE=iq1_m
+#variants QTYPE=iq2_xxs
+#variants QTYPE=iq2_xs
+#variants QTYPE=iq2_s
+#variants QTYPE=iq3_xxs
+#variants QTYPE=iq3_s
+#variants QTYPE=mxfp4
+#variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 PRE=rms
+#variants QTYPE=f32 NC=6 NR=2 ACC4=3 NC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4
+#variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
+#variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 EPI=add B_RES=3
+#variants QTYPE=q6_k MOE=1 PRE=silu_mul B_IDS=3
 
 struct MatvecParams {
     // Weights per row, rows to compute (per expert with MOE), bytes per row.
@@ -55,6 +101,15 @@ struct MatvecParams {
     // MOE: X column = token * x_col_token + slot * x_col_slot.
     x_col_token: u32,
     x_col_slot: u32,
+    // PRE=rms: the norm's epsilon. PRE=silu_mul: floats from a column's gate to its up.
+    eps: f32,
+    pre_offset: u32,
+    // EPI=conv: conv channels (the first rows), taps, floats of conv state per slot, and the index
+    // of column 0's slot in SLOTS.
+    conv_rows: u32,
+    taps: u32,
+    state_stride: u32,
+    slots_offset: u32,
 }
 
 var<immediate> P: MatvecParams;
@@ -62,10 +117,46 @@ var<immediate> P: MatvecParams;
 @group(0) @binding(1) var<storage, read> X: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> Y: array<f32>;
 #if MOE
-@group(0) @binding(3) var<storage, read> IDS: array<u32>;
+@group(0) @binding({{B_IDS}}) var<storage, read> IDS: array<u32>;
 
 var<workgroup> moe_expert: u32;
 #endif
+#if PRE == rms
+@group(0) @binding({{B_NORM}}) var<storage, read> NORM: array<vec4<f32>>;
+#endif
+#if XN_STORE
+@group(0) @binding({{B_XN}}) var<storage, read_write> XN: array<vec4<f32>>;
+#endif
+#if EPI == add
+@group(0) @binding({{B_RES}}) var<storage, read> RES: array<f32>;
+#endif
+#if EPI == conv
+@group(0) @binding({{B_CW}}) var<storage, read> CONV_W: array<f32>;
+@group(0) @binding({{B_ST}}) var<storage, read_write> STATE: array<f32>;
+@group(0) @binding({{B_SL}}) var<storage, read> SLOTS: array<u32>;
+#endif
+
+// Where this workgroup's activation columns start (vec4 index) and how far apart they are.
+var<private> x_base: u32;
+var<private> x_col: u32;
+#if PRE == rms
+var<private> inv_rms: array<f32, {{NC}}>;
+#endif
+
+// Activation column c at vec4 index v from its start, after the PRE stage.
+fn x_at(c: u32, v: u32) -> vec4<f32> {
+#if PRE == rms
+    return X[x_base + c * x_col + v] * (NORM[v] * inv_rms[c]);
+#else
+#if PRE == silu_mul
+    let g = X[x_base + c * x_col + v];
+    let u = X[x_base + c * x_col + v + P.pre_offset / 4u];
+    return g / (vec4<f32>(1.0) + exp(-g)) * u;
+#else
+    return X[x_base + c * x_col + v];
+#endif
+#endif
+}
 
 #if QTYPE == iq4_xs
 // kvalues_iq4nl as floats: a 16-entry table in workgroup memory is one shared load per weight (no
@@ -153,8 +244,37 @@ fn main(ids: ComputeIds) {
         return;
     }
     var acc: array<vec4<f32>, {{ACC4}}>;
-    let x_base = (P.x_offset + x_col0 * P.x_stride) / 4u;
-    let x_col = P.x_stride / 4u;
+    x_base = (P.x_offset + x_col0 * P.x_stride) / 4u;
+    x_col = P.x_stride / 4u;
+#if PRE == rms
+    {
+        // Sums of squares of the columns, four columns to a vec4, reduced together.
+        var sq: array<vec4<f32>, {{NC4}}>;
+        for (var v = ids.lid; v < P.k / 4u; v += {{WG}}u) {
+#for c in 0..NC
+            {
+                let xv = X[x_base + {{c}}u * x_col + v];
+                sq[{{c}}u / 4u][{{c}}u % 4u] += dot(xv, xv);
+            }
+#endfor
+        }
+#for a in 0..NC4
+        sq[{{a}}] = wg_sum4(sq[{{a}}], ids);
+#endfor
+#for c in 0..NC
+        inv_rms[{{c}}] = inverseSqrt(sq[{{c}}u / 4u][{{c}}u % 4u] / f32(P.k) + P.eps);
+#endfor
+    }
+#if XN_STORE
+    if group_index(ids) == 0u {
+        for (var v = ids.lid; v < P.k / 4u; v += {{WG}}u) {
+#for c in 0..NC
+            XN[{{c}}u * (P.k / 4u) + v] = x_at({{c}}u, v);
+#endfor
+        }
+    }
+#endif
+#endif
     // Rows past the end compute a copy of the last row and are not stored: no per-row branch, so
     // the loads of all NR rows sit in one basic block and are issued back to back.
 #for r in 0..NR
@@ -182,16 +302,16 @@ fn main(ids: ComputeIds) {
         let qa_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 2u + i{{u}}];
         let qb_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 3u + i{{u}}];
 #endfor
-        let xv{{u}} = x_base + 64u * (p{{u}} >> 4u) + 8u * (i{{u}} >> 2u) + (i{{u}} & 3u);
+        let xv{{u}} = 64u * (p{{u}} >> 4u) + 8u * (i{{u}} >> 2u) + (i{{u}} & 3u);
         var xl{{u}}: array<vec4<f32>, {{NC}}>;
         var xm{{u}}: array<vec4<f32>, {{NC}}>;
         var xh{{u}}: array<vec4<f32>, {{NC}}>;
         var xn{{u}}: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-        xl{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col];
-        xm{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 1u];
-        xh{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 4u];
-        xn{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 5u];
+        xl{{u}}[{{c}}] = x_at({{c}}u, xv{{u}});
+        xm{{u}}[{{c}}] = x_at({{c}}u, xv{{u}} + 1u);
+        xh{{u}}[{{c}}] = x_at({{c}}u, xv{{u}} + 4u);
+        xn{{u}}[{{c}}] = x_at({{c}}u, xv{{u}} + 5u);
 #endfor
 #endfor
 #for u in 0..UNROLL
@@ -238,16 +358,16 @@ fn main(ids: ComputeIds) {
         let qa_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 4u + i{{u}}];
         let qb_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 5u + i{{u}}];
 #endfor
-        let xv{{u}} = x_base + 64u * (p{{u}} >> 4u) + 16u * (i{{u}} >> 3u) + (i{{u}} & 7u);
+        let xv{{u}} = 64u * (p{{u}} >> 4u) + 16u * (i{{u}} >> 3u) + (i{{u}} & 7u);
         var xl{{u}}: array<vec4<f32>, {{NC}}>;
         var xm{{u}}: array<vec4<f32>, {{NC}}>;
         var xh{{u}}: array<vec4<f32>, {{NC}}>;
         var xn{{u}}: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-        xl{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col];
-        xm{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 1u];
-        xh{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 8u];
-        xn{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 9u];
+        xl{{u}}[{{c}}] = x_at({{c}}u, xv{{u}});
+        xm{{u}}[{{c}}] = x_at({{c}}u, xv{{u}} + 1u);
+        xh{{u}}[{{c}}] = x_at({{c}}u, xv{{u}} + 8u);
+        xn{{u}}[{{c}}] = x_at({{c}}u, xv{{u}} + 9u);
 #endfor
 #endfor
 #for u in 0..UNROLL
@@ -303,16 +423,16 @@ fn main(ids: ComputeIds) {
         let sb_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 196u + 8u * h{{u}} + (l{{u}} >> 4u));
         let d_{{u}}_{{r}} = w_f16_at(blk_{{u}}_{{r}} + 208u);
 #endfor
-        let xv{{u}} = x_base + 64u * (p{{u}} >> 4u) + 32u * h{{u}} + (l{{u}} >> 2u);
+        let xv{{u}} = 64u * (p{{u}} >> 4u) + 32u * h{{u}} + (l{{u}} >> 2u);
         var x0{{u}}: array<vec4<f32>, {{NC}}>;
         var x1{{u}}: array<vec4<f32>, {{NC}}>;
         var x2{{u}}: array<vec4<f32>, {{NC}}>;
         var x3{{u}}: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-        x0{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col];
-        x1{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 8u];
-        x2{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 16u];
-        x3{{u}}[{{c}}] = X[xv{{u}} + {{c}}u * x_col + 24u];
+        x0{{u}}[{{c}}] = x_at({{c}}u, xv{{u}});
+        x1{{u}}[{{c}}] = x_at({{c}}u, xv{{u}} + 8u);
+        x2{{u}}[{{c}}] = x_at({{c}}u, xv{{u}} + 16u);
+        x3{{u}}[{{c}}] = x_at({{c}}u, xv{{u}} + 24u);
 #endfor
 #endfor
 #for u in 0..UNROLL
@@ -360,8 +480,8 @@ fn main(ids: ComputeIds) {
         var xa{{u}}: array<vec4<f32>, {{NC}}>;
         var xb{{u}}: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-        xa{{u}}[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g{{u}}];
-        xb{{u}}[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g{{u}} + 1u];
+        xa{{u}}[{{c}}] = x_at({{c}}u, 2u * g{{u}});
+        xb{{u}}[{{c}}] = x_at({{c}}u, 2u * g{{u}} + 1u);
 #endfor
 #endfor
 #for u in 0..UNROLL
@@ -390,8 +510,8 @@ fn main(ids: ComputeIds) {
             var xa: array<vec4<f32>, {{NC}}>;
             var xb: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-            xa[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g];
-            xb[{{c}}] = X[x_base + {{c}}u * x_col + 2u * g + 1u];
+            xa[{{c}}] = x_at({{c}}u, 2u * g);
+            xb[{{c}}] = x_at({{c}}u, 2u * g + 1u);
 #endfor
 #for r in 0..NR
             // The branch (not the clamp) measured faster for the heavier generic decoders (Q4_K).
@@ -412,7 +532,36 @@ fn main(ids: ComputeIds) {
         let r = i / {{NC}}u;
         let c = i % {{NC}}u;
         if row0 + r < P.rows {
-            Y[y_base + c * P.y_stride + row0 + r] = acc[i / 4u][i % 4u];
+            let o = y_base + c * P.y_stride + row0 + r;
+            let y = acc[i / 4u][i % 4u];
+#if EPI == add
+            Y[o] = RES[o] + y;
+#else
+#if EPI == conv
+            let ch = row0 + r;
+            if ch < P.conv_rows {
+                // As shaders/conv.wgsl: the current input's tap first, then the history, oldest first.
+                let st = SLOTS[P.slots_offset + c] * P.state_stride + ch;
+                let hist = P.taps - 1u;
+                var acc_conv = CONV_W[ch * P.taps + hist] * y;
+                for (var j = 0u; j < hist; j++) {
+                    let v = STATE[st + j * P.conv_rows];
+                    acc_conv += CONV_W[ch * P.taps + j] * v;
+                    if j > 0u {
+                        STATE[st + (j - 1u) * P.conv_rows] = v;
+                    }
+                }
+                if hist > 0u {
+                    STATE[st + (hist - 1u) * P.conv_rows] = y;
+                }
+                Y[o] = acc_conv / (1.0 + exp(-acc_conv));
+            } else {
+                Y[o] = y;
+            }
+#else
+            Y[o] = y;
+#endif
+#endif
         }
     }
 }

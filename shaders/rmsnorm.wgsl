@@ -92,7 +92,7 @@ fn main(ids: ComputeIds) {
     }
     let total = wg_sum(sq, ids);
 #if OP == l2
-    // llama.cpp form x / max(|x|, eps) (spec model.md §3.2 step 5).
+    // llama.cpp form x / max(|x|, eps) (docs/numerics.md "Gated DeltaNet" step 5).
     let inv = P.scale / max(sqrt(total), P.eps);
 #else
     let inv = inverseSqrt(total / f32(P.n) + P.eps) * P.scale;

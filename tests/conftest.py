@@ -45,3 +45,21 @@ def sdist_root() -> Path:
 @pytest.fixture(scope="session")
 def llama_cpp_src(sdist_root: Path) -> Path:
     return sdist_root / "vendor" / "llama.cpp"
+
+
+def make_engine(path, **kwargs):
+    """The engine the parity gates compare with llama.cpp: qk's precise settings. Today's defaults are
+    the precise ones (f32 mat-mat tiles, f32 KV cache); once the engine has a `precise` option, this
+    is the one place that passes it. A missing adapter skips, or fails under QK_REQUIRE_GPU=1."""
+    try:
+        from qk import _qk
+    except ImportError:
+        if require_gpu():
+            raise
+        pytest.skip("qk._qk not built")
+    try:
+        return _qk.Engine(str(path), **kwargs)
+    except _qk.DeviceError:
+        if require_gpu():
+            raise
+        pytest.skip("no wgpu adapter")

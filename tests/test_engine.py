@@ -1,4 +1,4 @@
-"""Engine gates on the committed fixtures (DESIGN.md "Correctness gates", the Engine issue): logits
+"""Engine gates on the committed fixtures (docs/numerics.md "Precision gates", the Engine issue): logits
 against the NumPy f64 reference, greedy against llama.cpp's goldens, split ≡ unsplit, slots,
 snapshots, prefill cuts and counters. One engine per fixture per module: lavapipe compiles every
 pipeline once per process, which dominates the run time."""
@@ -41,21 +41,20 @@ _engines: dict = {}
 
 
 def engine(name: str, layers=None, slots: int = 3, ctx: int = 512):
-    """One engine per (fixture, layers) for the whole module; a missing adapter skips, or fails
-    under QK_REQUIRE_GPU=1."""
+    """One precise engine (f32 products; the fast default's gates are in test_engine_fast.py) per
+    (fixture, layers) for the whole module; a missing adapter skips, or fails under QK_REQUIRE_GPU=1."""
     key = (name, layers, slots, ctx)
     if key not in _engines:
         qk = _qk()
         try:
-            # The f32 KV cache (the precise setting) these gates and their measured margins assume;
-            # the default f16 cache has its own gates in test_kv_cache.py.
+            # The precise setting (f32 products, f32 KV cache) these gates and their measured
+            # margins assume; the fast defaults have their own gates (test_kv_cache.py, test_engine_fast.py).
             _engines[key] = qk.Engine(
                 str(FIXTURES / f"{name}.gguf"),
                 layers=layers,
                 slots=slots,
                 ctx=ctx,
-                cache_type_k="f32",
-                cache_type_v="f32",
+                precise=True,
             )
         except qk.DeviceError:
             if require_gpu():
@@ -339,7 +338,7 @@ def test_fused_layouts_and_mtp_block(arch, legacy, tmp_path):
     )
     qk = _qk()
     try:
-        eng = qk.Engine(str(path), slots=1, ctx=128)
+        eng = qk.Engine(str(path), slots=1, ctx=128, precise=True)
     except qk.DeviceError:
         if require_gpu():
             raise
@@ -382,7 +381,7 @@ def test_real_vocab_head_and_embedding_are_windowed():
     path = make_models.big_vocab_model()
     qk = _qk()
     try:
-        eng = qk.Engine(str(path), slots=1, ctx=64)
+        eng = qk.Engine(str(path), slots=1, ctx=64, precise=True)
     except qk.DeviceError:
         if require_gpu():
             raise

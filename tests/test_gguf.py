@@ -179,18 +179,19 @@ def test_split_model(tmp_path) -> None:
 
 
 def test_unsupported_type_is_listed_and_raw_readable(tmp_path) -> None:
-    w = gguf.GGUFWriter(str(tmp_path / "q41.gguf"), "llama")
-    x = np.random.default_rng(1).standard_normal((2, 32)).astype(np.float32)
-    w.add_tensor("w", gguf.quants.quantize(x, Q.Q4_1), raw_dtype=Q.Q4_1)
+    # TQ2_0 (ternary models only): 66 bytes per 256 weights, not a type qk dequantises.
+    w = gguf.GGUFWriter(str(tmp_path / "tq2.gguf"), "llama")
+    x = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
+    w.add_tensor("w", gguf.quants.quantize(x, Q.TQ2_0), raw_dtype=Q.TQ2_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    g = qk.Gguf(tmp_path / "q41.gguf")
+    g = qk.Gguf(tmp_path / "tq2.gguf")
     t = g.tensor("w")
-    assert (t.type, t.type_id, t.nbytes) == ("Q4_1", 3, 40)
-    assert g.raw("w").shape == (40,)
-    with pytest.raises(qk.UnsupportedTypeError, match="Q4_1"):
+    assert (t.type, t.type_id, t.nbytes) == ("TQ2_0", 35, 132)
+    assert g.raw("w").shape == (132,)
+    with pytest.raises(qk.UnsupportedTypeError, match="TQ2_0"):
         g.array("w")
     assert issubclass(qk.UnsupportedTypeError, qk.GgufError)
 

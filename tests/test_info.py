@@ -130,17 +130,43 @@ def test_module_entry_point(tmp_path) -> None:
     assert "layers: 6 blocks = 5 main + 1 MTP" in proc.stdout
 
 
-def test_lists_types_qk_cannot_dequantise(tmp_path, capsys) -> None:
-    w = gguf.GGUFWriter(str(tmp_path / "q.gguf"), "llama")
-    w.add_block_count(1)
-    x = np.random.default_rng(2).standard_normal((4, 64)).astype(np.float32)
-    w.add_tensor("blk.0.w", gguf.quants.quantize(x, Q.Q4_1), raw_dtype=Q.Q4_1)
+def write_typed(path, blocks: int, tensors: dict[str, Q], mtp: int = 0) -> None:
+    """A model of `blocks` blocks holding one {256, 4} tensor per entry of `tensors`, in that type."""
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.add_block_count(blocks)
+    w.add_uint32(f"{ARCH}.nextn_predict_layers", mtp)
+    x = np.random.default_rng(2).standard_normal((4, 256)).astype(np.float32)
+    for name, q in tensors.items():
+        w.add_tensor(name, gguf.quants.quantize(x, q), raw_dtype=q)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_lists_types_and_names_the_unsupported(tmp_path, capsys) -> None:
+    # Q4_1 loads; TQ2_0 (ternary models only) does not.
+    write_typed(tmp_path / "q.gguf", 2, {"blk.0.a": Q.Q4_1, "blk.1.b": Q.TQ2_0, "blk.1.c": Q.TQ2_0})
     out = run_info(capsys, tmp_path / "q.gguf")
-    _, block_bytes = GGML_QUANT_SIZES[Q.Q4_1]
-    assert "Q4_1         1 tensors             256 weights" in out
-    assert f"total: 1 tensors, 256 weights, {4 * 2 * block_bytes:,} bytes" in out
-    assert "layers: 1 blocks = 1 main + 0 MTP" in out
+    lines = out.splitlines()
+    q41 = next(line for line in lines if line.lstrip().startswith("Q4_1 "))
+    tq2 = next(line for line in lines if line.lstrip().startswith("TQ2_0 "))
+    assert "1 tensors" in q41 and "1,024 weights" in q41 and "UNSUPPORTED" not in q41
+    assert "2 tensors" in tq2 and tq2.endswith("UNSUPPORTED by qk")
+    tq2_bytes = 2 * 4 * GGML_QUANT_SIZES[Q.TQ2_0][1]
+    assert (
+        f"total: 3 tensors, 3,072 weights, {4 * GGML_QUANT_SIZES[Q.Q4_1][1] * 8 + tq2_bytes:,} bytes" in out
+    )
+    assert lines[-1] == (
+        "qk support: UNSUPPORTED tensor types, qk cannot load this model: TQ2_0 (2 tensors, first blk.1.b)"
+    )
+
+
+def test_unsupported_types_only_in_mtp_blocks_still_load(tmp_path, capsys) -> None:
+    write_typed(tmp_path / "m.gguf", 2, {"blk.0.a": Q.Q8_0, "blk.1.b": Q.TQ2_0}, mtp=1)
+    out = run_info(capsys, tmp_path / "m.gguf")
+    assert out.splitlines()[-1] == (
+        "qk support: the model loads; MTP blocks hold types qk cannot read: TQ2_0 (1 tensors, first blk.1.b)"
+    )
+    write_typed(tmp_path / "ok.gguf", 1, {"blk.0.a": Q.Q5_0, "blk.0.b": Q.Q5_1})
+    assert run_info(capsys, tmp_path / "ok.gguf").splitlines()[-1] == "qk support: every tensor type loads"

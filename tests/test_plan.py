@@ -20,7 +20,7 @@ from qk import plan as qp
 GIB = 1 << 30
 BLOCK = {Q.IQ4_XS: (256, 136), Q.Q8_0: (32, 34), Q.F32: (1, 4)}
 
-# The real model's shape (Qwen3-Next-80B-A3B, spec/model.md §1.4) and a tiny one whose matrix rows
+# The real model's shape (Qwen3-Next-80B-A3B, docs/numerics.md "Metadata") and a tiny one whose matrix rows
 # are multiples of 256 so IQ4_XS blocks fit.
 NEXT80B = dict(
     arch="qwen3next", E=2048, L=48, experts=512, used=10, ff=512, shff=512, heads=16, kv=2, hd=256, kh=16, vh=32,

@@ -56,7 +56,7 @@ def test_chunked_equals_recurrent_anywhere(n, pos0, seed):
 
 
 def test_recurrent_matches_spec_formula_on_one_step():
-    """One token by hand: S ← e^g S; δ = β(v − Sᵀk); S ← S + kδᵀ; o = Sᵀq (spec §3.2 step 8)."""
+    """One token by hand: S ← e^g S; δ = β(v − Sᵀk); S ← S + kδᵀ; o = Sᵀq (docs/numerics.md "Gated DeltaNet")."""
     q, k, v, beta, g, S0 = random_inputs(1, seed=3, heads=1, dk=4, dv=3)
     S = np.exp(g[0, 0]) * S0[0]
     delta = beta[0, 0] * (v[0, 0] - S.T @ k[0, 0])
@@ -68,7 +68,7 @@ def test_recurrent_matches_spec_formula_on_one_step():
 
 def test_chunked_splits_at_chunk_multiples_are_bitwise_identical():
     """Chunk boundaries sit at absolute multiples of 64, so cutting a sequence into calls at multiples
-    of 64 repeats exactly the same arithmetic (DESIGN.md determinism)."""
+    of 64 repeats exactly the same arithmetic (docs/numerics.md "Chunk alignment")."""
     n = 3 * CHUNK + 20
     q, k, v, beta, g, S0 = random_inputs(n, seed=11)
     o_all, S_all = delta_rule_chunked(q, k, v, beta, g, S0)

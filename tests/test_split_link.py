@@ -304,7 +304,7 @@ FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-qwen3next-f32.ggu
 
 @pytest.mark.gpu
 def test_engine_stages_over_the_link_equal_the_unsplit_engine():
-    # Split ≡ unsplit is byte-exact by design (DESIGN.md "Engine contract": fixed reduction order,
+    # Split ≡ unsplit is byte-exact by design (docs/numerics.md "Determinism": fixed reduction order,
     # 64-aligned chunking at absolute positions), so ids, top-k ids and logits are compared exactly.
     from conftest import require_gpu
     from qk.gguf import Gguf

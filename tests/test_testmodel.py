@@ -1,4 +1,4 @@
-"""qk.testmodel: the tiny-model writer's vocabulary and tensor inventory against spec/model.md, layout
+"""qk.testmodel: the tiny-model writer's vocabulary and tensor inventory against docs/numerics.md "Tensors", layout
 variants that must not change the model, reproducible fixtures, and (with llama.cpp) that llama.cpp
 loads and tokenizes what it writes, including the cached model with the real Qwen2 vocabulary."""
 
@@ -29,7 +29,7 @@ def inventory(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def expected_inventory(arch: str, s: testmodel.Shape, layout: testmodel.Layout, n_vocab: int):
-    """spec/model.md §2: every tensor, its GGUF ne and (for the writer's F32 output) type."""
+    """docs/numerics.md "Tensors": every tensor, its GGUF ne and (for the writer's F32 output) type."""
     E, ff, ffs, hd = s.n_expert, s.ff_exp, s.ff_shexp, s.head_dim
     want = {
         "token_embd.weight": (s.n_embd, n_vocab),
@@ -119,7 +119,7 @@ def test_converter_conventions(arch):
     pre = bytes(r.fields["tokenizer.ggml.pre"].parts[-1]).decode()
     assert pre == ("qwen2" if arch == "qwen3next" else "qwen35")
     assert ("qwen35moe.rope.dimension_sections" in r.fields) == (arch == "qwen35moe")
-    assert m.hp.n_head_kv < m.hp.n_head and m.hp.ssm_nv == 2 * m.hp.ssm_nk  # pairings of §3.3 matter
+    assert m.hp.n_head_kv < m.hp.n_head and m.hp.ssm_nv == 2 * m.hp.ssm_nk  # docs/numerics.md "Head pairing"
 
 
 def test_vocabulary_is_valid_byte_level_bpe():

@@ -104,7 +104,7 @@ def read_vocab_tests(gguf_path: Path) -> list[tuple[str, list[int]]]:
     return [(text, [int(t) for t in line.split()]) for text, line in zip(inputs, lines, strict=True)]
 
 
-# Qwen3's added tokens at their ids (Qwen3 tokenizer.json added_tokens; spec/model.md §5): the
+# Qwen3's added tokens at their ids (Qwen3 tokenizer.json added_tokens; docs/numerics.md "Vocabulary"): the
 # `<|…|>` ones are converted as CONTROL, the rest as USER_DEFINED, padding ids beyond as UNUSED.
 QWEN3_ADDED = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -198,7 +198,7 @@ def test_metadata_facts(tokenizers: dict[str, Tokenizer]) -> None:
 
 
 def test_qwen3_eog_and_special_ids(qwen3: Tokenizer) -> None:
-    # The EOG set llama.cpp logs for a Qwen3-Next GGUF (spec/model.md §5, lmstudio dump #1266).
+    # The EOG set llama.cpp logs for a Qwen3-Next GGUF (docs/numerics.md "Vocabulary", lmstudio dump #1266).
     end_of_s = qwen3.token_to_id("</s>")
     assert qwen3.eog_ids == {151643, 151645, 151662, 151663, 151664, end_of_s}
     assert qwen3.is_eog(151645) and not qwen3.is_eog(151644)

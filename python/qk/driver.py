@@ -1,5 +1,5 @@
 """The scheduler's view of a forward pass: ``Driver`` (what it calls) and ``LocalDriver`` (one
-whole-model engine on this box, DESIGN.md "Engine contract").
+whole-model engine on this box, docs/architecture.md "Engine contract").
 
 ``EngineLike`` states exactly what the driver uses of ``qk.Engine``, so the native engine and the
 test suite's fake plug in unchanged. Results come back normalised to ``Next``: the greedy id of the

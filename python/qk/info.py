@@ -1,7 +1,8 @@
 """``python -m qk.info MODEL.gguf``: what a GGUF model holds — architecture, layer plan (Gated
-DeltaNet vs full attention, MTP layers), key hyperparameters, per-layer and per-type tensor sizes.
+DeltaNet vs full attention, MTP layers), key hyperparameters, per-layer and per-type tensor sizes,
+and whether qk can load every tensor type in it.
 
-Layer rule (shared/spec/model.md §1.2): for the hybrid architectures, layer i of the main stack is
+Layer rule (docs/numerics.md "Layer plan"): for the hybrid architectures, layer i of the main stack is
 recurrent (Gated DeltaNet) iff ``(i + 1) % full_attention_interval != 0`` (interval default 4)
 unless ``{arch}.attention.recurrent_layers`` lists it; the last ``nextn_predict_layers`` blocks
 are MTP layers, never run by the main forward pass.
@@ -16,12 +17,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from qk import _qk
 from qk.gguf import Gguf, TensorInfo
 
 HYBRID_ARCHS = {"qwen3next", "qwen35moe", "qwen35"}
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
 
-# (key under "{arch}.", label) for the hyperparameters worth seeing at a glance (model.md §1.1).
+# (key under "{arch}.", label) for the hyperparameters worth seeing at a glance (docs/numerics.md "Metadata").
 HYPERPARAMETERS = [
     ("context_length", "context length"),
     ("embedding_length", "n_embd"),
@@ -146,19 +148,42 @@ def summarize(g: Gguf) -> str:
         )
 
     out.append("tensor types:")
+    supported = set(_qk.supported_types())
     by_type: dict[str, list[TensorInfo]] = defaultdict(list)
     for t in g.tensors:
         by_type[t.type].append(t)
     for ty, ts in sorted(by_type.items(), key=lambda kv: -sum(t.nbytes for t in kv[1])):
         params = sum(t.n_elements for t in ts)
         nbytes = sum(t.nbytes for t in ts)
-        out.append(f"  {ty:<8} {len(ts):>5} tensors {params:>15,} weights {human_bytes(nbytes):>12}")
+        mark = "" if ty in supported else "  UNSUPPORTED by qk"
+        out.append(f"  {ty:<8} {len(ts):>5} tensors {params:>15,} weights {human_bytes(nbytes):>12}{mark}")
 
     params = sum(t.n_elements for t in g.tensors)
     nbytes = sum(t.nbytes for t in g.tensors)
     bpw = f", {8 * nbytes / params:.2f} bits/weight" if params else ""
     out.append(f"total: {len(g)} tensors, {params:,} weights, {nbytes:,} bytes ({human_bytes(nbytes)}){bpw}")
+    out.append(support_line(g.tensors, kinds, supported))
     return "\n".join(out)
+
+
+def support_line(tensors: Sequence[TensorInfo], kinds: list[str], supported: set[str]) -> str:
+    """Whether qk loads the file: it refuses a tensor of a type it cannot read, except in MTP blocks,
+    which the main pass never loads."""
+    bad = [t for t in tensors if t.type not in supported]
+    if not bad:
+        return "qk support: every tensor type loads"
+
+    def in_mtp(t: TensorInfo) -> bool:
+        match = BLOCK_TENSOR.match(t.name)
+        return bool(match) and int(match.group(1)) < len(kinds) and kinds[int(match.group(1))] == "mtp"
+
+    types = ", ".join(
+        f"{ty} ({sum(t.type == ty for t in bad)} tensors, first {next(t.name for t in bad if t.type == ty)})"
+        for ty in sorted({t.type for t in bad})
+    )
+    if all(in_mtp(t) for t in bad):
+        return f"qk support: the model loads; MTP blocks hold types qk cannot read: {types}"
+    return f"qk support: UNSUPPORTED tensor types, qk cannot load this model: {types}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -653,7 +653,7 @@ def _named_refusal(facts: ModelFacts, sizing: Sizing, devs: Sequence[Device], e:
 
 
 def launch_commands(p: Plan) -> list[str]:
-    """The head's ``qk.serve`` command, then each worker's ``qk.worker`` command (DESIGN.md
+    """The head's ``qk.serve`` command, then each worker's ``qk.worker`` command (docs/architecture.md
     "Command lines"). Workers bind every interface, so the qkp secret is required; it is read from
     ``$QK_SECRET`` on each machine (the same value everywhere) rather than printed."""
     model = shlex.quote(p.model)

@@ -1,5 +1,5 @@
 """Cross-turn state reuse on one box: the head-side table from token prefixes to engine state
-snapshots (DESIGN.md "Engine contract": ``state_save`` / ``state_load`` / ``state_drop``).
+snapshots (docs/architecture.md "Engine contract": ``state_save`` / ``state_load`` / ``state_drop``).
 
 Hybrid models cannot rewind their DeltaNet state, so a later turn can only continue from a state
 saved at exactly the point where its prompt diverges from nothing it has not seen. The scheduler

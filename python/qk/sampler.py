@@ -3,7 +3,7 @@
 The engine returns the greedy id of the last position and, on request, its top-k ``(id, logit)``
 pairs; sampling happens here, over those candidates only. Deterministic by construction: a
 SplitMix64 stream per request seeded from ``seed``, ties broken towards the lowest id, arithmetic in
-float64 in a fixed order, NaN logits rejected (STYLE.md §11 rule 10).
+float64 in a fixed order, NaN logits rejected.
 
 Example::
 
@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 _MASK64 = (1 << 64) - 1
-#: Most candidates one position can return (DESIGN.md "Engine contract": k up to 256).
+#: Most candidates one position can return (docs/architecture.md "Engine contract": k up to 256).
 MAX_CANDIDATES = 256
 
 

@@ -2,7 +2,7 @@
 
 One dedicated engine thread owns the driver (it loads the model, then runs every forward pass):
 that thread and its queue are the single door between asyncio code and the blocking engine
-(STYLE.md §2). Each loop turn it admits waiting jobs into free slots in FIFO order, runs one
+(docs/architecture.md "Server layering"). Each loop turn it admits waiting jobs into free slots in FIFO order, runs one
 prefill chunk of one admitted job, then one multi-slot decode step for every job already decoding
 (so the weights are read once per step for all of them). Sampling happens here, on the head.
 
@@ -56,7 +56,7 @@ __all__ = [
 log = logging.getLogger("qk.scheduler")
 
 #: Prefill chunk (positions per stage_run call). A multiple of 64 so chunk boundaries sit where the
-#: chunked DeltaNet puts its own (DESIGN.md "Determinism"); small enough that decode steps of other
+#: chunked DeltaNet puts its own (docs/numerics.md "Chunk alignment"); small enough that decode steps of other
 #: slots and SSE keep-alives interleave with a long prompt.
 PREFILL_CHUNK = 512
 

@@ -28,7 +28,7 @@ __all__ = ["demo_model_path", "main"]
 
 log = logging.getLogger("qk.serve")
 
-#: Per-slot context by default: agent system prompts alone run to 15–25k tokens (DESIGN.md).
+#: Per-slot context by default: agent system prompts alone run to 15–25k tokens.
 DEFAULT_CTX = 32768
 DEMO_ARCH = "qwen35moe"
 DEMO_SEED = 0
@@ -58,7 +58,9 @@ def _layers(text: str) -> tuple[int, int]:
     return parse_layers(text)
 
 
-def _loader(path: Path, slots: int, ctx: int, device: str | None, name: str, kv: dict[str, str]):
+def _loader(
+    path: Path, slots: int, ctx: int, device: str | None, name: str, kv: dict[str, str], precise: bool
+):
     def load():
         # qk.engine (the native engine's Python home) rather than the lazy `qk.Engine` attribute,
         # which the package root exports only once the engine is wired into it.
@@ -68,7 +70,7 @@ def _loader(path: Path, slots: int, ctx: int, device: str | None, name: str, kv:
         from qk.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(path)
-        engine = Engine(str(path), layers=None, slots=slots, ctx=ctx, device=device, **kv)
+        engine = Engine(str(path), layers=None, slots=slots, ctx=ctx, device=device, precise=precise, **kv)
         return Loaded(LocalDriver(engine), tokenizer, name, str(path))
 
     return load
@@ -89,7 +91,13 @@ def _split_loader(
 
         tokenizer = Tokenizer.from_gguf(path)
         engine = _qk.Engine(
-            str(path), layers=layers, slots=args.slots, ctx=args.ctx, device=args.device, **cache_types(args)
+            str(path),
+            layers=layers,
+            slots=args.slots,
+            ctx=args.ctx,
+            device=args.device,
+            precise=args.precise,
+            **cache_types(args),
         )
         fingerprint = Gguf(str(path), header_only=True).fingerprint
         own = head_stage(
@@ -112,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=1, help="concurrent sequences decoded together")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help="context length per slot")
     p.add_argument("--device", help="GPU index or name")
+    p.add_argument(
+        "--precise",
+        action="store_true",
+        help="f32 products throughout (default: prefill mat-mats on tensor cores, f16 inputs, where available)",
+    )
     p.add_argument(
         "--api-key", default=os.environ.get("QK_API_KEY"), help="required on every route but /health"
     )
@@ -208,7 +221,7 @@ def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None
             )
             return 2
     app = create_app(
-        load or _loader(path, args.slots, args.ctx, args.device, name, cache_types(args)),
+        load or _loader(path, args.slots, args.ctx, args.device, name, cache_types(args), args.precise),
         slots=args.slots,
         ctx=args.ctx,
         api_key=args.api_key,

@@ -1,4 +1,4 @@
-"""The head of a split model (DESIGN.md "Split serving"): ``SplitDriver`` runs layers ``[0, A)`` on the
+"""The head of a split model (docs/architecture.md "Split serving"): ``SplitDriver`` runs layers ``[0, A)`` on the
 local engine and the rest through a ``qk._qk.HeadLink`` to the worker chain, behind the scheduler's
 ``Driver`` interface.
 
@@ -48,7 +48,7 @@ PING_IDLE_S = 5.0
 
 
 def head_stage(engine: Any, fingerprint: str, snap_entries: int, name: str, boot_id: int) -> dict:
-    """The head's own stage description for the hello (qkp.md "hello"): the chain is checked
+    """The head's own stage description for the hello (docs/protocol.md "Stage description"): the chain is checked
     against it (contiguous layers, same model, n_embd, enough slots and context)."""
     from qk.worker import stage_info
 

@@ -1,5 +1,5 @@
 """Tiny random-weight GGUF models of the real architectures (qwen3next, qwen35moe): every tensor of
-spec/model.md §2 in the layout real converted files have, plus a small byte-level BPE vocabulary of
+docs/numerics.md "Tensors" in the layout real converted files have, plus a small byte-level BPE vocabulary of
 its own. Used by the test suite (fixtures, oracle comparisons) and by the server's built-in demo.
 
 Only the generic `gguf.GGUFWriter` API is used, so both llama.cpp's gguf-py and the PyPI `gguf`
@@ -23,7 +23,7 @@ TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
 
 # Special tokens in the order the Qwen vocabularies place them (after the BPE tokens). `<|…|>` tokens
-# are CONTROL in real files, the tag-like ones USER_DEFINED (spec/model.md §5).
+# are CONTROL in real files, the tag-like ones USER_DEFINED (docs/numerics.md "Vocabulary").
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
@@ -94,7 +94,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Layout:
-    """Tensor layout variants seen in real files that llama.cpp 0.3.36 loads (spec/model.md §2)."""
+    """Tensor layout variants seen in real files that llama.cpp 0.3.36 loads (docs/numerics.md "Tensors")."""
 
     fused_gate_up_exps: bool = False  # ffn_gate_up_exps instead of ffn_gate_exps + ffn_up_exps
     legacy_ssm_in: bool = False  # qwen3next only: ssm_in (HF in_proj_qkvz) instead of attn_qkv + attn_gate
@@ -307,7 +307,7 @@ def vocab_from_gguf(path: str | Path) -> Vocab:
     )
 
 
-# ChatML templates in the shape of the real ones (spec/model.md §5): Qwen3 (Hermes JSON tool calls)
+# ChatML templates in the shape of the real ones (docs/numerics.md "Vocabulary"): Qwen3 (Hermes JSON tool calls)
 # for qwen3next, Qwen3.5 (XML function calls, thinking on by default) for qwen35moe.
 CHAT_TEMPLATE_QWEN3 = """{%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -405,7 +405,21 @@ def _softplus_inverse(y: np.ndarray) -> np.ndarray:
     return y + np.log(-np.expm1(-y))
 
 
-def _tensors(arch: str, shape: Shape, layout: Layout, vocab_size: int, seed: int, lm_head_gain: float):
+# Router gain of the committed fixtures: decisive expert choices, so that llama.cpp's 8-bit rounding of
+# activations on quantised files rarely flips a top-k pick. 1.0 is the routers' natural scale (their
+# rows drawn like every other projection's), which the weight-type parity fixtures use.
+DECISIVE_ROUTER_GAIN = 3.0
+
+
+def _tensors(
+    arch: str,
+    shape: Shape,
+    layout: Layout,
+    vocab_size: int,
+    seed: int,
+    lm_head_gain: float,
+    router_gain: float,
+):
     """(name, F32 array in NumPy order) for every tensor of the model, in file order."""
     s = shape
     w = _Weights(seed)
@@ -456,8 +470,7 @@ def _tensors(arch: str, shape: Shape, layout: Layout, vocab_size: int, seed: int
         out.append((f"{p}.ssm_out.weight", w.linear(s.n_embd, s.value_dim)))
 
     def moe(p: str) -> None:
-        # Router gain 3: decisive expert choices, so activation rounding rarely flips a top-k pick.
-        out.append((f"{p}.ffn_gate_inp.weight", _f32(3.0 * w.linear(s.n_expert, s.n_embd))))
+        out.append((f"{p}.ffn_gate_inp.weight", _f32(router_gain * w.linear(s.n_expert, s.n_embd))))
         gate = w.linear(s.ff_exp, s.n_embd, s.n_expert)
         up = w.linear(s.ff_exp, s.n_embd, s.n_expert)
         if layout.fused_gate_up_exps:
@@ -487,7 +500,7 @@ def _tensors(arch: str, shape: Shape, layout: Layout, vocab_size: int, seed: int
     out.append(("output_norm.weight", w.norm_plus_one(s.n_embd)))
     out.append(("output.weight", _f32(lm_head_gain * w.linear(vocab_size, s.n_embd))))
     # MTP blocks draw from their own generator, so adding them leaves the main model's weights (and
-    # so its logits) unchanged. The main pass never runs them (spec §1.3).
+    # so its logits) unchanged. The main pass never runs them (docs/numerics.md "Layer plan").
     w = _Weights(seed + 1_000_003)
     for il in range(s.n_layer, s.n_layer + s.n_mtp):
         block(il)
@@ -508,12 +521,15 @@ def write_model(
     layout: Layout | None = None,
     vocab: Vocab | None = None,
     lm_head_gain: float = 4.0,
+    router_gain: float = DECISIVE_ROUTER_GAIN,
     name: str | None = None,
 ) -> Path:
     """Write a tiny random-weight F32 GGUF of `arch` to `path`.
 
     lm_head_gain scales output.weight: with unit-variance logits a random model's top-2 gaps are so
-    small that near-ties dominate greedy comparisons (DESIGN.md "Test data")."""
+    small that near-ties dominate greedy comparisons (docs/architecture.md "Test data"). router_gain scales the
+    MoE routers (ffn_gate_inp): DECISIVE_ROUTER_GAIN by default, as the committed fixtures have it;
+    1.0 for routers at their natural scale."""
     import gguf
 
     if arch not in ARCHES:
@@ -570,7 +586,7 @@ def write_model(
         "tokenizer.chat_template", CHAT_TEMPLATE_QWEN3 if arch == "qwen3next" else CHAT_TEMPLATE_QWEN35
     )
 
-    for tname, data in _tensors(arch, s, layout, len(vocab.tokens), seed, lm_head_gain):
+    for tname, data in _tensors(arch, s, layout, len(vocab.tokens), seed, lm_head_gain, router_gain):
         wr.add_tensor(tname, data)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()

@@ -42,7 +42,7 @@ class TokenType(enum.IntEnum):
 
 
 # The pre-tokenizer regexes of the HF tokenizer.json files, as quoted in llama.cpp's
-# src/llama-vocab.cpp for each `tokenizer.ggml.pre` value (spec/model.md §5). qwen35 adds combining
+# src/llama-vocab.cpp for each `tokenizer.ggml.pre` value (docs/numerics.md "Vocabulary"). qwen35 adds combining
 # marks (\p{M}) to letter runs and removes them from punctuation runs.
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"

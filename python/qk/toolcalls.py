@@ -1,6 +1,6 @@
 """Parse a model's reply into answer text, reasoning and structured tool calls, as it streams.
 
-Two Qwen tool-call syntaxes, chosen from the chat template text (spec/landscape.md §4):
+Two Qwen tool-call syntaxes, chosen from the chat template text (docs/numerics.md "Vocabulary"):
 
 * Hermes JSON (Qwen2.5, Qwen3): ``<tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call>``
 * Qwen3-Coder / Qwen3.5 XML: ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n

@@ -1,5 +1,5 @@
 """``python -m qk.worker``: one pipeline stage of a split model — the engine for layers ``[A, B)`` behind
-the qkp transport (shared/spec/qkp.md), no HTTP. It answers one head session at a time, forwards hidden
+the qkp transport (docs/protocol.md), no HTTP. It answers one head session at a time, forwards hidden
 rows to ``--next`` unless it runs the model's last layers, and keeps serving when a peer misbehaves.
 
 Listens on loopback by default; any other address needs a shared secret (``--secret`` or
@@ -45,7 +45,7 @@ def is_loopback(host: str) -> bool:
 
 
 def stage_info(engine: Any, fingerprint: str, snap_entries: int) -> dict:
-    """What a hello says of a stage running ``engine`` (qkp.md "hello"): its layers, the model's
+    """What a hello says of a stage running ``engine`` (docs/protocol.md "Stage description"): its layers, the model's
     shape, slots and context, snapshot capacity, model fingerprint and adapter."""
     info = engine.info()
     first, end = info["layers"]
@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=4, help="sequences served at once (cover the head's)")
     p.add_argument("--ctx", type=int, default=32768, help="positions per slot (cover the head's)")
     p.add_argument("--device", default=None, help="GPU adapter index or name")
+    p.add_argument(
+        "--precise",
+        action="store_true",
+        help="f32 products throughout (default: prefill mat-mats on tensor cores, f16 inputs, where available)",
+    )
     p.add_argument("--snapshots", type=int, default=16, help="state snapshot entries offered to the head")
     p.add_argument("--next", default=None, help="host:port of the next stage (none for the last stage)")
     p.add_argument("--secret", default=None, help="shared secret for both hops (default: $QK_SECRET)")
@@ -170,7 +175,13 @@ def load_engine(args: argparse.Namespace) -> Any:
     a, b = args.layers
     fingerprint = Gguf(args.model, header_only=True).fingerprint
     engine = engine_class(
-        args.model, layers=(a, b), slots=args.slots, ctx=args.ctx, device=args.device, **cache_types(args)
+        args.model,
+        layers=(a, b),
+        slots=args.slots,
+        ctx=args.ctx,
+        device=args.device,
+        precise=args.precise,
+        **cache_types(args),
     )
     return EngineStage(engine, fingerprint, args.snapshots)
 

@@ -4,6 +4,7 @@
 //! (reader.rs) and serves metadata, the tensor index and zero-copy tensor bytes.
 
 pub mod dequant;
+pub mod grids;
 pub mod reader;
 pub mod split;
 pub mod types;

@@ -3,89 +3,111 @@
 
 use std::fmt;
 
-/// The ggml types qk reads and dequantises (every type seen in real Qwen GGUFs).
+/// The ggml weight types qk reads and dequantises: every type llama.cpp's quantiser writes for the
+/// Qwen3-Next / Qwen3.5-MoE recipes (ternary, NVFP4 and the 1/2-bit Q1_0/Q2_0 excepted).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GgmlType {
     F32,
     F16,
+    BF16,
     Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
+    Q2K,
+    Q3K,
     Q4K,
     Q5K,
     Q6K,
+    IQ1S,
+    IQ1M,
+    IQ2XXS,
+    IQ2XS,
+    IQ2S,
+    IQ3XXS,
+    IQ3S,
     IQ4NL,
     IQ4XS,
-    BF16,
+    MXFP4,
 }
 
 impl GgmlType {
     /// Every type qk reads, for iteration in tests.
-    pub const ALL: [GgmlType; 10] = [
+    pub const ALL: [GgmlType; 23] = [
         GgmlType::F32,
         GgmlType::F16,
+        GgmlType::BF16,
         GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
         GgmlType::Q8_0,
+        GgmlType::Q2K,
+        GgmlType::Q3K,
         GgmlType::Q4K,
         GgmlType::Q5K,
         GgmlType::Q6K,
+        GgmlType::IQ1S,
+        GgmlType::IQ1M,
+        GgmlType::IQ2XXS,
+        GgmlType::IQ2XS,
+        GgmlType::IQ2S,
+        GgmlType::IQ3XXS,
+        GgmlType::IQ3S,
         GgmlType::IQ4NL,
         GgmlType::IQ4XS,
-        GgmlType::BF16,
+        GgmlType::MXFP4,
     ];
 
     /// The GGUF type id → type; `None` for ids qk does not read.
     pub fn from_id(id: u32) -> Option<GgmlType> {
-        Some(match id {
-            0 => GgmlType::F32,
-            1 => GgmlType::F16,
-            2 => GgmlType::Q4_0,
-            8 => GgmlType::Q8_0,
-            12 => GgmlType::Q4K,
-            13 => GgmlType::Q5K,
-            14 => GgmlType::Q6K,
-            20 => GgmlType::IQ4NL,
-            23 => GgmlType::IQ4XS,
-            30 => GgmlType::BF16,
-            _ => return None,
-        })
+        Self::ALL.into_iter().find(|t| t.id() == id)
     }
 
+    /// The GGUF type id (ggml.h `enum ggml_type`).
     pub fn id(self) -> u32 {
         match self {
             GgmlType::F32 => 0,
             GgmlType::F16 => 1,
             GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
+            GgmlType::Q2K => 10,
+            GgmlType::Q3K => 11,
             GgmlType::Q4K => 12,
             GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
+            GgmlType::IQ2XXS => 16,
+            GgmlType::IQ2XS => 17,
+            GgmlType::IQ3XXS => 18,
+            GgmlType::IQ1S => 19,
             GgmlType::IQ4NL => 20,
+            GgmlType::IQ3S => 21,
+            GgmlType::IQ2S => 22,
             GgmlType::IQ4XS => 23,
+            GgmlType::IQ1M => 29,
             GgmlType::BF16 => 30,
+            GgmlType::MXFP4 => 39,
         }
+    }
+
+    /// The size row of this type in the table of every ggml type.
+    pub fn layout(self) -> TypeLayout {
+        // Every id above has its row (tests/rust/gguf_tests.rs type_table_is_consistent).
+        TypeLayout::of_id(self.id()).expect("every GgmlType has a row in GGML_TYPE_LAYOUTS")
     }
 
     /// Weights per block.
     pub fn block_len(self) -> usize {
-        match self {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::IQ4NL => 32,
-            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::IQ4XS => 256,
-        }
+        self.layout().block_len
     }
 
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
-        match self {
-            GgmlType::F32 => 4,
-            GgmlType::F16 | GgmlType::BF16 => 2,
-            GgmlType::Q4_0 | GgmlType::IQ4NL => 18,
-            GgmlType::Q8_0 => 34,
-            GgmlType::Q4K => 144,
-            GgmlType::Q5K => 176,
-            GgmlType::Q6K => 210,
-            GgmlType::IQ4XS => 136,
-        }
+        self.layout().block_bytes
     }
 
     /// Bytes of `n` weights, or `None` if `n` is not a whole number of blocks or overflows.
@@ -93,29 +115,9 @@ impl GgmlType {
         self.layout().bytes_for(n)
     }
 
-    /// The size row of this type in the table of every ggml type.
-    pub fn layout(self) -> TypeLayout {
-        TypeLayout {
-            id: self.id(),
-            name: self.name(),
-            block_len: self.block_len(),
-            block_bytes: self.block_bytes(),
-        }
-    }
-
+    /// The ggml name ("Q4_K", "IQ2_XXS", …).
     pub fn name(self) -> &'static str {
-        match self {
-            GgmlType::F32 => "F32",
-            GgmlType::F16 => "F16",
-            GgmlType::Q4_0 => "Q4_0",
-            GgmlType::Q8_0 => "Q8_0",
-            GgmlType::Q4K => "Q4_K",
-            GgmlType::Q5K => "Q5_K",
-            GgmlType::Q6K => "Q6_K",
-            GgmlType::IQ4NL => "IQ4_NL",
-            GgmlType::IQ4XS => "IQ4_XS",
-            GgmlType::BF16 => "BF16",
-        }
+        self.layout().name
     }
 }
 
@@ -213,3 +215,7 @@ pub const GGML_TYPE_LAYOUTS: [TypeLayout; 35] = [
 pub const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
+
+/// MXFP4's E2M1 values, doubled to integers (ggml-common.h kvalues_mxfp4): the block scale is
+/// taken at half its E8M0 value to match.
+pub const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];

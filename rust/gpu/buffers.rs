@@ -125,14 +125,20 @@ impl Gpu {
 
     /// A storage buffer holding `bytes` (padded with zeros to a multiple of 4).
     pub fn buffer_from_bytes(&self, label: &str, bytes: &[u8]) -> Result<GpuBuffer> {
-        let buf = self.create_buffer(label, bytes.len() as u64, STORAGE, true)?;
+        self.buffer_from_parts(label, bytes, &[])
+    }
+
+    /// `head` padded with zeros to a multiple of 4, then `tail`, in one storage buffer.
+    fn buffer_from_parts(&self, label: &str, head: &[u8], tail: &[u8]) -> Result<GpuBuffer> {
+        let at = head.len().div_ceil(4) * 4;
+        let buf = self.create_buffer(label, (at + tail.len()) as u64, STORAGE, true)?;
         {
             let mut view = buf
                 .buffer
                 .get_mapped_range_mut(..)
                 .map_err(|e| QkError::Engine(format!("{label}: map at creation failed: {e}")))?;
-            let mut dst = view.slice(..bytes.len());
-            dst.copy_from_slice(bytes);
+            view.slice(..head.len()).copy_from_slice(head);
+            view.slice(at..at + tail.len()).copy_from_slice(tail);
         }
         buf.buffer.unmap();
         Ok(buf)
@@ -165,7 +171,7 @@ impl Gpu {
 
     /// Upload a weight tensor given in GGUF layout: `experts` matrices of `rows` × `cols` of
     /// type `ty`, back to back. Windows hold whole rows (whole experts where one fits) and each
-    /// fits one binding.
+    /// fits one binding; an IQ1/IQ2/IQ3 window ends with its type's grid (`gguf::grids::grid_of`).
     pub fn upload_weight(
         &self,
         name: &str,
@@ -210,11 +216,14 @@ impl Gpu {
                 total_rows * row_bytes
             )));
         }
+        // IQ1/IQ2/IQ3 windows end with their type's grid, which the kernels read from there.
+        let grid: &[u8] = crate::gguf::grids::grid_of(ty).map_or(&[], bytemuck::cast_slice);
         let cap = self
             .caps
             .max_binding_size
             .min(self.caps.max_buffer_size)
-            .min(max_window_bytes);
+            .min(max_window_bytes)
+            .saturating_sub(grid.len() as u64 + 3);
         let max_rows = cap / row_bytes;
         if max_rows == 0 {
             return Err(QkError::Engine(format!(
@@ -234,7 +243,7 @@ impl Gpu {
             let lo = (first * row_bytes) as usize;
             let hi = ((first + n) * row_bytes) as usize;
             let label = format!("{name}[{first}..{}]", first + n);
-            let buffer = self.buffer_from_bytes(&label, &bytes[lo..hi])?;
+            let buffer = self.buffer_from_parts(&label, &bytes[lo..hi], grid)?;
             windows.push(WeightWindow {
                 buffer,
                 first_row: first,
@@ -280,11 +289,10 @@ impl Gpu {
     /// A mappable buffer of at least `size` bytes, reused across readbacks so a steady step
     /// creates none.
     pub(crate) fn staging_buffer(&self, size: u64) -> Result<GpuBuffer> {
-        if let Ok(mut slot) = self.cache.staging.lock()
-            && let Some(buf) = slot.take()
-            && buf.size >= size
+        if let Ok(mut pool) = self.cache.staging.lock()
+            && let Some(i) = pool.iter().position(|b| b.size >= size)
         {
-            return Ok(buf);
+            return Ok(pool.swap_remove(i));
         }
         // Grow geometrically so a slowly growing read does not allocate each time.
         let size = size
@@ -300,9 +308,14 @@ impl Gpu {
         )
     }
 
+    /// Keep a staging buffer for the next readback: a few, so a step recorded ahead has its own
+    /// while the previous step's is mapped.
     pub(crate) fn return_staging(&self, buf: GpuBuffer) {
-        if let Ok(mut slot) = self.cache.staging.lock() {
-            *slot = Some(buf);
+        if let Ok(mut pool) = self.cache.staging.lock() {
+            if pool.len() >= 4 {
+                pool.remove(0);
+            }
+            pool.push(buf);
         }
     }
 }

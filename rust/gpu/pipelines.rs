@@ -81,7 +81,7 @@ pub(crate) struct Cache {
     pipelines: Mutex<HashMap<PipelineKey, Arc<Pipeline>>>,
     requests: Mutex<HashMap<u64, Vec<Request>>>,
     bind_groups: Mutex<HashMap<BindKey, wgpu::BindGroup>>,
-    pub(crate) staging: Mutex<Option<super::buffers::GpuBuffer>>,
+    pub(crate) staging: Mutex<Vec<super::buffers::GpuBuffer>>,
 }
 
 fn reflect(module: &naga::Module, name: &str) -> Result<(Vec<BindingKind>, u32)> {

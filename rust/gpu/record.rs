@@ -12,7 +12,7 @@ use crate::error::{QkError, Result};
 
 /// Records work for one submit. Dispatches share one compute pass until a copy or readback
 /// forces the pass to end (dispatches inside one pass cost ~2 µs each on the H200, a pass per
-/// dispatch ~78 µs: kernels-perf.md §3.6).
+/// dispatch ~78 µs: docs/architecture.md "Dispatch costs").
 pub struct Recorder<'g> {
     gpu: &'g Gpu,
     encoder: Option<wgpu::CommandEncoder>,
@@ -287,7 +287,15 @@ impl Recorder<'_> {
 
     /// [`Recorder::finish_and_read`], plus when encoding ended, the submit returned and the
     /// results were in, and what a profiling recorder measured.
-    pub fn finish_and_read_timed(mut self) -> Result<(Vec<Vec<u8>>, Finished)> {
+    pub fn finish_and_read_timed(self) -> Result<(Vec<Vec<u8>>, Finished)> {
+        let gpu = self.gpu;
+        self.finish()?.submit(gpu).wait(gpu)
+    }
+
+    /// Encode everything recorded (the readbacks' copies into a staging buffer included) without
+    /// submitting: the commands can be submitted later, e.g. a decode step recorded while the
+    /// previous one runs on the GPU. Buffer writes made before the submit still come first.
+    pub fn finish(mut self) -> Result<Encoded> {
         self.end_pass();
         let mut profile = self.profile.take();
         let mut enc = self.encoder.take().ok_or_else(finished)?;
@@ -295,7 +303,8 @@ impl Recorder<'_> {
             Some(p) if !p.query_sets.is_empty() => Some(resolve_timestamps(self.gpu, &mut enc, p)?),
             _ => None,
         };
-        let total: u64 = self.reads.iter().map(|r| r.2).sum();
+        let sizes: Vec<u64> = self.reads.iter().map(|r| r.2).collect();
+        let total: u64 = sizes.iter().sum();
         let staging = if total > 0 {
             Some(self.gpu.staging_buffer(total)?)
         } else {
@@ -308,55 +317,110 @@ impl Recorder<'_> {
                 at += size;
             }
         }
-        let commands = enc.finish();
-        let encoded = Instant::now();
-        self.gpu.queue.submit([commands]);
-        Counters::bump(&self.gpu.counters.submits);
+        Ok(Encoded {
+            commands: enc.finish(),
+            staging,
+            sizes,
+            profile,
+            timestamps,
+            encoded: Instant::now(),
+        })
+    }
+}
+
+/// Commands encoded and not submitted yet (see [`Recorder::finish`]).
+pub struct Encoded {
+    commands: wgpu::CommandBuffer,
+    staging: Option<GpuBuffer>,
+    sizes: Vec<u64>,
+    profile: Option<Box<Profiling>>,
+    timestamps: Option<wgpu::Buffer>,
+    encoded: Instant,
+}
+
+/// Submitted commands whose readbacks are being mapped.
+pub struct Submitted {
+    staging: Option<GpuBuffer>,
+    sizes: Vec<u64>,
+    mapped: Option<std::sync::mpsc::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>>,
+    profile: Option<Box<Profiling>>,
+    timestamps: Option<wgpu::Buffer>,
+    encoded: Instant,
+    submitted: Instant,
+}
+
+impl Encoded {
+    /// Submit, and ask for the readbacks to be mapped once the GPU is done.
+    pub fn submit(self, gpu: &Gpu) -> Submitted {
+        gpu.queue.submit([self.commands]);
+        Counters::bump(&gpu.counters.submits);
         let submitted = Instant::now();
-        let Some(st) = staging else {
-            self.gpu.wait()?;
-            let done = Instant::now();
-            let profile = finish_profile(self.gpu, profile, timestamps, encoded, submitted, done)?;
-            return Ok((
-                Vec::new(),
-                Finished {
-                    encoded,
-                    submitted,
-                    done,
-                    profile,
-                },
-            ));
-        };
-        let (tx, rx) = std::sync::mpsc::channel();
-        st.buffer.slice(..total).map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
+        let total: u64 = self.sizes.iter().sum();
+        let mapped = self.staging.as_ref().map(|st| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            st.buffer.slice(..total).map_async(wgpu::MapMode::Read, move |r| {
+                let _ = tx.send(r);
+            });
+            rx
         });
-        self.gpu.wait()?;
-        rx.recv()
-            .map_err(|_| QkError::DeviceLost("readback: map callback never ran".into()))?
-            .map_err(|e| QkError::DeviceLost(format!("readback map failed: {e}")))?;
-        let mut out = Vec::with_capacity(self.reads.len());
-        {
-            let view = st
-                .buffer
-                .get_mapped_range(..total)
-                .map_err(|e| QkError::Engine(format!("readback view: {e}")))?;
-            let mut at = 0usize;
-            for (_, _, size) in &self.reads {
-                out.push(view[at..at + *size as usize].to_vec());
-                at += *size as usize;
-            }
+        Submitted {
+            staging: self.staging,
+            sizes: self.sizes,
+            mapped,
+            profile: self.profile,
+            timestamps: self.timestamps,
+            encoded: self.encoded,
+            submitted,
         }
-        st.buffer.unmap();
-        self.gpu.return_staging(st);
-        Counters::bump(&self.gpu.counters.readbacks);
+    }
+
+    /// Drop the commands unsubmitted, keeping their staging buffer for the next readback.
+    pub fn discard(self, gpu: &Gpu) {
+        if let Some(st) = self.staging {
+            gpu.return_staging(st);
+        }
+    }
+}
+
+impl Submitted {
+    /// Wait for the GPU (everything submitted so far) and return the readbacks in order.
+    pub fn wait(self, gpu: &Gpu) -> Result<(Vec<Vec<u8>>, Finished)> {
+        gpu.wait()?;
+        let mut out = Vec::with_capacity(self.sizes.len());
+        if let (Some(st), Some(rx)) = (self.staging, self.mapped) {
+            rx.recv()
+                .map_err(|_| QkError::DeviceLost("readback: map callback never ran".into()))?
+                .map_err(|e| QkError::DeviceLost(format!("readback map failed: {e}")))?;
+            let total: u64 = self.sizes.iter().sum();
+            {
+                let view = st
+                    .buffer
+                    .get_mapped_range(..total)
+                    .map_err(|e| QkError::Engine(format!("readback view: {e}")))?;
+                let mut at = 0usize;
+                for size in &self.sizes {
+                    out.push(view[at..at + *size as usize].to_vec());
+                    at += *size as usize;
+                }
+            }
+            st.buffer.unmap();
+            gpu.return_staging(st);
+            Counters::bump(&gpu.counters.readbacks);
+        }
         let done = Instant::now();
-        let profile = finish_profile(self.gpu, profile, timestamps, encoded, submitted, done)?;
+        let profile = finish_profile(
+            gpu,
+            self.profile,
+            self.timestamps,
+            self.encoded,
+            self.submitted,
+            done,
+        )?;
         Ok((
             out,
             Finished {
-                encoded,
-                submitted,
+                encoded: self.encoded,
+                submitted: self.submitted,
                 done,
                 profile,
             },

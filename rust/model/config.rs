@@ -1,4 +1,4 @@
-//! Model hyper-parameters read from GGUF metadata (spec model.md §1) and the layer plan: which of
+//! Model hyper-parameters read from GGUF metadata (docs/numerics.md "Metadata") and the layer plan: which of
 //! the main layers are Gated DeltaNet and which full attention; MTP blocks after the main stack are
 //! counted and skipped.
 
@@ -95,7 +95,7 @@ impl ModelConfig {
         let n_embd = req("embedding_length")?;
         let heads = req("attention.head_count")?;
         let kv_heads = req("attention.head_count_kv")?;
-        // hd must be read: n_embd / heads differs from it in the real models (spec §6.2).
+        // hd must be read: n_embd / heads differs from it in the real models (docs/numerics.md "Metadata").
         let head_dim = req("attention.key_length")?;
         let n_rot = req("rope.dimension_count")?;
         let rope_base = file

@@ -1,4 +1,4 @@
-//! The per-layer forward graph (spec model.md §3) recorded into one command sequence: scratch
+//! The per-layer forward graph (docs/numerics.md "Forward pass") recorded into one command sequence: scratch
 //! activations sized for a batch of rows, per-slot recurrent state (KV, conv, DeltaNet S), and the
 //! recording of a prefill piece of one slot (rows = consecutive positions) or a decode step of
 //! several slots (rows = one position each).
@@ -19,7 +19,10 @@ use crate::ops::conv::{self, ConvParams};
 use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::embed::embed;
-use crate::ops::matmul::{Columns, ExpertIds, MoeInput, matvec_id, mul};
+use crate::ops::matmul::{
+    self, ColumnClass, Columns, ExpertGroups, ExpertIds, GroupShape, MoeInput, Precision, column_class,
+    group_experts, mul_id,
+};
 use crate::ops::norm::{self, NormArgs, NormKind, NormParams, RowLayout};
 use crate::ops::router::{self, RouterParams};
 use crate::ops::topk::{self, MAX_K, TopkParams};
@@ -28,8 +31,34 @@ use crate::ops::topk::{self, MAX_K, TopkParams};
 pub enum LayerState {
     /// The layer's KV cache (shared by every slot) and this slot's index in it.
     Attention { kv: Arc<KvLayer>, slot: u32 },
-    /// Conv rows (K−1 pre-conv inputs) and the DeltaNet matrices S of every v-head.
-    DeltaNet { conv: GpuBuffer, s: GpuBuffer },
+    /// Conv rows (K−1 pre-conv inputs) and the DeltaNet matrices S of every v-head: this slot's
+    /// ranges (byte offsets) of the layer's two buffers, which hold every slot back to back (slot i
+    /// at i · conv_bytes / i · ssm_bytes), so one dispatch can step all slots of a decode step.
+    DeltaNet {
+        conv: GpuBuffer,
+        conv_offset: u64,
+        s: GpuBuffer,
+        s_offset: u64,
+    },
+}
+
+impl LayerState {
+    /// (buffer, byte offset, bytes) of each part of this slot's state: its KV cells of positions
+    /// `0..pos` (their bytes depend on the cache types), or its conv rows and S.
+    pub fn parts(&self, cfg: &ModelConfig, pos: u32) -> Result<[(&GpuBuffer, u64, u64); 2]> {
+        match self {
+            LayerState::Attention { kv, slot } => kv.slot_ranges(*slot, pos),
+            LayerState::DeltaNet {
+                conv,
+                conv_offset,
+                s,
+                s_offset,
+            } => Ok([
+                (conv, *conv_offset, conv_bytes(cfg)),
+                (s, *s_offset, ssm_bytes(cfg)),
+            ]),
+        }
+    }
 }
 
 /// One slot: its position (tokens already run) and its state per local layer.
@@ -40,7 +69,7 @@ pub struct SlotState {
 
 impl SlotState {
     /// The state of `n_slots` slots: each attention layer's KV cache shared by all of them
-    /// (`shape`), conv rows and DeltaNet S per slot.
+    /// (`shape`), each DeltaNet layer's conv rows and S in one buffer per layer with a slot axis.
     pub fn new_all(
         gpu: &Gpu,
         cfg: &ModelConfig,
@@ -48,40 +77,63 @@ impl SlotState {
         shape: AttnShape,
         n_slots: u32,
     ) -> Result<Vec<SlotState>> {
-        let mut kv = Vec::new();
-        for lw in layers {
-            kv.push(match cfg.kinds[lw.index as usize] {
-                LayerKind::Attention => Some(Arc::new(KvLayer::new(gpu, shape, n_slots, lw.index)?)),
-                LayerKind::DeltaNet => None,
-            });
-        }
-        let mut out = Vec::new();
-        for slot in 0..n_slots {
-            let mut states = Vec::new();
-            for (lw, kv) in layers.iter().zip(&kv) {
-                let il = lw.index;
-                states.push(match kv {
-                    Some(kv) => LayerState::Attention { kv: kv.clone(), slot },
-                    None => LayerState::DeltaNet {
-                        conv: gpu.buffer_zeroed(&format!("slot{slot}.conv{il}"), conv_bytes(cfg))?,
-                        s: gpu.buffer_zeroed(&format!("slot{slot}.s{il}"), ssm_bytes(cfg))?,
-                    },
-                });
-            }
-            out.push(SlotState {
+        let mut slots: Vec<SlotState> = (0..n_slots)
+            .map(|_| SlotState {
                 pos: 0,
-                layers: states,
-            });
+                layers: Vec::new(),
+            })
+            .collect();
+        let (cb, sb) = (conv_bytes(cfg), ssm_bytes(cfg));
+        for lw in layers {
+            let il = lw.index;
+            match cfg.kinds[il as usize] {
+                LayerKind::Attention => {
+                    let kv = Arc::new(KvLayer::new(gpu, shape, n_slots, il)?);
+                    for (i, slot) in slots.iter_mut().enumerate() {
+                        slot.layers.push(LayerState::Attention {
+                            kv: kv.clone(),
+                            slot: i as u32,
+                        });
+                    }
+                }
+                LayerKind::DeltaNet => {
+                    let all = u64::from(n_slots);
+                    crate::ensure!(
+                        all * sb <= gpu.caps.max_binding_size,
+                        QkError::OutOfMemory(format!(
+                            "DeltaNet state of layer {il}: {n_slots} slots need {} bytes, more than one binding ({})",
+                            all * sb,
+                            gpu.caps.max_binding_size
+                        ))
+                    );
+                    let conv = gpu.buffer_zeroed(&format!("conv{il}"), all * cb)?;
+                    let s = gpu.buffer_zeroed(&format!("ssm{il}"), all * sb)?;
+                    for (i, slot) in slots.iter_mut().enumerate() {
+                        slot.layers.push(LayerState::DeltaNet {
+                            conv: conv.clone(),
+                            conv_offset: i as u64 * cb,
+                            s: s.clone(),
+                            s_offset: i as u64 * sb,
+                        });
+                    }
+                }
+            }
         }
-        Ok(out)
+        Ok(slots)
     }
 
     /// Zero the recurrent state (KV rows beyond the position are never read).
-    pub fn reset(&mut self, gpu: &Gpu) -> Result<()> {
+    pub fn reset(&mut self, gpu: &Gpu, cfg: &ModelConfig) -> Result<()> {
         for l in &self.layers {
-            if let LayerState::DeltaNet { conv, s } = l {
-                gpu.write(conv, 0, &vec![0u8; conv.size as usize])?;
-                gpu.write(s, 0, &vec![0u8; s.size as usize])?;
+            if let LayerState::DeltaNet {
+                conv,
+                conv_offset,
+                s,
+                s_offset,
+            } = l
+            {
+                gpu.write(conv, *conv_offset, &vec![0u8; conv_bytes(cfg) as usize])?;
+                gpu.write(s, *s_offset, &vec![0u8; ssm_bytes(cfg) as usize])?;
             }
         }
         self.pos = 0;
@@ -102,51 +154,61 @@ pub fn ssm_bytes(cfg: &ModelConfig) -> u64 {
 pub struct Scratch {
     pub rows: u32,
     pub x: [GpuBuffer; 2],
-    xn: GpuBuffer,
-    mix: GpuBuffer,
+    pub(crate) xn: GpuBuffer,
+    pub(crate) mix: GpuBuffer,
     /// DeltaNet: [q‖k‖v pre-conv | beta/alpha logits] per row.
-    gproj: GpuBuffer,
+    pub(crate) gproj: GpuBuffer,
     /// Legacy `ssm_in` output before it is regrouped into gproj and z.
-    legacy: GpuBuffer,
-    conv_out: GpuBuffer,
-    z: GpuBuffer,
-    dn_out: GpuBuffer,
-    gated: GpuBuffer,
-    dn_scratch: GpuBuffer,
+    pub(crate) legacy: GpuBuffer,
+    pub(crate) conv_out: GpuBuffer,
+    pub(crate) z: GpuBuffer,
+    pub(crate) dn_out: GpuBuffer,
+    pub(crate) gated: GpuBuffer,
+    pub(crate) dn_scratch: GpuBuffer,
     /// Attention: [q+gate | K | V] per row, prepared q, gated output, split partials (ops/attention.rs).
-    pub aproj: GpuBuffer,
-    pub q: GpuBuffer,
-    pub attn_out: GpuBuffer,
-    pub part_out: GpuBuffer,
-    pub part_ml: GpuBuffer,
+    pub(crate) aproj: GpuBuffer,
+    pub(crate) q: GpuBuffer,
+    pub(crate) attn_out: GpuBuffer,
+    pub(crate) part_out: GpuBuffer,
+    pub(crate) part_ml: GpuBuffer,
     /// A decode step's `[slot, pos]` per row (ops/attention.rs), written once per step.
     pub attn_rows: GpuBuffer,
-    router_logits: GpuBuffer,
-    expert_ids: GpuBuffer,
-    expert_w: GpuBuffer,
-    gate_up: GpuBuffer,
-    act: GpuBuffer,
-    down: GpuBuffer,
-    sh_gate_up: GpuBuffer,
-    sh_act: GpuBuffer,
-    sh_down: GpuBuffer,
-    sh_gate: GpuBuffer,
+    pub(crate) router_logits: GpuBuffer,
+    pub(crate) expert_ids: GpuBuffer,
+    pub(crate) expert_w: GpuBuffer,
+    /// The rows' (token, slot) entries grouped by expert for the grouped mat-mat (u32).
+    pub(crate) expert_groups: GpuBuffer,
+    pub(crate) gate_up: GpuBuffer,
+    pub(crate) act: GpuBuffer,
+    pub(crate) down: GpuBuffer,
+    pub(crate) sh_gate_up: GpuBuffer,
+    pub(crate) sh_act: GpuBuffer,
+    pub(crate) sh_down: GpuBuffer,
+    pub(crate) sh_gate: GpuBuffer,
+    /// Rows of logits the head computes at once (`logits`, `results` hold that many).
+    pub head_rows: u32,
     pub logits: GpuBuffer,
     pub tokens: GpuBuffer,
-    topk_candidates: GpuBuffer,
+    pub(crate) topk_candidates: GpuBuffer,
     /// Top-k results of a batch of rows: rows × k pairs (k ≤ MAX_K), row-major.
     pub results: GpuBuffer,
     /// The final row of a prefill piece (its own k).
     pub result_last: GpuBuffer,
+    /// Decode: the slot of each row (u32), written by the engine before each step.
+    pub(crate) slots: GpuBuffer,
+    /// Greedy (id, logit) of every row of a prefill piece, gathered from the head's row groups.
+    pub piece_ids: GpuBuffer,
     pub bytes: u64,
 }
 
 impl Scratch {
-    /// Buffers for prefill pieces of up to `rows` rows and decode steps of up to `step_rows`.
+    /// Activations for `rows` rows (prefill pieces) and decode steps of up to `step_rows`; with
+    /// `has_head`, logits for `head_rows` of them at a time.
     pub fn new(
         gpu: &Gpu,
         cfg: &ModelConfig,
         rows: u32,
+        head_rows: u32,
         step_rows: u32,
         has_head: bool,
         legacy: bool,
@@ -167,7 +229,8 @@ impl Scratch {
         let dparams = delta_params(cfg);
         let (po, pml) = attention::partial_len(step_rows.min(rows), rows, cfg.heads, cfg.head_dim);
         let vocab = u64::from(cfg.vocab);
-        let head_rows = if has_head { r } else { 0 };
+        let head_rows = head_rows.min(rows);
+        let logit_rows = if has_head { u64::from(head_rows) } else { 0 };
         let topk_probe = TopkParams::new(cfg.vocab.max(MAX_K), MAX_K, 0)?;
         Ok(Scratch {
             rows,
@@ -196,36 +259,49 @@ impl Scratch {
             attn_rows: buf("attn.rows", 2 * r)?,
             // Expert logits, then (stacked router) the shared expert's gate logit, per row.
             router_logits: buf("moe.router", r * u64::from(cfg.experts + 1))?,
-            expert_ids: buf("moe.ids", r * k)?,
-            expert_w: buf("moe.weights", r * k)?,
+            // k routed picks, and the shared expert as pick k in the decode step.
+            expert_ids: buf("moe.ids", r * (k + 1))?,
+            expert_w: buf("moe.weights", r * (k + 1))?,
+            expert_groups: buf(
+                "moe.groups",
+                GroupShape {
+                    experts: cfg.experts,
+                    n_used: cfg.experts_used,
+                    n_tokens: rows,
+                }
+                .words(),
+            )?,
             // The expert columns, then (ff == shared_ff) the shared expert's t columns.
             gate_up: buf("moe.gate_up", r * (k + 1) * 2 * ff)?,
             act: buf("moe.act", r * (k + 1) * ff)?,
-            down: buf("moe.down", r * k * e)?,
+            down: buf("moe.down", r * (k + 1) * e)?,
             sh_gate_up: buf("shexp.gate_up", r * 2 * sff)?,
             sh_act: buf("shexp.act", r * sff)?,
             sh_down: buf("shexp.down", r * e)?,
             sh_gate: buf("shexp.gate", r)?,
-            logits: buf("logits", head_rows * vocab)?,
+            head_rows,
+            logits: buf("logits", logit_rows * vocab)?,
             tokens: buf("tokens", r)?,
             topk_candidates: buf(
                 "topk.candidates",
-                head_rows * 2 * u64::from(topk_probe.candidates()),
+                logit_rows * 2 * u64::from(topk_probe.candidates()),
             )?,
-            results: buf("topk.results", head_rows * 2 * u64::from(MAX_K))?,
+            results: buf("topk.results", logit_rows * 2 * u64::from(MAX_K))?,
             result_last: buf("topk.result_last", 2 * u64::from(MAX_K))?,
+            slots: buf("decode.slots", r)?,
+            piece_ids: buf("topk.piece_ids", if has_head { r * 2 } else { 0 })?,
             bytes,
         })
     }
 }
 
-fn attn_proj_width(cfg: &ModelConfig) -> u32 {
+pub(crate) fn attn_proj_width(cfg: &ModelConfig) -> u32 {
     2 * cfg.heads * cfg.head_dim + 2 * cfg.kv_row()
 }
 
 /// A decode step's `[slot, pos]` rows into `s.attn_rows` (once per step, before the layers); a
 /// stage without attention layers has nothing to write.
-fn write_step_rows(gpu: &Gpu, s: &Scratch, states: &[&SlotState], positions: &[u32]) -> Result<()> {
+pub fn write_step_rows(gpu: &Gpu, s: &Scratch, states: &[&SlotState], positions: &[u32]) -> Result<()> {
     let mut rows = Vec::with_capacity(2 * positions.len());
     for (st, &pos) in states.iter().zip(positions) {
         let Some(slot) = st.layers.iter().find_map(|l| match l {
@@ -247,12 +323,12 @@ fn write_step_rows(gpu: &Gpu, s: &Scratch, states: &[&SlotState], positions: &[u
     gpu.write(&s.attn_rows, 0, bytemuck::cast_slice(&rows))
 }
 
-fn delta_params(cfg: &ModelConfig) -> DeltaParams {
+pub(crate) fn delta_params(cfg: &ModelConfig) -> DeltaParams {
     let key_dim = cfg.k_heads * cfg.dk;
     let nv = cfg.v_heads;
     let r = nv / cfg.k_heads;
     let (pairing, ba_group, ba_group_stride, alpha_offset) = match cfg.arch {
-        // ssm_ba: per k-group g rows [g·2r, g·2r+r) = beta, next r = alpha (spec §2.2).
+        // ssm_ba: per k-group g rows [g·2r, g·2r+r) = beta, next r = alpha (docs/numerics.md "Tensors").
         Arch::Qwen3Next => (HeadPairing::Grouped, r, 2 * r, r),
         Arch::Qwen35Moe => (HeadPairing::Tiled, nv, 0, nv),
     };
@@ -308,20 +384,22 @@ pub struct Model {
     pub weights: Weights,
     pub freqs: GpuBuffer,
     pub ctx: u32,
+    /// How prefill products are computed (the engine's `precise` option).
+    pub precision: Precision,
 }
 
 /// Bytes of a dense weight matrix (what one mat-vec reads).
-fn dense_bytes(w: &WeightTensor) -> u64 {
+pub(crate) fn dense_bytes(w: &WeightTensor) -> u64 {
     w.rows * w.row_bytes * w.experts
 }
 
 /// Bytes of the experts a MoE mat-vec over `t` tokens reads: n_used per token, counted as
 /// distinct (an upper bound when tokens share experts).
-fn expert_bytes(w: &WeightTensor, n_used: u32, t: u32) -> u64 {
+pub(crate) fn expert_bytes(w: &WeightTensor, n_used: u32, t: u32) -> u64 {
     w.rows * w.row_bytes * (u64::from(n_used) * u64::from(t)).min(w.experts)
 }
 
-fn cols(buf: &GpuBuffer, offset: u32, stride: u32) -> Columns<'_> {
+pub(crate) fn cols(buf: &GpuBuffer, offset: u32, stride: u32) -> Columns<'_> {
     Columns { buf, offset, stride }
 }
 
@@ -350,6 +428,19 @@ fn ew(
 }
 
 impl Model {
+    /// A product over `ncols` activation columns with this model's precision.
+    fn mul(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        w: &WeightTensor,
+        x: Columns<'_>,
+        y: Columns<'_>,
+        ncols: u32,
+    ) -> Result<()> {
+        matmul::mul(gpu, rec, w, x, y, ncols, self.precision)
+    }
+
     /// Token embeddings of `n` ids (already written to `s.tokens`) into x[0].
     pub fn record_embed(&self, gpu: &Gpu, rec: &mut Recorder<'_>, s: &Scratch, n: u32) -> Result<()> {
         let table = self.weights.embed.as_ref().ok_or_else(|| {
@@ -389,7 +480,7 @@ impl Model {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn record_layer(
+    pub(crate) fn record_layer(
         &self,
         gpu: &Gpu,
         rec: &mut Recorder<'_>,
@@ -424,7 +515,7 @@ impl Model {
             Mixer::DeltaNet(w) => self.record_deltanet(gpu, rec, s, w, states, batch, layer)?,
             Mixer::Attention(w) => self.record_attention(gpu, rec, s, w, states, batch, layer)?,
         }
-        // h = x + mixer; xn = RMSNorm(h) (spec §3.1).
+        // h = x + mixer; xn = RMSNorm(h) (docs/numerics.md "Block structure").
         rec.op("post_norm", layer, 0);
         norm::record(
             gpu,
@@ -462,16 +553,16 @@ impl Model {
         match &w.proj {
             DeltaNetProjection::Split { qkv, gate } => {
                 rec.op("dn.qkv", layer, dense_bytes(qkv));
-                mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
+                self.mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
                 rec.op("dn.gate", layer, dense_bytes(gate));
-                mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
+                self.mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
             }
             DeltaNetProjection::Legacy(qkvz) => {
                 // One projection, then per k-head group four row copies into the q ‖ k ‖ v and z
                 // layouts the conv and gated norm read (4·nk small dispatches: legacy files only).
                 let lw = cd + vd;
                 rec.op("dn.qkvz", layer, dense_bytes(qkvz));
-                mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
+                self.mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
                 rec.op("dn.qkvz_regroup", layer, 0);
                 let (dk, key_dim) = (cfg.dk, cfg.k_heads * cfg.dk);
                 let rv = (nv / cfg.k_heads) * cfg.dv;
@@ -502,12 +593,12 @@ impl Model {
         match &w.ba {
             BetaAlpha::Grouped(ba) => {
                 rec.op("dn.ba", layer, dense_bytes(ba));
-                mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?
+                self.mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?
             }
             BetaAlpha::Split { beta, alpha } => {
                 rec.op("dn.ba", layer, dense_bytes(beta) + dense_bytes(alpha));
-                mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
-                mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
+                self.mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
+                self.mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
             }
         }
         let dp = delta_params(cfg);
@@ -516,7 +607,9 @@ impl Model {
             |rec: &mut Recorder<'_>, st: &LayerState, first: u32, n: u32, base: Option<u32>| -> Result<()> {
                 let LayerState::DeltaNet {
                     conv: conv_state,
+                    conv_offset,
                     s: ssm,
+                    s_offset,
                 } = st
                 else {
                     return Err(QkError::Engine("DeltaNet layer with attention state".into()));
@@ -529,9 +622,9 @@ impl Model {
                     src_token_stride: gw,
                     dst_offset: first * cd,
                     dst_token_stride: cd,
-                    state_offset: 0,
+                    state_offset: (conv_offset / 4) as u32,
                 };
-                rec.op("dn.conv", layer, conv_state.size);
+                rec.op("dn.conv", layer, conv_bytes(cfg));
                 conv::record(gpu, rec, &cp, &s.gproj, &w.conv, conv_state, &s.conv_out)?;
                 let args = DeltaArgs {
                     qkv: &s.conv_out,
@@ -545,10 +638,11 @@ impl Model {
                 let p = DeltaParams {
                     tokens: n,
                     first_token: first,
+                    state_offset: (s_offset / 4) as u32,
                     ..dp
                 };
                 // S is read and written once per call.
-                rec.op("dn.delta", layer, 2 * ssm.size);
+                rec.op("dn.delta", layer, 2 * ssm_bytes(cfg));
                 match base {
                     Some(b) => deltanet::record_prefill(gpu, rec, &p, b, &args),
                     None => deltanet::record_recurrent(gpu, rec, &p, &args),
@@ -562,7 +656,7 @@ impl Model {
                 }
             }
         }
-        // Gated RMSNorm per v-head, then the output projection (spec §3.2 steps 9-10).
+        // Gated RMSNorm per v-head, then the output projection (docs/numerics.md "Gated DeltaNet" steps 8-9).
         let heads = RowLayout::packed(cfg.dv, nv);
         rec.op("dn.gated_norm", layer, 0);
         norm::record(
@@ -579,7 +673,7 @@ impl Model {
             },
         )?;
         rec.op("dn.out", layer, dense_bytes(&w.out));
-        mul(
+        self.mul(
             gpu,
             rec,
             &w.out,
@@ -614,15 +708,46 @@ impl Model {
                     layer,
                     dense_bytes(q) + dense_bytes(k) + dense_bytes(v),
                 );
-                mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
-                mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
-                mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
+                self.mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
+                self.mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
+                self.mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
             }
             AttnProjection::Fused(qkv) => {
                 rec.op("attn.qkv", layer, dense_bytes(qkv));
-                mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
+                self.mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
             }
         }
+        self.record_attention_core(gpu, rec, s, w, states, batch, layer)?;
+        let q_rows = cfg.heads * hd;
+        rec.op("attn.out", layer, dense_bytes(&w.out));
+        self.mul(
+            gpu,
+            rec,
+            &w.out,
+            Columns::packed(&s.attn_out, q_rows),
+            Columns::packed(&s.mix, e),
+            t,
+        )
+    }
+
+    /// From the projections in `s.aproj` to the gated attention output in `s.attn_out`: q/k norms,
+    /// RoPE and the K/V store into the slots' caches (one prepare dispatch), then attention.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn record_attention_core(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        w: &super::weights::AttentionWeights,
+        states: &[&LayerState],
+        batch: Batch<'_>,
+        layer: Option<u32>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let t = batch.rows();
+        let hd = cfg.head_dim;
+        let (qw, kvw) = (2 * cfg.heads * hd, cfg.kv_row());
+        let aw = attn_proj_width(cfg);
         let Some(LayerState::Attention { kv, slot }) = states.first() else {
             return Err(QkError::Engine("attention layer without its KV state".into()));
         };
@@ -687,18 +812,10 @@ impl Model {
                 attention::record_decode(gpu, rec, &shape, &s.attn_rows, t, &groups, &core)?;
             }
         }
-        rec.op("attn.out", layer, dense_bytes(&w.out));
-        mul(
-            gpu,
-            rec,
-            &w.out,
-            Columns::packed(&s.attn_out, q_rows),
-            Columns::packed(&s.mix, e),
-            t,
-        )
+        Ok(())
     }
 
-    /// MoE + shared expert of the normed rows in xn, added to `out` (spec §3.6).
+    /// MoE + shared expert of the normed rows in xn, added to `out` (docs/numerics.md "MoE routing").
     #[allow(clippy::too_many_arguments)]
     fn record_moe(
         &self,
@@ -720,7 +837,7 @@ impl Model {
         let (logit_stride, gate_buf, gate_offset, gate_stride) = match &w.router {
             Stacked::One(router) => {
                 let stride = cfg.experts + 1;
-                mul(gpu, rec, router, xn, Columns::packed(&s.router_logits, stride), t)?;
+                self.mul(gpu, rec, router, xn, Columns::packed(&s.router_logits, stride), t)?;
                 (stride, &s.router_logits, cfg.experts, stride)
             }
             Stacked::Parts(parts) => {
@@ -728,8 +845,8 @@ impl Model {
                     return Err(QkError::Engine("router: expected router and shared gate".into()));
                 };
                 let logits = Columns::packed(&s.router_logits, cfg.experts);
-                mul(gpu, rec, router, xn, logits, t)?;
-                mul(gpu, rec, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
+                self.mul(gpu, rec, router, xn, logits, t)?;
+                self.mul(gpu, rec, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
                 (cfg.experts, &s.sh_gate, 0, 1)
             }
         };
@@ -748,6 +865,23 @@ impl Model {
             n_used: k,
             n_tokens: t,
         };
+        // Beyond the mat-vec's columns the batch's entries are grouped by expert once, for the
+        // grouped mat-mats of gate/up and down.
+        let groups = ExpertGroups {
+            buf: &s.expert_groups,
+            shape: GroupShape {
+                experts: cfg.experts,
+                n_used: k,
+                n_tokens: t,
+            },
+        };
+        if column_class(gpu, self.precision, t) != ColumnClass::MatVec {
+            rec.op("moe.group", layer, 0);
+            group_experts(gpu, rec, ids, groups)?;
+        }
+        let experts = |rec: &mut Recorder<'_>, w: &WeightTensor, x, y, input| {
+            mul_id(gpu, rec, w, x, y, ids, groups, input, self.precision)
+        };
         match &w.gate_up {
             ExpertGateUp::Separate { gate, up } => {
                 rec.op(
@@ -755,36 +889,12 @@ impl Model {
                     layer,
                     expert_bytes(gate, k, t) + expert_bytes(up, k, t),
                 );
-                matvec_id(
-                    gpu,
-                    rec,
-                    gate,
-                    xn,
-                    cols(&s.gate_up, 0, 2 * ff),
-                    ids,
-                    MoeInput::PerToken,
-                )?;
-                matvec_id(
-                    gpu,
-                    rec,
-                    up,
-                    xn,
-                    cols(&s.gate_up, ff, 2 * ff),
-                    ids,
-                    MoeInput::PerToken,
-                )?;
+                experts(rec, gate, xn, cols(&s.gate_up, 0, 2 * ff), MoeInput::PerToken)?;
+                experts(rec, up, xn, cols(&s.gate_up, ff, 2 * ff), MoeInput::PerToken)?;
             }
             ExpertGateUp::Fused(gu) => {
                 rec.op("moe.gate_up", layer, expert_bytes(gu, k, t));
-                matvec_id(
-                    gpu,
-                    rec,
-                    gu,
-                    xn,
-                    cols(&s.gate_up, 0, 2 * ff),
-                    ids,
-                    MoeInput::PerToken,
-                )?;
+                experts(rec, gu, xn, cols(&s.gate_up, 0, 2 * ff), MoeInput::PerToken)?;
             }
         }
         let silu = |rows: u32, n: u32| EwParams {
@@ -808,13 +918,13 @@ impl Model {
         };
         rec.op("shexp.gate_up", layer, w.shared_gate_up.bytes());
         match &w.shared_gate_up {
-            Stacked::One(gu) => mul(gpu, rec, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
+            Stacked::One(gu) => self.mul(gpu, rec, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
             Stacked::Parts(parts) => {
                 let [gate, up] = parts.as_slice() else {
                     return Err(QkError::Engine("shared expert: expected gate and up".into()));
                 };
-                mul(gpu, rec, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
-                mul(gpu, rec, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
+                self.mul(gpu, rec, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
+                self.mul(gpu, rec, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
             }
         }
         let expert_rows = if joint { t * k + t } else { t * k };
@@ -841,17 +951,15 @@ impl Model {
             )?;
         }
         rec.op("moe.down", layer, expert_bytes(&w.down, k, t));
-        matvec_id(
-            gpu,
+        experts(
             rec,
             &w.down,
             Columns::packed(&s.act, ff),
             Columns::packed(&s.down, e),
-            ids,
             MoeInput::PerSlot,
         )?;
         rec.op("shexp.down", layer, dense_bytes(&w.shared_down));
-        mul(
+        self.mul(
             gpu,
             rec,
             &w.shared_down,
@@ -900,6 +1008,23 @@ impl Model {
         cur: usize,
         t: u32,
     ) -> Result<()> {
+        self.record_head_rows(gpu, rec, s, cur, 0, t)
+    }
+
+    /// Final norm and LM head of rows [first, first + t) of x[cur] into rows 0..t of `s.logits`.
+    pub fn record_head_rows(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        cur: usize,
+        first: u32,
+        t: u32,
+    ) -> Result<()> {
+        crate::ensure!(
+            t <= s.head_rows,
+            QkError::Engine(format!("LM head over {t} rows: logits hold {}", s.head_rows))
+        );
         let (norm_w, head) = match (&self.weights.output_norm, &self.weights.output) {
             (Some(n), Some(h)) => (n, h),
             _ => {
@@ -910,12 +1035,16 @@ impl Model {
         };
         let e = self.cfg.n_embd;
         let rows_e = RowLayout::packed(e, 1);
+        let src = RowLayout {
+            offset: first * e,
+            ..rows_e
+        };
         rec.op("head.norm", None, 0);
         norm::record(
             gpu,
             rec,
             NormKind::Rms,
-            &NormParams::new(t, 1, e, rows_e, rows_e, self.cfg.eps, 1.0),
+            &NormParams::new(t, 1, e, src, rows_e, self.cfg.eps, 1.0),
             &NormArgs {
                 src: &s.x[cur],
                 dst: &s.xn,
@@ -926,7 +1055,7 @@ impl Model {
         )?;
         // mat-vec for a few rows (weights read once for all of them), tiled mat-mat for more.
         rec.op("head.lm", None, dense_bytes(head));
-        mul(
+        self.mul(
             gpu,
             rec,
             head,
@@ -950,8 +1079,8 @@ impl Model {
         result: &GpuBuffer,
     ) -> Result<()> {
         crate::ensure!(
-            first + rows <= s.rows,
-            QkError::Engine(format!("top-k rows {first}..{} beyond the scratch", first + rows))
+            first + rows <= s.head_rows,
+            QkError::Engine(format!("top-k rows {first}..{} beyond the logits", first + rows))
         );
         let p = TopkParams::new(self.cfg.vocab, k, first * self.cfg.vocab)?;
         rec.op("head.topk", None, u64::from(rows) * u64::from(self.cfg.vocab) * 4);

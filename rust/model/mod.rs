@@ -2,6 +2,7 @@
 //! the forward graph recorded onto the GPU.
 
 pub mod config;
+pub mod decode;
 pub mod forward;
 pub mod kv;
 pub mod weights;

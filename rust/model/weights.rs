@@ -1,4 +1,4 @@
-//! Device-resident weights of a layer range [a, b) (spec model.md §2): the embedding when a == 0,
+//! Device-resident weights of a layer range [a, b) (docs/numerics.md "Tensors"): the embedding when a == 0,
 //! the final norm and LM head when b == n_layer (the head falls back to the embedding when the
 //! file has no `output.weight`). Matrices stay in their GGUF block layout; norms and small vectors
 //! are uploaded as f32. MTP blocks after the main stack are never read.
@@ -16,7 +16,7 @@ use crate::gpu::{Gpu, GpuBuffer, WeightTensor};
 /// Beta/alpha logits of a DeltaNet layer.
 pub enum BetaAlpha {
     /// One matrix of 2·nv rows written at the beta offset: qwen3next `ssm_ba` (per k-group
-    /// [b × r, a × r], spec §2.2), or qwen35* beta ‖ alpha stacked at load.
+    /// [b × r, a × r], docs/numerics.md "Tensors"), or qwen35* beta ‖ alpha stacked at load.
     Grouped(WeightTensor),
     /// qwen35* `ssm_beta`, `ssm_alpha`.
     Split { beta: WeightTensor, alpha: WeightTensor },
@@ -27,7 +27,7 @@ pub enum DeltaNetProjection {
     /// `attn_qkv` (rows q ‖ k ‖ v) and `attn_gate` (z).
     Split { qkv: WeightTensor, gate: WeightTensor },
     /// Legacy qwen3next `ssm_in` (HF in_proj_qkvz): per k-head g the rows
-    /// [q_g (dk) ‖ k_g (dk) ‖ v of its r v-heads ‖ z of the same] (spec §2.2).
+    /// [q_g (dk) ‖ k_g (dk) ‖ v of its r v-heads ‖ z of the same] (docs/numerics.md "Tensors").
     Legacy(WeightTensor),
 }
 
@@ -98,6 +98,10 @@ pub struct MoeWeights {
     /// Shared expert gate rows, then up rows.
     pub shared_gate_up: Stacked,
     pub shared_down: WeightTensor,
+    /// The shared expert is also expert `experts` (one past the routed ones) of `gate_up` (fused)
+    /// and `down`, so the decode step runs it as one more routed pick; false where its types or
+    /// widths differ from the routed experts'.
+    pub shared_in_experts: bool,
 }
 
 pub struct LayerWeights {
@@ -181,13 +185,72 @@ impl Loader<'_> {
     }
 
     /// The tensor `name` checked to have ne = {cols, rows[, experts]}, and its type.
+    /// The routed experts (`parts` stacked per expert, as [`Loader::stacked`]) with the shared
+    /// expert (`shared`, dense, stacked the same way) appended as one more expert — or None when a
+    /// type or a width differs, so the shared expert cannot pass for a routed one.
+    fn experts_with_shared(
+        &mut self,
+        parts: &[(&str, u32)],
+        shared: &[(&str, u32)],
+        cols: u32,
+        experts: u32,
+    ) -> Result<Option<WeightTensor>> {
+        let mut infos = Vec::new();
+        for (name, rows) in parts {
+            infos.push(self.checked(name, cols, *rows, experts)?);
+        }
+        let mut shared_infos = Vec::new();
+        for (name, rows) in shared {
+            shared_infos.push(self.checked(name, cols, *rows, 1)?);
+        }
+        let ty = infos[0].1;
+        let rows: u32 = parts.iter().map(|(_, r)| r).sum();
+        let shared_rows: u32 = shared.iter().map(|(_, r)| r).sum();
+        if infos.iter().chain(&shared_infos).any(|(_, t)| *t != ty) || rows != shared_rows {
+            return Ok(None);
+        }
+        let datas = infos
+            .iter()
+            .chain(&shared_infos)
+            .map(|(t, _)| self.file.tensor_data(t))
+            .collect::<Result<Vec<_>>>()?;
+        let (routed, shared_datas) = datas.split_at(infos.len());
+        let mut joined = Vec::with_capacity(datas.iter().map(|d| d.len()).sum());
+        let ex = experts.max(1) as usize;
+        for e in 0..ex {
+            for d in routed {
+                let per = d.len() / ex;
+                joined.extend_from_slice(&d[e * per..(e + 1) * per]);
+            }
+        }
+        for d in shared_datas {
+            joined.extend_from_slice(d);
+        }
+        let name = parts
+            .iter()
+            .chain(shared)
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join("+");
+        let w = self.gpu.upload_weight(
+            &name,
+            ty,
+            u64::from(cols),
+            u64::from(rows),
+            u64::from(experts) + 1,
+            &joined,
+        )?;
+        self.bytes += joined.len() as u64;
+        Ok(Some(w))
+    }
+
     fn checked(&self, name: &str, cols: u32, rows: u32, experts: u32) -> Result<(&TensorInfo, GgmlType)> {
         let t = self.info(name)?;
         let mut want = vec![u64::from(cols), u64::from(rows)];
         if experts > 1 {
             want.push(u64::from(experts));
         }
-        // Trailing unit dimensions are optional ({n_embd} ≡ {n_embd, 1}, spec §2.3).
+        // Trailing unit dimensions are optional ({n_embd} ≡ {n_embd, 1}, docs/numerics.md "Tensors").
         let trim = |v: &[u64]| {
             let mut v = v.to_vec();
             while v.last() == Some(&1) {
@@ -296,28 +359,47 @@ impl Loader<'_> {
             }
         };
         let (ne, ff) = (cfg.experts, cfg.expert_ff);
-        let gate_up = if self.file.tensor(&p("ffn_gate_up_exps.weight")).is_some() {
-            ExpertGateUp::Fused(self.matrix(&p("ffn_gate_up_exps.weight"), e, 2 * ff, ne)?)
-        } else {
-            let (g, u) = (p("ffn_gate_exps.weight"), p("ffn_up_exps.weight"));
-            match self.stacked(&[(&g, ff), (&u, ff)], e, ne)? {
-                Stacked::One(gu) => ExpertGateUp::Fused(gu),
-                Stacked::Parts(mut v) => {
-                    let up = v.pop().ok_or_else(|| QkError::Engine("up experts".into()))?;
-                    let gate = v.pop().ok_or_else(|| QkError::Engine("gate experts".into()))?;
-                    ExpertGateUp::Separate { gate, up }
-                }
-            }
-        };
         let sff = cfg.shared_ff;
         let (router, shared_gate) = (p("ffn_gate_inp.weight"), p("ffn_gate_inp_shexp.weight"));
         let (sg, su) = (p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"));
+        let (down, sd) = (p("ffn_down_exps.weight"), p("ffn_down_shexp.weight"));
+        let fused = p("ffn_gate_up_exps.weight");
+        let (g, u) = (p("ffn_gate_exps.weight"), p("ffn_up_exps.weight"));
+        let gate_up_parts: Vec<(&str, u32)> = if self.file.tensor(&fused).is_some() {
+            vec![(&fused, 2 * ff)]
+        } else {
+            vec![(&g, ff), (&u, ff)]
+        };
+        let shared_gate_up = [(sg.as_str(), sff), (su.as_str(), sff)];
+        // The shared expert rides along as expert `ne` where it can (the decode step's fast path).
+        let with_shared = match self.experts_with_shared(&gate_up_parts, &shared_gate_up, e, ne)? {
+            Some(gu) => self
+                .experts_with_shared(&[(&down, e)], &[(&sd, e)], ff, ne)?
+                .map(|d| (gu, d)),
+            None => None,
+        };
+        let shared_in_experts = with_shared.is_some();
+        let (gate_up, down) = match with_shared {
+            Some((gu, d)) => (ExpertGateUp::Fused(gu), d),
+            None => {
+                let gate_up = match self.stacked(&gate_up_parts, e, ne)? {
+                    Stacked::One(gu) => ExpertGateUp::Fused(gu),
+                    Stacked::Parts(mut v) => {
+                        let up = v.pop().ok_or_else(|| QkError::Engine("up experts".into()))?;
+                        let gate = v.pop().ok_or_else(|| QkError::Engine("gate experts".into()))?;
+                        ExpertGateUp::Separate { gate, up }
+                    }
+                };
+                (gate_up, self.matrix(&down, ff, e, ne)?)
+            }
+        };
         let moe = MoeWeights {
             router: self.stacked(&[(&router, ne), (&shared_gate, 1)], e, 1)?,
             gate_up,
-            down: self.matrix(&p("ffn_down_exps.weight"), ff, e, ne)?,
-            shared_gate_up: self.stacked(&[(&sg, sff), (&su, sff)], e, 1)?,
-            shared_down: self.matrix(&p("ffn_down_shexp.weight"), sff, e, 1)?,
+            down,
+            shared_gate_up: self.stacked(&shared_gate_up, e, 1)?,
+            shared_down: self.matrix(&sd, sff, e, 1)?,
+            shared_in_experts,
         };
         Ok(LayerWeights {
             index: il,

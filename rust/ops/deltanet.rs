@@ -13,14 +13,14 @@ use super::elementwise::require_len;
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
 pub const FILE: ShaderFile = crate::shader_file!("deltanet");
-/// Chunk length of the chunked form (spec model.md §3.4).
+/// Chunk length of the chunked form (docs/numerics.md "Chunked DeltaNet").
 pub const CHUNK: u32 = 64;
 /// Value columns per workgroup of the recurrent and chunk-state entry points.
 pub const COLUMNS_PER_WORKGROUP: u32 = 16;
 /// Largest key head dim the shader's register and workgroup arrays hold.
 pub const MAX_DK: u32 = 128;
 
-/// How a v-head finds its q/k head (spec model.md §3.3).
+/// How a v-head finds its q/k head (docs/numerics.md "Head pairing").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadPairing {
     /// qwen3next: k-head = n / (nv / nk).
@@ -301,7 +301,7 @@ pub mod reference {
         }
     }
 
-    /// Token-by-token delta rule (spec §3.2 step 8) for tokens first_token..first_token+tokens;
+    /// Token-by-token delta rule (docs/numerics.md "Gated DeltaNet" step 7) for tokens first_token..first_token+tokens;
     /// `state` in the shader layout (value-major), updated in place.
     #[allow(clippy::too_many_arguments)]
     pub fn recurrent(
@@ -337,9 +337,9 @@ pub mod reference {
         }
     }
 
-    // Index loops read like the matrix formulas of the spec, which is the point of a reference.
+    // Index loops read like the matrix formulas of docs/numerics.md, which is the point of a reference.
     #[allow(clippy::needless_range_loop)]
-    /// The chunked WY/UT form of spec §3.4 with chunks of `chunk` tokens starting at first_token,
+    /// The chunked WY/UT form (docs/numerics.md "Chunked DeltaNet") with chunks of `chunk` tokens starting at first_token,
     /// written independently of the shader as a second derivation of the same numbers.
     #[allow(clippy::too_many_arguments)]
     pub fn chunked(

@@ -23,6 +23,8 @@ pub enum EwKind {
     CopyRows,
     /// out (+)= sum_e weights_e * a_e + sigmoid(gate) * b
     MoeCombine,
+    /// out (+)= sum_e weights_e * a_e (the shared expert, if any, is one of the e)
+    MoeSum,
 }
 
 impl EwKind {
@@ -34,6 +36,7 @@ impl EwKind {
             EwKind::MulSigmoid => "mul_sigmoid",
             EwKind::CopyRows => "copy",
             EwKind::MoeCombine => "moe_combine",
+            EwKind::MoeSum => "moe_sum",
         }
     }
 }
@@ -81,31 +84,30 @@ pub fn record(
 ) -> Result<()> {
     let op = kind.variant();
     let missing = |what: &str| QkError::Engine(format!("{op}: needs a {what} buffer"));
-    let a_width = if kind == EwKind::MoeCombine {
-        p.n * p.experts
-    } else {
-        p.n
-    };
+    let experts_in_a = matches!(kind, EwKind::MoeCombine | EwKind::MoeSum);
+    let a_width = if experts_in_a { p.n * p.experts } else { p.n };
     require_len(op, args.a, rows_extent(p.rows, p.a_offset, p.a_stride, a_width))?;
     require_len(op, args.out, rows_extent(p.rows, p.out_offset, p.out_stride, p.n))?;
     let pipe = gpu.pipeline(&FILE, &[("OP", op.to_string())], &[])?;
     let mut bindings = vec![args.a.all()];
-    if kind != EwKind::CopyRows {
+    if !matches!(kind, EwKind::CopyRows | EwKind::MoeSum) {
         let b = args.b.ok_or_else(|| missing("b"))?;
         require_len(op, b, rows_extent(p.rows, p.b_offset, p.b_stride, p.n))?;
         bindings.push(b.all());
     }
     bindings.push(args.out.all());
-    if kind == EwKind::MoeCombine {
+    if experts_in_a {
         let w = args.weights.ok_or_else(|| missing("weights"))?;
-        let g = args.gate.ok_or_else(|| missing("gate"))?;
         require_len(
             op,
             w,
             rows_extent(p.rows, p.weights_offset, p.weights_stride, p.experts),
         )?;
-        require_len(op, g, rows_extent(p.rows, p.gate_offset, p.gate_stride, 1))?;
         bindings.push(w.all());
+    }
+    if kind == EwKind::MoeCombine {
+        let g = args.gate.ok_or_else(|| missing("gate"))?;
+        require_len(op, g, rows_extent(p.rows, p.gate_offset, p.gate_stride, 1))?;
         bindings.push(g.all());
     }
     rec.dispatch(
@@ -182,15 +184,17 @@ pub mod reference {
                     EwKind::Add => av(0) + bv.unwrap_or(0.0),
                     EwKind::MulSigmoid => av(0) * sigmoid(bv.unwrap_or(0.0)),
                     EwKind::CopyRows => av(0),
-                    EwKind::MoeCombine => {
+                    EwKind::MoeCombine | EwKind::MoeSum => {
                         let mut acc: f64 = (0..p.experts as usize)
                             .map(|e| {
                                 weights[p.weights_offset as usize + r * p.weights_stride as usize + e] as f64
                                     * av(e * p.n as usize)
                             })
                             .sum();
-                        acc += sigmoid(gate[p.gate_offset as usize + r * p.gate_stride as usize] as f64)
-                            * bv.unwrap_or(0.0);
+                        if kind == EwKind::MoeCombine {
+                            acc += sigmoid(gate[p.gate_offset as usize + r * p.gate_stride as usize] as f64)
+                                * bv.unwrap_or(0.0);
+                        }
                         if p.accumulate != 0 {
                             acc += out[o] as f64;
                         }

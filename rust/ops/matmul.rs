@@ -1,15 +1,18 @@
 //! Matrix kernels over resident GGUF weights: mat-vec for decode (1..8 columns per weight read),
-//! mat-mat for prefill (f32 register tiles; cooperative-matrix tiles with f16 inputs where the adapter
-//! offers them and QK_COOP=1 asks), and the MoE mat-vec whose experts come from ids in a GPU buffer.
+//! mat-mat for prefill (cooperative-matrix tiles with f16 inputs where the adapter offers them and
+//! the engine is not `Precision::Precise`, f32 register tiles otherwise), the MoE mat-vec whose
+//! experts come from ids in a GPU buffer, and for prefill the grouped MoE mat-mat: the batch's
+//! (token, slot) entries sorted by expert on the GPU, then one dispatch for all routed experts.
 //! Activations are f32 columns (one per token) in storage buffers.
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgmlType;
-use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile, WeightTensor};
+use crate::gpu::{Binding, Gpu, GpuBuffer, Recorder, ShaderFile, WeightTensor};
 
 pub const MATVEC: ShaderFile = crate::shader_file!("matvec");
 pub const MATMUL: ShaderFile = crate::shader_file!("matmul");
 pub const MATMUL_COOP: ShaderFile = crate::shader_file!("matmul_coop");
+pub const MOE_GROUP: ShaderFile = crate::shader_file!("moe_group");
 
 /// Most activation columns one mat-vec dispatch takes (the accumulators live in registers).
 pub const MATVEC_MAX_COLS: u32 = 8;
@@ -33,19 +36,32 @@ impl<'a> Columns<'a> {
     }
 }
 
-/// The `QTYPE` name the dequant library uses for a ggml type.
+/// The `QTYPE` name the dequant library uses for a ggml type: its `dq8_<name>` function.
 pub fn qtype_name(ty: GgmlType) -> &'static str {
     match ty {
         GgmlType::F32 => "f32",
         GgmlType::F16 => "f16",
         GgmlType::BF16 => "bf16",
         GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
         GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q2K => "q2_k",
+        GgmlType::Q3K => "q3_k",
         GgmlType::Q4K => "q4_k",
         GgmlType::Q5K => "q5_k",
         GgmlType::Q6K => "q6_k",
+        GgmlType::IQ1S => "iq1_s",
+        GgmlType::IQ1M => "iq1_m",
+        GgmlType::IQ2XXS => "iq2_xxs",
+        GgmlType::IQ2XS => "iq2_xs",
+        GgmlType::IQ2S => "iq2_s",
+        GgmlType::IQ3XXS => "iq3_xxs",
+        GgmlType::IQ3S => "iq3_s",
         GgmlType::IQ4NL => "iq4_nl",
         GgmlType::IQ4XS => "iq4_xs",
+        GgmlType::MXFP4 => "mxfp4",
     }
 }
 
@@ -66,6 +82,138 @@ struct MatvecParams {
     expert_count: u32,
     x_col_token: u32,
     x_col_slot: u32,
+    eps: f32,
+    pre_offset: u32,
+    conv_rows: u32,
+    taps: u32,
+    state_stride: u32,
+    slots_offset: u32,
+}
+
+/// What a mat-vec does to its activation columns before the product (matvec.wgsl `PRE`).
+#[derive(Clone, Copy, Debug, Default)]
+pub enum MatvecInput<'a> {
+    #[default]
+    Plain,
+    /// RMSNorm each column with `weight` (K floats) and `eps` first; with `store`, also write the
+    /// normalised columns there (packed, K floats each) for later kernels.
+    Rms {
+        weight: &'a GpuBuffer,
+        eps: f32,
+        store: Option<&'a GpuBuffer>,
+    },
+    /// Each column is a gate ‖ up pair with `up` floats from gate to up; the input is
+    /// silu(gate) · up (K = the pair's half).
+    SiluMul { up: u32 },
+}
+
+/// Where a mat-vec's results go (matvec.wgsl `EPI`).
+#[derive(Clone, Copy, Debug, Default)]
+pub enum MatvecOutput<'a> {
+    #[default]
+    Store,
+    /// y = residual + W·x, `residual` laid out like y.
+    AddTo { residual: &'a GpuBuffer },
+    /// The first `channels` rows are GDN conv inputs: conv1d (`taps` taps, `weights`
+    /// [channel × taps]) + SiLU, advancing each column's slot state in `state` (slot s at float
+    /// s · `state_stride`, layout of shaders/conv.wgsl); column c's slot is `slots[slots_offset + c]`.
+    Conv {
+        weights: &'a GpuBuffer,
+        state: &'a GpuBuffer,
+        slots: &'a GpuBuffer,
+        slots_offset: u32,
+        channels: u32,
+        taps: u32,
+        state_stride: u32,
+    },
+}
+
+/// The fused stages of one mat-vec dispatch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MatvecFusion<'a> {
+    pub input: MatvecInput<'a>,
+    pub output: MatvecOutput<'a>,
+}
+
+impl<'a> MatvecFusion<'a> {
+    /// The pipeline defines of these stages (binding numbers after W, X, Y and `first_extra`).
+    fn defines(&self, ncols: u32, first_extra: u32) -> Vec<(&'static str, String)> {
+        let mut next = first_extra;
+        let mut take = || {
+            next += 1;
+            (next - 1).to_string()
+        };
+        let mut d = Vec::new();
+        match self.input {
+            MatvecInput::Plain => {}
+            MatvecInput::Rms { store, .. } => {
+                d.push(("PRE", "rms".into()));
+                d.push(("NC4", ncols.div_ceil(4).to_string()));
+                d.push(("B_NORM", take()));
+                if store.is_some() {
+                    d.push(("XN_STORE", "1".into()));
+                    d.push(("B_XN", take()));
+                }
+            }
+            MatvecInput::SiluMul { .. } => d.push(("PRE", "silu_mul".into())),
+        }
+        match self.output {
+            MatvecOutput::Store => {}
+            MatvecOutput::AddTo { .. } => {
+                d.push(("EPI", "add".into()));
+                d.push(("B_RES", take()));
+            }
+            MatvecOutput::Conv { .. } => {
+                d.push(("EPI", "conv".into()));
+                d.push(("B_CW", take()));
+                d.push(("B_ST", take()));
+                d.push(("B_SL", take()));
+            }
+        }
+        d
+    }
+
+    /// The extra bindings, in the order `defines` numbered them.
+    fn bindings(&self) -> Vec<Binding<'a>> {
+        let mut b = Vec::new();
+        if let MatvecInput::Rms { weight, store, .. } = self.input {
+            b.push(weight.all());
+            b.extend(store.map(GpuBuffer::all));
+        }
+        match self.output {
+            MatvecOutput::Store => {}
+            MatvecOutput::AddTo { residual } => b.push(residual.all()),
+            MatvecOutput::Conv {
+                weights,
+                state,
+                slots,
+                ..
+            } => b.extend([weights.all(), state.all(), slots.all()]),
+        }
+        b
+    }
+
+    /// Its fields of the kernel's parameters.
+    fn params(&self, p: &mut MatvecParams) {
+        match self.input {
+            MatvecInput::Plain => {}
+            MatvecInput::Rms { eps, .. } => p.eps = eps,
+            MatvecInput::SiluMul { up } => p.pre_offset = up,
+        }
+        if let MatvecOutput::Conv {
+            slots_offset,
+            channels,
+            taps,
+            state_stride,
+            ..
+        } = self.output
+        {
+            p.conv_rows = channels;
+            p.taps = taps;
+            p.state_stride = state_stride;
+            p.slots_offset = slots_offset;
+        }
+    }
 }
 
 #[repr(C)]
@@ -80,44 +228,54 @@ struct MatmulParams {
     x_stride: u32,
     y_offset: u32,
     y_stride: u32,
+    n_used: u32,
+    x_col_token: u32,
+    x_col_slot: u32,
+    expert_first: u32,
+    expert_count: u32,
+    offsets_at: u32,
+    tiles_at: u32,
+    order_at: u32,
 }
 
-/// Rows per workgroup and workgroup size of the mat-vec (kernels-perf.md §2.1: ggml uses 1–4 rows
-/// per workgroup and one to four subgroups). IQ4_XS defaults to 8 rows × 32 invocations, Q8_0,
-/// Q4_K and Q6_K to 4 × 32: best of the shapes swept on the H200 (2026-11-29, 256 MiB, K = 4096,
-/// one column: IQ4_XS 1.53 TB/s vs 1.01 at 2 × 64, Q8_0 2.3–2.4 vs 2.2, Q4_K 1.29 vs 1.13, Q6_K
-/// 1.49 vs 1.39); the rest keep 2 × 64. `QK_MATVEC_NR` /
-/// `QK_MATVEC_WG` override every type for tuning runs (benches/kernels.rs); WG must be a power of
-/// two ≥ the subgroup size.
-fn matvec_shape(_gpu: &Gpu, ty: GgmlType) -> (u32, u32) {
-    static OVERRIDE: std::sync::OnceLock<(Option<u32>, Option<u32>)> = std::sync::OnceLock::new();
-    let (nr, wg) = *OVERRIDE.get_or_init(|| {
-        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
-        (env("QK_MATVEC_NR"), env("QK_MATVEC_WG"))
-    });
-    let (nr_default, wg_default) = match ty {
-        GgmlType::IQ4XS => (8, 32),
-        GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K => (4, 32),
-        _ => (2, 64),
-    };
-    (
-        nr.unwrap_or(nr_default).clamp(1, 8),
-        wg.unwrap_or(wg_default).clamp(8, 1024).next_power_of_two(),
-    )
+/// A mat-vec launch shape: rows per workgroup, invocations per workgroup (a power of two ≥ the
+/// subgroup size) and K steps per loop iteration of the word paths. [`MatvecShape::default_for`]
+/// is what every op uses; tuning runs (benches/kernels.rs) pass others to [`matvec_shaped`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatvecShape {
+    pub rows: u32,
+    pub wg: u32,
+    pub unroll: u32,
 }
 
-/// Steps per loop iteration of the word paths (IQ4_XS, Q8_0, Q4_K): 2 for one or two columns,
-/// 1 beyond (their activation registers would crowd out occupancy). `QK_MATVEC_UNROLL` overrides
-/// it for tuning runs.
-fn matvec_unroll(ncols: u32) -> u32 {
-    static OVERRIDE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    let forced = *OVERRIDE.get_or_init(|| {
-        std::env::var("QK_MATVEC_UNROLL")
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok())
-            .map(|u| u.clamp(1, 4))
-    });
-    forced.unwrap_or(if ncols <= 2 { 2 } else { 1 })
+impl MatvecShape {
+    /// Rows per workgroup and workgroup size (ggml uses 1–4 rows per
+    /// workgroup and one to four subgroups). IQ4_XS defaults to 8 rows × 32 invocations, Q8_0, Q4_K
+    /// and Q6_K to 4 × 32: best of the shapes swept on the H200 (2026-11-29, 256 MiB, K = 4096, one
+    /// column: IQ4_XS 1.53 TB/s vs 1.01 at 2 × 64, Q8_0 2.3–2.4 vs 2.2, Q4_K 1.29 vs 1.13, Q6_K 1.49
+    /// vs 1.39); the rest keep 2 × 64. Word paths (IQ4_XS, Q8_0, Q4_K) take 2 steps per iteration
+    /// for one or two columns, 1 beyond (their activation registers would crowd out occupancy).
+    pub fn default_for(ty: GgmlType, ncols: u32) -> Self {
+        let (rows, wg) = match ty {
+            GgmlType::IQ4XS => (8, 32),
+            GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K => (4, 32),
+            _ => (2, 64),
+        };
+        MatvecShape {
+            rows,
+            wg,
+            unroll: if ncols <= 2 { 2 } else { 1 },
+        }
+    }
+
+    /// Within what the shader takes: 1–8 rows, a power-of-two workgroup of 8–1024, 1–4 steps.
+    fn clamped(self) -> Self {
+        MatvecShape {
+            rows: self.rows.clamp(1, 8),
+            wg: self.wg.clamp(8, 1024).next_power_of_two(),
+            unroll: self.unroll.clamp(1, 4),
+        }
+    }
 }
 
 fn matvec_pipeline(
@@ -125,21 +283,23 @@ fn matvec_pipeline(
     ty: GgmlType,
     ncols: u32,
     moe: bool,
+    shape: MatvecShape,
+    fusion: &MatvecFusion<'_>,
 ) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
-    let (nr, wg) = matvec_shape(gpu, ty);
-    gpu.pipeline(
-        &MATVEC,
-        &[
-            ("QTYPE", qtype_name(ty).into()),
-            ("NC", ncols.to_string()),
-            ("NR", nr.to_string()),
-            ("ACC4", (nr * ncols).div_ceil(4).to_string()),
-            ("WG", wg.to_string()),
-            ("MOE", u32::from(moe).to_string()),
-            ("UNROLL", matvec_unroll(ncols).to_string()),
-        ],
-        &[],
-    )
+    let mut defines = vec![
+        ("QTYPE", qtype_name(ty).into()),
+        ("NC", ncols.to_string()),
+        ("NR", shape.rows.to_string()),
+        ("ACC4", (shape.rows * ncols).div_ceil(4).to_string()),
+        ("WG", shape.wg.to_string()),
+        ("MOE", u32::from(moe).to_string()),
+        ("UNROLL", shape.unroll.to_string()),
+    ];
+    if moe {
+        defines.push(("B_IDS", "3".into()));
+    }
+    defines.extend(fusion.defines(ncols, 3 + u32::from(moe)));
+    gpu.pipeline(&MATVEC, &defines, &[])
 }
 
 /// Inputs are read as vec4 (offset and stride multiples of 4); outputs are written as f32.
@@ -199,15 +359,60 @@ pub fn matvec(
     y: Columns<'_>,
     ncols: u32,
 ) -> Result<()> {
+    matvec_with(gpu, rec, w, x, y, ncols, &MatvecFusion::default(), None)
+}
+
+/// [`matvec`] with a launch shape other than the default (tuning runs); None is the default.
+pub fn matvec_shaped(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    shape: Option<MatvecShape>,
+) -> Result<()> {
+    matvec_with(gpu, rec, w, x, y, ncols, &MatvecFusion::default(), shape)
+}
+
+/// [`matvec`] with fused input and output stages (see [`MatvecFusion`]).
+pub fn matvec_fused(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    fusion: &MatvecFusion<'_>,
+) -> Result<()> {
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, None)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matvec_with(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    fusion: &MatvecFusion<'_>,
+    shape: Option<MatvecShape>,
+) -> Result<()> {
     check_dense("matvec", "; use matvec_id", w, &x, &y, ncols)?;
-    let (nr, _) = matvec_shape(gpu, w.ty);
+    check_fusion(w, fusion, ncols)?;
+    if let MatvecInput::SiluMul { up } = fusion.input {
+        check_columns(&w.name, &x, silu_mul_len(w, up)?, u64::from(ncols), true)?;
+    }
+    let k = as_u32(w.cols, "K")?;
     let mut done = 0u32;
     while done < ncols {
         let nc = (ncols - done).min(MATVEC_MAX_COLS);
-        let pipe = matvec_pipeline(gpu, w.ty, nc, false)?;
+        let shape = shape.unwrap_or(MatvecShape::default_for(w.ty, nc)).clamped();
+        let pipe = matvec_pipeline(gpu, w.ty, nc, false, shape, fusion)?;
         for win in &w.windows {
-            let p = MatvecParams {
-                k: as_u32(w.cols, "K")?,
+            let mut p = MatvecParams {
+                k,
                 rows: as_u32(win.n_rows, "rows")?,
                 row_bytes: as_u32(w.row_bytes, "row bytes")?,
                 w_offset: 0,
@@ -217,15 +422,78 @@ pub fn matvec(
                 y_stride: y.stride,
                 ..Default::default()
             };
-            let groups = as_u32(win.n_rows.div_ceil(u64::from(nr)), "workgroups")?;
-            rec.dispatch(
-                &pipe,
-                &[win.buffer.all(), x.buf.all(), y.buf.all()],
-                bytemuck::bytes_of(&p),
-                gpu.grid(groups),
-            )?;
+            fusion.params(&mut p);
+            // This chunk's columns: where the normalised ones are stored, which slots they are.
+            p.pre_offset += done * k;
+            p.slots_offset += done;
+            let mut bindings = vec![win.buffer.all(), x.buf.all(), y.buf.all()];
+            bindings.extend(fusion.bindings());
+            let groups = as_u32(win.n_rows.div_ceil(u64::from(shape.rows)), "workgroups")?;
+            rec.dispatch(&pipe, &bindings, bytemuck::bytes_of(&p), gpu.grid(groups))?;
         }
         done += nc;
+    }
+    Ok(())
+}
+
+/// Floats of one silu·mul input column (gate, then up `up` floats later), checked.
+fn silu_mul_len(w: &WeightTensor, up: u32) -> Result<u64> {
+    if u64::from(up) < w.cols || !up.is_multiple_of(4) {
+        return Err(QkError::Engine(format!(
+            "{}: silu·mul input needs up ≥ K and a multiple of 4 (up {up}, K {})",
+            w.name, w.cols
+        )));
+    }
+    Ok(u64::from(up) + w.cols)
+}
+
+/// The fused stages' own operands: sizes and layouts the kernel will index.
+fn check_fusion(w: &WeightTensor, fusion: &MatvecFusion<'_>, ncols: u32) -> Result<()> {
+    let bad = |msg: String| Err(QkError::Engine(format!("{}: {msg}", w.name)));
+    // The conv's channel rows and the stored input (workgroup 0) assume row 0 is in the one window.
+    let stores = matches!(fusion.input, MatvecInput::Rms { store: Some(_), .. });
+    if w.windows.len() > 1 && (stores || matches!(fusion.output, MatvecOutput::Conv { .. })) {
+        return bad("a fused conv or input store needs the tensor in one binding".into());
+    }
+    if let MatvecInput::Rms { weight, store, .. } = fusion.input {
+        if weight.size < w.cols * 4 {
+            return bad(format!("norm weight of {} bytes for K = {}", weight.size, w.cols));
+        }
+        if !w.cols.is_multiple_of(4) {
+            return bad("a fused norm needs K a multiple of 4".into());
+        }
+        if let Some(st) = store
+            && st.size < w.cols * 4 * u64::from(ncols)
+        {
+            return bad(format!(
+                "normalised-input store of {} bytes is too small",
+                st.size
+            ));
+        }
+    }
+    if let MatvecOutput::Conv {
+        weights,
+        state,
+        slots,
+        slots_offset,
+        channels,
+        taps,
+        state_stride,
+    } = fusion.output
+    {
+        if u64::from(channels) > w.rows || taps == 0 || taps > 8 {
+            return bad(format!("conv of {channels} channels with {taps} taps"));
+        }
+        if weights.size < u64::from(channels) * u64::from(taps) * 4
+            || u64::from(state_stride) < u64::from(channels) * u64::from(taps - 1)
+            || slots.size < (u64::from(slots_offset) + u64::from(ncols)) * 4
+        {
+            return bad("conv weights, state stride or slot table too small".into());
+        }
+        // The slots' states are checked by whoever fills the slot table; this bounds the buffer.
+        if state.size < u64::from(state_stride) * 4 {
+            return bad("conv state smaller than one slot".into());
+        }
     }
     Ok(())
 }
@@ -249,9 +517,50 @@ pub struct ExpertIds<'a> {
     pub n_tokens: u32,
 }
 
+/// Checks a MoE product's operands (x holds the tokens' columns, or with `PerSlot` the slots'; y
+/// the slots') and returns the shaders' X column mapping (x_col_token, x_col_slot).
+fn check_moe(
+    w: &WeightTensor,
+    x: &Columns<'_>,
+    y: &Columns<'_>,
+    n_used: u32,
+    n_tokens: u32,
+    input: MoeInput,
+    x_len: u64,
+) -> Result<(u32, u32)> {
+    let slots = u64::from(n_used) * u64::from(n_tokens);
+    let (x_cols, mapping) = match input {
+        MoeInput::PerToken => (u64::from(n_tokens), (1, 0)),
+        MoeInput::PerSlot => (slots, (n_used, 1)),
+    };
+    check_columns(&w.name, x, x_len, x_cols, true)?;
+    check_columns(&w.name, y, w.rows, slots, false)?;
+    Ok(mapping)
+}
+
+/// The binding windows of an expert stack, each with its first expert and expert count.
+fn expert_windows(w: &WeightTensor) -> Result<Vec<(&crate::gpu::WeightWindow, u32, u32)>> {
+    w.windows
+        .iter()
+        .map(|win| {
+            if win.first_row % w.rows != 0 || win.n_rows % w.rows != 0 {
+                return Err(QkError::Engine(format!(
+                    "{}: window splits an expert (expert larger than a binding)",
+                    w.name
+                )));
+            }
+            Ok((
+                win,
+                as_u32(win.first_row / w.rows, "expert")?,
+                as_u32(win.n_rows / w.rows, "experts")?,
+            ))
+        })
+        .collect()
+}
+
 /// MoE expert mat-vec: for each token t < n_tokens and slot s < n_used, expert
 /// e = ids[offset + t·n_used + s] (read on the GPU) gives y[:, t·n_used + s] = W_e · x[:, …].
-/// Multi-token calls re-read each expert per token (a grouped mat-mat is future work).
+/// Multi-token calls re-read each expert per token: prefill takes [`matmul_id`] instead.
 pub fn matvec_id(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -261,20 +570,43 @@ pub fn matvec_id(
     ids: ExpertIds<'_>,
     input: MoeInput,
 ) -> Result<()> {
+    matvec_id_with(gpu, rec, w, x, y, ids, input, MatvecInput::Plain)
+}
+
+/// [`matvec_id`] with a fused input stage (plain or silu·mul; the norm is not offered here).
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_id_with(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ids: ExpertIds<'_>,
+    input: MoeInput,
+    pre: MatvecInput<'_>,
+) -> Result<()> {
+    let fusion = MatvecFusion {
+        input: pre,
+        output: MatvecOutput::Store,
+    };
+    let x_len = match pre {
+        MatvecInput::Plain => w.cols,
+        MatvecInput::SiluMul { up } => silu_mul_len(w, up)?,
+        MatvecInput::Rms { .. } => {
+            return Err(QkError::Engine(format!(
+                "{}: expert mat-vec input must be plain or silu·mul",
+                w.name
+            )));
+        }
+    };
     let ExpertIds {
         buf: ids,
         offset: ids_offset,
         n_used,
         n_tokens,
     } = ids;
+    let (x_col_token, x_col_slot) = check_moe(w, &x, &y, n_used, n_tokens, input, x_len)?;
     let slots = u64::from(n_used) * u64::from(n_tokens);
-    let x_cols = if input == MoeInput::PerSlot {
-        slots
-    } else {
-        u64::from(n_tokens)
-    };
-    check_columns(&w.name, &x, w.cols, x_cols, true)?;
-    check_columns(&w.name, &y, w.rows, slots, false)?;
     if (u64::from(ids_offset) + slots) * 4 > ids.size {
         return Err(QkError::Engine(format!(
             "{}: ids buffer holds fewer than {slots} ids",
@@ -288,20 +620,10 @@ pub fn matvec_id(
             w.name
         )));
     }
-    let (nr, _) = matvec_shape(gpu, w.ty);
-    let pipe = matvec_pipeline(gpu, w.ty, 1, true)?;
-    let (x_col_token, x_col_slot) = match input {
-        MoeInput::PerToken => (1, 0),
-        MoeInput::PerSlot => (n_used, 1),
-    };
-    for win in &w.windows {
-        if win.first_row % w.rows != 0 || win.n_rows % w.rows != 0 {
-            return Err(QkError::Engine(format!(
-                "{}: window splits an expert (expert larger than a binding)",
-                w.name
-            )));
-        }
-        let p = MatvecParams {
+    let shape = MatvecShape::default_for(w.ty, 1).clamped();
+    let pipe = matvec_pipeline(gpu, w.ty, 1, true, shape, &fusion)?;
+    for (win, expert_first, expert_count) in expert_windows(w)? {
+        let mut p = MatvecParams {
             k: as_u32(w.cols, "K")?,
             rows: as_u32(w.rows, "rows")?,
             row_bytes: as_u32(w.row_bytes, "row bytes")?,
@@ -312,12 +634,14 @@ pub fn matvec_id(
             y_stride: y.stride,
             ids_offset,
             n_used,
-            expert_first: as_u32(win.first_row / w.rows, "expert")?,
-            expert_count: as_u32(win.n_rows / w.rows, "experts")?,
+            expert_first,
+            expert_count,
             x_col_token,
             x_col_slot,
+            ..Default::default()
         };
-        let groups = as_u32(w.rows.div_ceil(u64::from(nr)), "workgroups")?;
+        fusion.params(&mut p);
+        let groups = as_u32(w.rows.div_ceil(u64::from(shape.rows)), "workgroups")?;
         rec.dispatch(
             &pipe,
             &[win.buffer.all(), x.buf.all(), y.buf.all(), ids.all()],
@@ -328,35 +652,97 @@ pub fn matvec_id(
     Ok(())
 }
 
+/// How an engine computes prefill products: a value each engine is given (never read from the
+/// environment), so one process can hold engines of both kinds side by side.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// Cooperative-matrix tiles (f16 inputs, tensor cores) where the adapter offers them, for
+    /// every weight type but F32 (a file that stores F32 asks for f32 products); f32 tiles elsewhere.
+    #[default]
+    Fast,
+    /// f32 register tiles for every product (the float64-reference gates hold to 1e-6).
+    Precise,
+}
+
+/// A cooperative-matrix workgroup tile: `rows` × `cols` outputs, each subgroup a `sg_rows` ×
+/// `sg_cols` block of 16×16 accumulators (all multiples of 16; rows a multiple of sg_rows…).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CoopTile {
+    pub rows: u32,
+    pub cols: u32,
+    pub sg_rows: u32,
+    pub sg_cols: u32,
+}
+
+impl CoopTile {
+    const fn new(rows: u32, cols: u32, sg_rows: u32, sg_cols: u32) -> Self {
+        CoopTile {
+            rows,
+            cols,
+            sg_rows,
+            sg_cols,
+        }
+    }
+
+    /// 4 subgroups of 32×32: the first cooperative kernel's shape.
+    pub const SQUARE_64: CoopTile = CoopTile::new(64, 64, 32, 32);
+    /// 8 subgroups of 64×32: each dequantised weight serves 128 columns, and each shared-memory
+    /// fragment feeds 2–4 multiply-adds.
+    pub const SQUARE_128: CoopTile = CoopTile::new(128, 128, 64, 32);
+    /// 4 subgroups of 64×32: SQUARE_128's subgroup block with half its columns, for products too
+    /// narrow to give SQUARE_128 enough workgroups.
+    pub const RECT_128X64: CoopTile = CoopTile::new(128, 64, 64, 32);
+    /// The grouped MoE product: one 16-wide column of the expert's entries (a few per expert in a
+    /// prefill piece), 4 subgroups of 32×16.
+    pub const MOE: CoopTile = CoopTile::new(128, MOE_TILE_COLS, 32, 16);
+    /// The dense tiles, largest first.
+    pub const DENSE: [CoopTile; 3] = [CoopTile::SQUARE_128, CoopTile::RECT_128X64, CoopTile::SQUARE_64];
+
+    pub fn subgroups(self) -> u32 {
+        (self.rows / self.sg_rows) * (self.cols / self.sg_cols)
+    }
+
+    /// Workgroup memory: the two f16 tiles (pitch 40) and one 16×16 staging block per subgroup.
+    fn workgroup_bytes(self, acc_bytes: u32) -> u32 {
+        (self.rows + self.cols) * 40 * 2 + self.subgroups() * 256 * acc_bytes
+    }
+}
+
 /// Which mat-mat kernel runs a prefill product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MatmulKernel {
     /// f32 register tiles (matmul.wgsl): every adapter, f32 throughout.
     Tiled,
     /// Cooperative-matrix tiles (matmul_coop.wgsl): f16 inputs, `coop_accumulator` accumulators.
-    Coop,
+    Coop(CoopTile),
 }
 
 /// Fewest activation columns for which the cooperative kernel is chosen: below one 16-wide
 /// matrix most of its tile is padding.
 pub const COOP_MIN_COLS: u32 = 16;
 
-/// Workgroup memory of matmul_coop.wgsl: two 64×40 f16 tiles and a 64×64 accumulator tile.
-const COOP_WG_BYTES: u32 = 2 * 64 * 40 * 2 + 64 * 64 * 4;
+/// Columns per tile of the grouped MoE product (both kernels), and so the tile size
+/// [`group_experts`] cuts each expert's entries into.
+pub const MOE_TILE_COLS: u32 = 16;
 
-/// The accumulator scalar (`"f32"` or `"f16"`) the cooperative mat-mat uses on this device, or
-/// None where it cannot run: it needs a 16×16×16 configuration with f16 A/B among the adapter's
-/// cooperative-matrix list (f32 accumulation preferred), shader f16, a fixed subgroup size (its
-/// workgroup is exactly four subgroups) and room for its tiles.
-pub fn coop_accumulator(gpu: &Gpu) -> Option<&'static str> {
+/// Workgroups a dense product must still give for a larger cooperative tile to be taken: about two
+/// per streaming multiprocessor of the H200 (132), so a larger tile does not leave the GPU half
+/// idle on the narrower projections. Not tuned by measurement yet (benches/kernels.rs prints every
+/// tile for the 80B layer's products).
+const WIDE_MIN_WORKGROUPS: u64 = 256;
+
+/// The accumulator scalar (`"f32"` or `"f16"`) the cooperative mat-mat with `tile` uses on this
+/// device, or None where it cannot run: it needs a 16×16×16 configuration with f16 A/B among the
+/// adapter's cooperative-matrix list (f32 accumulation preferred), shader f16, a fixed subgroup
+/// size (its workgroup is whole subgroups) and room for its tiles.
+pub fn coop_accumulator(gpu: &Gpu, tile: CoopTile) -> Option<&'static str> {
     use wgpu::CooperativeScalarType as S;
     let caps = &gpu.caps;
     if !caps.cooperative_matrix
         || !caps.shader_f16
         || caps.subgroup_min_size != caps.subgroup_max_size
         || caps.subgroup_max_size == 0
-        || 4 * caps.subgroup_max_size > caps.max_invocations
-        || caps.max_workgroup_storage < COOP_WG_BYTES
+        || tile.subgroups() * caps.subgroup_max_size > caps.max_invocations
     {
         return None;
     }
@@ -365,34 +751,78 @@ pub fn coop_accumulator(gpu: &Gpu) -> Option<&'static str> {
             .iter()
             .any(|c| (c.m_size, c.n_size, c.k_size) == (16, 16, 16) && c.ab_type == S::F16 && c.cr_type == cr)
     };
-    if offered(S::F32) {
+    let fits = |acc_bytes: u32| caps.max_workgroup_storage >= tile.workgroup_bytes(acc_bytes);
+    if offered(S::F32) && fits(4) {
         Some("f32")
-    } else if offered(S::F16) {
+    } else if offered(S::F16) && fits(2) {
         Some("f16")
     } else {
         None
     }
 }
 
-/// The kernel `matmul` uses for `ncols` columns: the f32 tiled kernel, unless `QK_COOP=1` opts into
-/// the cooperative-matrix one (where the adapter offers it and the product is wide enough). Opt-in
-/// because its f16 inputs round the activations: on the H200 the engine's prefill logits then miss
-/// the float64 reference by NMSE up to 2.7e-2 on the F32 fixture (gate ≤ 1e-6, which the tiled path
-/// meets) and unaligned prompt cuts stop agreeing to 1e-9 — for 2.4–4.6× mat-mat speed
-/// (benches/RESULTS.md).
-pub fn matmul_kernel(gpu: &Gpu, ncols: u32) -> MatmulKernel {
-    static COOP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let coop = *COOP
-        .get_or_init(|| std::env::var("QK_COOP").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true")));
-    if coop && ncols >= COOP_MIN_COLS && coop_accumulator(gpu).is_some() {
-        MatmulKernel::Coop
+/// What kind of kernel a product over `ncols` activation columns runs. Prefill pieces are cut so
+/// that the rows of one 64-aligned chunk always see the same class, whatever the piece
+/// (`Engine::run`), since each class sums in its own order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ColumnClass {
+    /// Up to 8 columns: the mat-vec (and the MoE mat-vec by ids).
+    MatVec,
+    /// f32 register tiles (and the tiled grouped MoE product).
+    Tiled,
+    /// Cooperative-matrix tiles for every weight type but F32.
+    Coop,
+}
+
+pub fn column_class(gpu: &Gpu, precision: Precision, ncols: u32) -> ColumnClass {
+    if ncols <= MATVEC_MAX_COLS {
+        ColumnClass::MatVec
+    } else if precision == Precision::Fast
+        && ncols >= COOP_MIN_COLS
+        && coop_accumulator(gpu, CoopTile::SQUARE_64).is_some()
+        && coop_accumulator(gpu, CoopTile::MOE).is_some()
+    {
+        ColumnClass::Coop
     } else {
-        MatmulKernel::Tiled
+        ColumnClass::Tiled
     }
 }
 
-/// Mat-mat for prefill: y[:, j] = W · x[:, j] for j < ncols (64×64 output tiles), by the kernel
-/// `matmul_kernel` picks.
+/// The cooperative tile a Coop-class product of `rows` × `ncols` uses, if any: F32 weights keep
+/// f32 tiles.
+fn coop_tile_for(
+    gpu: &Gpu,
+    precision: Precision,
+    ty: GgmlType,
+    ncols: u32,
+    tile: CoopTile,
+) -> Option<CoopTile> {
+    (column_class(gpu, precision, ncols) == ColumnClass::Coop && ty != GgmlType::F32)
+        .then_some(tile)
+        .filter(|t| coop_accumulator(gpu, *t).is_some())
+}
+
+/// The kernel [`matmul`] uses for a dense `rows` × `ncols` product of a `ty` matrix: the largest
+/// cooperative tile (128×128, 128×64) that still gives [`WIDE_MIN_WORKGROUPS`] workgroups, else
+/// 64×64; f32 tiles where the class is not Coop. The tile shape does not change any output
+/// (every output is the same chain of 16-wide multiply-adds), so it may follow the piece size.
+pub fn matmul_kernel(gpu: &Gpu, precision: Precision, ty: GgmlType, rows: u64, ncols: u32) -> MatmulKernel {
+    let groups = |t: CoopTile| rows.div_ceil(u64::from(t.rows)) * u64::from(ncols.div_ceil(t.cols));
+    let tile = CoopTile::DENSE
+        .into_iter()
+        .find(|t| {
+            ncols > t.cols / 2 && groups(*t) >= WIDE_MIN_WORKGROUPS && coop_accumulator(gpu, *t).is_some()
+        })
+        .unwrap_or(CoopTile::SQUARE_64);
+    coop_tile_for(gpu, precision, ty, ncols, tile).map_or(MatmulKernel::Tiled, MatmulKernel::Coop)
+}
+
+/// The kernel [`matmul_id`] uses for a grouped product over `n_tokens` tokens of `ty` experts.
+pub fn matmul_id_kernel(gpu: &Gpu, precision: Precision, ty: GgmlType, n_tokens: u32) -> MatmulKernel {
+    coop_tile_for(gpu, precision, ty, n_tokens, CoopTile::MOE).map_or(MatmulKernel::Tiled, MatmulKernel::Coop)
+}
+
+/// Mat-mat for prefill: y[:, j] = W · x[:, j] for j < ncols, by the kernel `matmul_kernel` picks.
 pub fn matmul(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -400,8 +830,69 @@ pub fn matmul(
     x: Columns<'_>,
     y: Columns<'_>,
     ncols: u32,
+    precision: Precision,
 ) -> Result<()> {
-    matmul_with(gpu, rec, w, x, y, ncols, matmul_kernel(gpu, ncols))
+    let kernel = matmul_kernel(gpu, precision, w.ty, w.rows, ncols);
+    matmul_with(gpu, rec, w, x, y, ncols, kernel)
+}
+
+/// The mat-mat pipeline of `kernel` for `ty` weights, dense or grouped (`moe`).
+fn matmul_pipeline(
+    gpu: &Gpu,
+    name: &str,
+    ty: GgmlType,
+    kernel: MatmulKernel,
+    moe: bool,
+) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
+    let moe_flag = u32::from(moe).to_string();
+    match kernel {
+        MatmulKernel::Tiled => {
+            let tn = if moe { MOE_TILE_COLS } else { 64 };
+            gpu.pipeline(
+                &MATMUL,
+                &[
+                    ("QTYPE", qtype_name(ty).into()),
+                    ("TN", tn.to_string()),
+                    ("NJ", (tn / 16).to_string()),
+                    ("MOE", moe_flag),
+                ],
+                &[],
+            )
+        }
+        MatmulKernel::Coop(tile) => {
+            let acc = coop_accumulator(gpu, tile).ok_or_else(|| {
+                QkError::Engine(format!(
+                    "{name}: cooperative mat-mat {tile:?} requested but {} does not offer it",
+                    gpu.adapter.name
+                ))
+            })?;
+            gpu.pipeline(
+                &MATMUL_COOP,
+                &[
+                    ("QTYPE", qtype_name(ty).into()),
+                    ("SG", gpu.caps.subgroup_max_size.to_string()),
+                    ("ACC", acc.into()),
+                    ("TM", tile.rows.to_string()),
+                    ("TN", tile.cols.to_string()),
+                    ("WM", tile.sg_rows.to_string()),
+                    ("WN", tile.sg_cols.to_string()),
+                    ("AM", (tile.sg_rows / 16).to_string()),
+                    ("AN", (tile.sg_cols / 16).to_string()),
+                    ("SGS", tile.subgroups().to_string()),
+                    ("MOE", moe_flag),
+                ],
+                &[],
+            )
+        }
+    }
+}
+
+/// Rows × columns of one workgroup of `kernel`.
+fn tile_shape(kernel: MatmulKernel, moe: bool) -> (u32, u32) {
+    match kernel {
+        MatmulKernel::Tiled => (64, if moe { MOE_TILE_COLS } else { 64 }),
+        MatmulKernel::Coop(t) => (t.rows, t.cols),
+    }
 }
 
 /// `matmul` with an explicit kernel; `Coop` on a device without it is an error.
@@ -415,27 +906,14 @@ pub fn matmul_with(
     kernel: MatmulKernel,
 ) -> Result<()> {
     check_dense("matmul", "", w, &x, &y, ncols)?;
-    let pipe = match kernel {
-        MatmulKernel::Tiled => gpu.pipeline(&MATMUL, &[("QTYPE", qtype_name(w.ty).into())], &[])?,
-        MatmulKernel::Coop => {
-            let acc = coop_accumulator(gpu).ok_or_else(|| {
-                QkError::Engine(format!(
-                    "{}: cooperative mat-mat requested but {} does not offer it",
-                    w.name, gpu.adapter.name
-                ))
-            })?;
-            gpu.pipeline(
-                &MATMUL_COOP,
-                &[
-                    ("QTYPE", qtype_name(w.ty).into()),
-                    ("SG", gpu.caps.subgroup_max_size.to_string()),
-                    ("ACC", acc.into()),
-                ],
-                &[],
-            )?
-        }
-    };
-    let col_tiles = ncols.div_ceil(64);
+    if let MatmulKernel::Coop(t) = kernel
+        && !CoopTile::DENSE.contains(&t)
+    {
+        return Err(QkError::Engine(format!("{}: {t:?} is not a dense tile", w.name)));
+    }
+    let pipe = matmul_pipeline(gpu, &w.name, w.ty, kernel, false)?;
+    let (tm, tn) = tile_shape(kernel, false);
+    let col_tiles = ncols.div_ceil(tn);
     if col_tiles > gpu.caps.max_workgroups_per_dim {
         return Err(QkError::Engine(format!(
             "{}: {ncols} columns exceed one dispatch",
@@ -453,8 +931,9 @@ pub fn matmul_with(
             x_stride: x.stride,
             y_offset: y.offset + as_u32(win.first_row, "row")?,
             y_stride: y.stride,
+            ..Default::default()
         };
-        let row_tiles = as_u32(win.n_rows.div_ceil(64), "row tiles")?;
+        let row_tiles = as_u32(win.n_rows.div_ceil(u64::from(tm)), "row tiles")?;
         rec.dispatch(
             &pipe,
             &[win.buffer.all(), x.buf.all(), y.buf.all()],
@@ -465,7 +944,221 @@ pub fn matmul_with(
     Ok(())
 }
 
-/// Prefill or decode: the mat-vec for up to 8 columns, the tiled mat-mat beyond.
+/// The shape of a batch's expert groups: `experts` in the stack, `n_used` per token, `n_tokens`
+/// tokens; where each part sits in the groups buffer (layout in moe_group.wgsl).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupShape {
+    pub experts: u32,
+    pub n_used: u32,
+    pub n_tokens: u32,
+}
+
+impl GroupShape {
+    fn entries(&self) -> u32 {
+        self.n_used * self.n_tokens
+    }
+
+    /// Tiles of at most MOE_TILE_COLS entries: each expert's last tile may be partial.
+    fn max_tiles(&self) -> u32 {
+        self.entries().div_ceil(MOE_TILE_COLS) + self.experts.min(self.entries())
+    }
+
+    fn offsets_at(&self) -> u32 {
+        1
+    }
+
+    fn tiles_at(&self) -> u32 {
+        self.offsets_at() + self.experts + 1
+    }
+
+    fn order_at(&self) -> u32 {
+        self.tiles_at() + 2 * self.max_tiles()
+    }
+
+    /// u32 count of the groups buffer.
+    pub fn words(&self) -> u64 {
+        u64::from(self.order_at()) + u64::from(self.entries())
+    }
+}
+
+/// A batch's expert groups in a u32 buffer: written by [`group_experts`] from the router's ids,
+/// read by every [`matmul_id`] of the layer.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertGroups<'a> {
+    pub buf: &'a GpuBuffer,
+    pub shape: GroupShape,
+}
+
+impl ExpertGroups<'_> {
+    fn check(&self, what: &str) -> Result<()> {
+        let need = self.shape.words() * 4;
+        crate::ensure!(
+            need <= self.buf.size,
+            QkError::Engine(format!(
+                "{what}: expert groups need {need} bytes, buffer {} has {}",
+                self.buf.label, self.buf.size
+            ))
+        );
+        Ok(())
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct GroupParams {
+    tokens: u32,
+    n_used: u32,
+    experts: u32,
+    ids_offset: u32,
+    tile_cols: u32,
+    offsets_at: u32,
+    tiles_at: u32,
+    order_at: u32,
+}
+
+/// Sort the (token, slot) entries of `ids` by expert into `groups` (one workgroup on the GPU).
+pub fn group_experts(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    ids: ExpertIds<'_>,
+    groups: ExpertGroups<'_>,
+) -> Result<()> {
+    let g = groups.shape;
+    crate::ensure!(
+        ids.n_used == g.n_used && ids.n_tokens == g.n_tokens,
+        QkError::Engine(format!(
+            "expert groups for {}×{} ids hold {}×{}",
+            ids.n_tokens, ids.n_used, g.n_tokens, g.n_used
+        ))
+    );
+    crate::ensure!(
+        g.experts >= 1 && g.experts <= super::router::MAX_EXPERTS,
+        QkError::Engine(format!("expert groups: {} experts", g.experts))
+    );
+    let entries = u64::from(g.entries());
+    if (u64::from(ids.offset) + entries) * 4 > ids.buf.size {
+        return Err(QkError::Engine(format!(
+            "expert ids: buffer {} holds fewer than {entries} ids",
+            ids.buf.label
+        )));
+    }
+    groups.check("group_experts")?;
+    let p = GroupParams {
+        tokens: g.n_tokens,
+        n_used: g.n_used,
+        experts: g.experts,
+        ids_offset: ids.offset,
+        tile_cols: MOE_TILE_COLS,
+        offsets_at: g.offsets_at(),
+        tiles_at: g.tiles_at(),
+        order_at: g.order_at(),
+    };
+    let pipe = gpu.pipeline(&MOE_GROUP, &[], &[])?;
+    rec.dispatch(
+        &pipe,
+        &[ids.buf.all(), groups.buf.all()],
+        bytemuck::bytes_of(&p),
+        [1, 1, 1],
+    )
+}
+
+/// Grouped MoE mat-mat: for every token t < n_tokens and slot s < n_used, with e the expert the
+/// router chose there, y[:, t·n_used + s] = W_e · x[:, …] (x column as in [`matvec_id`]) — the
+/// same outputs as [`matvec_id`], but each expert's weights are read once per 16 of its entries
+/// rather than once per entry. `groups` must hold [`group_experts`] of this batch. One dispatch
+/// per binding window of the expert stack.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_id(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    groups: ExpertGroups<'_>,
+    input: MoeInput,
+    kernel: MatmulKernel,
+) -> Result<()> {
+    let g = groups.shape;
+    let (x_col_token, x_col_slot) = check_moe(w, &x, &y, g.n_used, g.n_tokens, input, w.cols)?;
+    // A stack may hold more experts than the router picks from (the shared expert appended for
+    // the decode step): those are never grouped.
+    crate::ensure!(
+        u64::from(g.experts) <= w.experts,
+        QkError::Engine(format!(
+            "{}: expert groups over {} experts for a stack of {}",
+            w.name, g.experts, w.experts
+        ))
+    );
+    groups.check(&w.name)?;
+    if let MatmulKernel::Coop(t) = kernel
+        && t != CoopTile::MOE
+    {
+        return Err(QkError::Engine(format!(
+            "{}: {t:?} is not the grouped tile",
+            w.name
+        )));
+    }
+    let max_tiles = g.max_tiles();
+    crate::ensure!(
+        max_tiles <= gpu.caps.max_workgroups_per_dim,
+        QkError::Engine(format!("{}: {max_tiles} column tiles exceed the grid", w.name))
+    );
+    let pipe = matmul_pipeline(gpu, &w.name, w.ty, kernel, true)?;
+    let (tm, _) = tile_shape(kernel, true);
+    for (win, expert_first, expert_count) in expert_windows(w)? {
+        let p = MatmulParams {
+            k: as_u32(w.cols, "K")?,
+            rows: as_u32(w.rows, "rows")?,
+            row_bytes: as_u32(w.row_bytes, "row bytes")?,
+            w_offset: 0,
+            n: 0,
+            x_offset: x.offset,
+            x_stride: x.stride,
+            y_offset: y.offset,
+            y_stride: y.stride,
+            n_used: g.n_used,
+            x_col_token,
+            x_col_slot,
+            expert_first,
+            expert_count,
+            offsets_at: g.offsets_at(),
+            tiles_at: g.tiles_at(),
+            order_at: g.order_at(),
+        };
+        let row_tiles = as_u32(w.rows.div_ceil(u64::from(tm)), "row tiles")?;
+        rec.dispatch(
+            &pipe,
+            &[win.buffer.all(), x.buf.all(), y.buf.all(), groups.buf.all()],
+            bytemuck::bytes_of(&p),
+            [row_tiles, max_tiles, 1],
+        )?;
+    }
+    Ok(())
+}
+
+/// Prefill or decode, MoE: the mat-vec by ids for up to 8 tokens, the grouped mat-mat beyond
+/// (`groups` must then hold [`group_experts`] of `ids`).
+#[allow(clippy::too_many_arguments)]
+pub fn mul_id(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ids: ExpertIds<'_>,
+    groups: ExpertGroups<'_>,
+    input: MoeInput,
+    precision: Precision,
+) -> Result<()> {
+    if column_class(gpu, precision, ids.n_tokens) == ColumnClass::MatVec {
+        matvec_id(gpu, rec, w, x, y, ids, input)
+    } else {
+        let kernel = matmul_id_kernel(gpu, precision, w.ty, ids.n_tokens);
+        matmul_id(gpu, rec, w, x, y, groups, input, kernel)
+    }
+}
+
+/// Prefill or decode: the mat-vec for up to 8 columns, the mat-mat beyond.
 pub fn mul(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -473,10 +1166,11 @@ pub fn mul(
     x: Columns<'_>,
     y: Columns<'_>,
     ncols: u32,
+    precision: Precision,
 ) -> Result<()> {
     if ncols <= MATVEC_MAX_COLS {
         matvec(gpu, rec, w, x, y, ncols)
     } else {
-        matmul(gpu, rec, w, x, y, ncols)
+        matmul(gpu, rec, w, x, y, ncols, precision)
     }
 }

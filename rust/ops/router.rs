@@ -35,6 +35,37 @@ impl RouterParams {
     }
 }
 
+/// The token's shared expert as its pick k (router.wgsl `SHARED`): expert `id` (its rows appended
+/// to the expert tensors), weighted by sigmoid of its gate logit, token t's at
+/// `gate_offset + t·gate_stride` of `gate`.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedSlot<'a> {
+    pub id: u32,
+    pub gate: &'a GpuBuffer,
+    pub gate_offset: u32,
+    pub gate_stride: u32,
+}
+
+/// The kernel's parameters: `RouterParams` and the output stride / shared slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+struct KernelParams {
+    base: RouterParams,
+    ids_stride: u32,
+    shared_id: u32,
+    gate_offset: u32,
+    gate_stride: u32,
+}
+
+/// Lanes of the one-subgroup fast path on this device, if it has one: subgroups of one fixed size
+/// (the workgroup must be exactly one), few enough experts per lane to stay in registers.
+fn subgroup_lanes(gpu: &Gpu, experts: u32) -> Option<u32> {
+    let c = &gpu.caps;
+    let sg = c.subgroup_max_size;
+    (c.subgroups && sg == c.subgroup_min_size && (8..=64).contains(&sg) && experts.div_ceil(sg) <= 64)
+        .then_some(sg)
+}
+
 /// Record routing of `p.tokens` tokens: `ids` (u32) and `weights` (f32) get k entries per token.
 pub fn record(
     gpu: &Gpu,
@@ -44,21 +75,51 @@ pub fn record(
     ids: &GpuBuffer,
     weights: &GpuBuffer,
 ) -> crate::Result<()> {
+    record_with(gpu, rec, p, logits, ids, weights, None)
+}
+
+/// [`record`], with the shared expert as pick k when `shared` is given (k + 1 entries per token).
+pub fn record_with(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &RouterParams,
+    logits: &GpuBuffer,
+    ids: &GpuBuffer,
+    weights: &GpuBuffer,
+    shared: Option<SharedSlot<'_>>,
+) -> crate::Result<()> {
     p.validate()?;
+    let ids_stride = p.k + u32::from(shared.is_some());
     if p.tokens > 0 {
         let last =
             p.logits_offset as u64 + (p.tokens as u64 - 1) * p.logits_token_stride as u64 + p.experts as u64;
         require_len("router logits", logits, last)?;
+        if let Some(s) = &shared {
+            let gate_end = u64::from(s.gate_offset) + (p.tokens as u64 - 1) * u64::from(s.gate_stride) + 1;
+            require_len("router shared gate", s.gate, gate_end)?;
+        }
     }
-    require_len("router ids", ids, p.tokens as u64 * p.k as u64)?;
-    require_len("router weights", weights, p.tokens as u64 * p.k as u64)?;
-    let pipe = gpu.pipeline(&FILE, &[], &[])?;
-    rec.dispatch(
-        &pipe,
-        &[logits.all(), ids.all(), weights.all()],
-        bytemuck::bytes_of(p),
-        gpu.grid(p.tokens),
-    )
+    require_len("router ids", ids, p.tokens as u64 * ids_stride as u64)?;
+    require_len("router weights", weights, p.tokens as u64 * ids_stride as u64)?;
+    let mut defines = vec![("SHARED", u32::from(shared.is_some()).to_string())];
+    if let Some(sg) = subgroup_lanes(gpu, p.experts) {
+        defines.push(("SG", sg.to_string()));
+        defines.push(("WG", sg.to_string()));
+        defines.push(("PER_LANE", p.experts.div_ceil(sg).to_string()));
+    }
+    let pipe = gpu.pipeline(&FILE, &defines, &[])?;
+    let kp = KernelParams {
+        base: *p,
+        ids_stride,
+        shared_id: shared.map_or(0, |s| s.id),
+        gate_offset: shared.map_or(0, |s| s.gate_offset),
+        gate_stride: shared.map_or(0, |s| s.gate_stride),
+    };
+    let mut bindings = vec![logits.all(), ids.all(), weights.all()];
+    if let Some(s) = &shared {
+        bindings.push(s.gate.all());
+    }
+    rec.dispatch(&pipe, &bindings, bytemuck::bytes_of(&kp), gpu.grid(p.tokens))
 }
 
 pub mod reference {

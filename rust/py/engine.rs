@@ -12,8 +12,10 @@ use crate::engine::{Engine, EngineOptions, OpProfile, StageInput, StageOutput, S
 use crate::ops::attention::KvType;
 
 /// A model (or a layer range of it) loaded on one GPU, with `slots` independent sequences of up to
-/// `ctx` positions each. `cache_type_k` ("f16", "q8_0" or "f32") and `cache_type_v` ("f16" or
-/// "f32") set the KV cache element types (default f16).
+/// `ctx` positions each. `precise=True` keeps every product in f32 and the KV cache in f32 (the
+/// float64-reference gates); the default runs prefill mat-mats on tensor cores (f16 inputs) where
+/// the adapter has them and keeps an f16 cache. `cache_type_k` ("f16", "q8_0" or "f32") and
+/// `cache_type_v` ("f16" or "f32") override the cache element types.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -97,7 +99,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, cache_type_k = None, cache_type_v = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -106,6 +108,7 @@ impl PyEngine {
         slots: u32,
         ctx: u32,
         device: Option<String>,
+        precise: bool,
         cache_type_k: Option<String>,
         cache_type_v: Option<String>,
     ) -> PyResult<Self> {
@@ -115,6 +118,7 @@ impl PyEngine {
             slots,
             ctx,
             device,
+            precise,
             cache_type_k: parse(cache_type_k)?,
             cache_type_v: parse(cache_type_v)?,
         };

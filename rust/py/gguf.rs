@@ -168,7 +168,14 @@ impl PyGgufFile {
     }
 }
 
+/// The ggml type names qk loads and dequantises (`GgmlType::ALL`), for `python -m qk.info`.
+#[pyfunction]
+fn supported_types() -> Vec<&'static str> {
+    crate::gguf::GgmlType::ALL.iter().map(|t| t.name()).collect()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGgufFile>()?;
+    m.add_function(wrap_pyfunction!(supported_types, m)?)?;
     Ok(())
 }

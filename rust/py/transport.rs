@@ -493,7 +493,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The head's link to the chain of stages after it (spec/qkp.md). Connects lazily: the first call
+/// The head's link to the chain of stages after it (docs/protocol.md). Connects lazily: the first call
 /// (or ``connect()``) says hello and checks the chain against ``own``; a failed call marks the link
 /// down and the next call reconnects at once; ``reconnect_if_due()`` retries with backoff for a
 /// background ticker. Every reconnect is a new session: every stage reset its slots and dropped its

@@ -1,6 +1,6 @@
 //! The hello's shared-secret proofs: each side answers the other's nonce with an HMAC-SHA256 over
 //! both nonces and the hello contents, labelled by role so one side's proof never passes for the
-//! other's. The secret itself never crosses the wire (spec/qkp.md "Hello"). Also the randomness the
+//! other's. The secret itself never crosses the wire (docs/protocol.md "Shared-secret proof"). Also the randomness the
 //! hello needs (nonces, boot ids).
 
 use hmac::{Hmac, KeyInit, Mac};

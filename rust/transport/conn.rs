@@ -369,7 +369,7 @@ impl Conn {
         Ok(msg)
     }
 
-    /// The client side of the hello (spec/qkp.md): send a hello with a fresh nonce, answer the worker's
+    /// The client side of the hello (docs/protocol.md "Hello"): send a hello with a fresh nonce, answer the worker's
     /// challenge with a proof, verify the worker's proof, and check the chain against `cfg.own`.
     /// Returns the chain: the worker's description first, then every stage after it.
     pub fn client_hello(&mut self, cfg: &ClientConfig) -> Result<Vec<StageDesc>> {
@@ -552,7 +552,7 @@ impl ServerHandshake {
     }
 }
 
-/// One head session per worker chain (spec/qkp.md): a worker's gate admits one session at a time; a
+/// One head session per worker chain (docs/protocol.md "Sessions"): a worker's gate admits one session at a time; a
 /// second hello is refused "busy" unless it asks for a takeover, which shuts the live session's
 /// socket so its serve loop ends on its next read or write.
 #[derive(Clone, Default)]

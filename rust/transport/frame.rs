@@ -2,7 +2,7 @@
 //! header-level bound checks (payload length implied by the header, row/width/top-k caps). Pure bytes
 //! in and out; no sockets. Payloads are encoded in `messages.rs`.
 //!
-//! # Byte layout (spec/qkp.md; every integer little-endian)
+//! # Byte layout (docs/protocol.md "Frame header"; every integer little-endian)
 //!
 //! ```text
 //! offset size field    meaning
@@ -49,7 +49,7 @@
 //! Bytes 0..8 (magic, version) are frozen forever, so any two builds can tell they disagree and say
 //! so with both numbers. Bump VERSION on any change to this header, an op, a flag, an error code or
 //! a payload layout; nothing is negotiated, peers of different versions refuse each other at hello.
-//! Versions 1–3 were the earlier pipe frames' magics ("qkp1".."qkp3", seeds/split-serving.md); this
+//! Versions 1–3 were the earlier pipe frames' magics ("qkp1".."qkp3"); this
 //! layout starts at 4.
 
 use crate::error::{QkError, Result};
@@ -58,12 +58,12 @@ pub const MAGIC: [u8; 4] = *b"qkpf";
 pub const VERSION: u32 = 4;
 pub const HEADER_LEN: usize = 36;
 
-/// Rows per RUN frame and entries per STEP frame (spec/qkp.md: "n ≤ a per-frame maximum (e.g. 4096)").
+/// Rows per RUN frame and entries per STEP frame (docs/protocol.md "Limits").
 pub const MAX_ROWS: u32 = 4096;
 /// Floats per hidden row: n_embd of the largest supported shape with room to spare (Qwen3-Next 80B
 /// has 2048). With MAX_ROWS this bounds one hidden payload at 256 MiB.
 pub const MAX_WIDTH: u32 = 16384;
-/// Top-k pairs returned per position (spec/qkp.md: "top-k ≤ 256").
+/// Top-k pairs returned per position (docs/protocol.md "Limits").
 pub const MAX_TOPK: u32 = 256;
 /// Stages in one chain description.
 pub const MAX_STAGES: u32 = 64;

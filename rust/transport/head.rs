@@ -1,4 +1,4 @@
-//! The head's link to the rest of the chain (spec/qkp.md): connect to the next stage with the head's
+//! The head's link to the rest of the chain (docs/protocol.md): connect to the next stage with the head's
 //! own description, check the whole chain, then RUN / STEP / SAVE / LOAD / DROP / PING as calls that
 //! return the chain's final answer. A failed call marks the link down; the next call reconnects at
 //! once (a request never waits out a backoff), while `reconnect_if_due` retries in the background

@@ -1,5 +1,5 @@
 //! The hello's contents (the client's hello, the worker's challenge and proof, the chain description
-//! every stage relays upstream) and the head-side chain check (spec/qkp.md "Hello").
+//! every stage relays upstream) and the head-side chain check (docs/protocol.md "Hello").
 
 use crate::error::{QkError, Result};
 
@@ -66,7 +66,7 @@ fn refuse(msg: String) -> QkError {
     QkError::Transport(format!("chain refused: {msg}"))
 }
 
-/// The head-side check of a chain (spec/qkp.md): `downstream` must continue `own` contiguously to
+/// The head-side check of a chain (docs/protocol.md "Chain check"): `downstream` must continue `own` contiguously to
 /// n_layer, with the same model (fingerprint, n_layer, n_embd) and slots/ctx covering `own`'s. Also
 /// usable by a worker on the part of the chain below it. The first failure, in chain order, is
 /// returned with the stage and the numbers named.

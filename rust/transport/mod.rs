@@ -1,4 +1,4 @@
-//! qkp, the stage transport (spec/qkp.md): a pure frame codec (`frame`, `messages`), the hello's
+//! qkp, the stage transport (docs/protocol.md): a pure frame codec (`frame`, `messages`), the hello's
 //! contents and chain check (`hello`), its shared-secret proofs (`auth`), and the blocking TCP
 //! connection layer a worker's serve loop and the head's split driver build on (`conn`).
 

@@ -1,4 +1,4 @@
-//! The worker's serve loop (spec/qkp.md): accept head sessions one at a time behind a `SessionGate`,
+//! The worker's serve loop (docs/protocol.md): accept head sessions one at a time behind a `SessionGate`,
 //! answer the hello with this stage's description plus the chain learned from its own downstream
 //! connection, then serve RUN / STEP / SAVE / LOAD / DROP / PING / CLOSE against a local `Stage`,
 //! forwarding hidden rows and snapshot operations down the chain and relaying the answers back.
@@ -36,7 +36,7 @@ const ACCEPT_POLL: Duration = Duration::from_millis(10);
 pub struct WorkerConfig {
     /// This stage's name in hellos, errors and logs (e.g. "gpu2:18100").
     pub name: String,
-    /// The shared secret both hops of this worker prove (spec/qkp.md "Hello"); None: no proofs.
+    /// The shared secret both hops of this worker prove (docs/protocol.md "Shared-secret proof"); None: no proofs.
     pub secret: Option<Vec<u8>>,
     /// host:port of the next stage; None for the stage that ends the model.
     pub next: Option<String>,

@@ -1,5 +1,5 @@
-"""Running llama.cpp (through llama-cpp-python) as the oracle, and the comparison rules of DESIGN.md
-"Correctness gates" shared by the tests and the golden writer."""
+"""Running llama.cpp (through llama-cpp-python) as the oracle, and the comparison rules of docs/numerics.md
+"Near-tie certification" shared by the tests and the golden writer."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def nmse(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def certified_prefix_match(ours: list[int], theirs: list[int], gaps: list[float], top2) -> tuple[bool, str]:
-    """DESIGN.md gate 1: the sequences are identical, or they first differ at a step where llama.cpp's
+    """docs/numerics.md "Near-tie certification": the sequences are identical, or they first differ at a step where llama.cpp's
     top-2 gap < NEAR_TIE and our token is one of llama.cpp's top two (after which they may diverge)."""
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         if a != b:

@@ -1,4 +1,4 @@
-"""NumPy float64 reference of the qwen3next / qwen35moe forward pass (spec/model.md §3), reading weights
+"""NumPy float64 reference of the qwen3next / qwen35moe forward pass (docs/numerics.md "Forward pass"), reading weights
 with gguf-py. A test oracle only: clarity over speed; every step follows the spec's numbered lists."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-CHUNK = 64  # chunked-DeltaNet chunk size; boundaries sit at absolute multiples of it (DESIGN.md)
+CHUNK = 64  # chunked-DeltaNet chunk size; boundaries sit at absolute multiples of it (docs/numerics.md "Chunk alignment")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -28,7 +28,7 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis; GGUF norm weights already contain the +1 (spec §2.4)."""
+    """RMSNorm over the last axis; GGUF norm weights already contain the +1 (docs/numerics.md "Tensors")."""
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
@@ -88,7 +88,7 @@ def activation_rounding(weight_type: str):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Gated delta rule (spec §3.2 step 8 and §3.4). q, k: (n, H, dk) already paired to v-heads, L2-normed,
+# Gated delta rule (docs/numerics.md "Chunked DeltaNet"). q, k: (n, H, dk) already paired to v-heads, L2-normed,
 # q scaled; v: (n, H, dv); beta, g: (n, H); S: (H, dk, dv) in HF layout (key index first).
 
 
@@ -106,7 +106,7 @@ def delta_rule_recurrent(q, k, v, beta, g, S):
 
 
 def _chunk(q, k, v, beta, g, S):
-    """One chunk of the WY/UT form (spec §3.4 steps 1–7) for every head; rows 0..L−1 of the chunk."""
+    """One chunk of the WY/UT form (docs/numerics.md "Chunked DeltaNet") for every head; rows 0..L−1 of the chunk."""
     L = q.shape[0]
     gamma = np.cumsum(g, axis=0)  # (L, H)
     diff = gamma[:, None, :] - gamma[None, :, :]  # (i, j, H) = γ_i − γ_j
@@ -134,7 +134,7 @@ def _chunk(q, k, v, beta, g, S):
 
 def delta_rule_chunked(q, k, v, beta, g, S, pos0: int = 0, chunk: int = CHUNK):
     """Chunked form with chunk boundaries at absolute positions that are multiples of `chunk`, so a
-    sequence cut into calls anywhere gives the same chunks as one call (DESIGN.md determinism)."""
+    sequence cut into calls anywhere gives the same chunks as one call (docs/numerics.md "Chunk alignment")."""
     n = q.shape[0]
     o = np.empty(v.shape)
     t = 0
@@ -266,7 +266,7 @@ class Model:
     def _rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Partial NeoX RoPE on the first n_rot dims of each head; x: (n, heads, hd). For qwen35moe the
         sectioned IMROPE: rotary pair i takes its position from the t/h/w/e component its sector picks;
-        text gives t = h = w = position and e = 0 (spec §3.5 step 3)."""
+        text gives t = h = w = position and e = 0 (docs/numerics.md "Gated attention" step 3)."""
         hp = self.hp
         half = hp.n_rot // 2
         i = np.arange(half)
@@ -317,7 +317,7 @@ class Model:
         return self.mm(out, p + "attn_output.weight")
 
     def _gdn_projections(self, il: int, u: np.ndarray):
-        """(m = pre-conv q‖k‖v, z, b, a) in the file's v-head order (spec §3.2 step 1)."""
+        """(m = pre-conv q‖k‖v, z, b, a) in the file's v-head order (docs/numerics.md "Gated DeltaNet" step 1)."""
         hp, w, p = self.hp, self.w, f"blk.{il}."
         n, nk, nv, dk = u.shape[0], hp.ssm_nk, hp.ssm_nv, hp.ssm_dk
         r = nv // nk
@@ -339,7 +339,7 @@ class Model:
         return m, z, b, a
 
     def k_head_of_v_head(self) -> np.ndarray:
-        """spec §3.3: qwen3next pairs consecutively (⌊n/r⌋), qwen35* tiles (n mod nk)."""
+        """docs/numerics.md "Head pairing": qwen3next pairs consecutively (⌊n/r⌋), qwen35* tiles (n mod nk)."""
         hp = self.hp
         n = np.arange(hp.ssm_nv)
         return n // (hp.ssm_nv // hp.ssm_nk) if hp.arch == "qwen3next" else n % hp.ssm_nk
@@ -393,7 +393,7 @@ class Model:
         out = np.zeros_like(x)
         for t in range(x.shape[0]):
             sel = top[t]
-            # llama.cpp clamps the renormalisation sum at 6.1e-5 (spec §3.6 step 2).
+            # llama.cpp clamps the renormalisation sum at 6.1e-5 (docs/numerics.md "MoE routing" step 3).
             weights = probs[t, sel] / max(np.sum(probs[t, sel]), 6.103515625e-5)
             for e, we in zip(sel, weights, strict=True):
                 h = silu(gate_w[e] @ xg[t]) * (up_w[e] @ xu[t])
@@ -416,7 +416,7 @@ class Model:
 
     def run_layers(self, x: np.ndarray, st: State, start: int = 0, end: int | None = None, *, chunked=True):
         """Hidden rows through layers [start, end) from the state's position on; advances the state.
-        A pipeline stage owning those layers keeps its own State (DESIGN.md split serving)."""
+        A pipeline stage owning those layers keeps its own State (docs/architecture.md "Split serving")."""
         hp, w = self.hp, self.w
         end = hp.n_layer if end is None else end
         self.route_margin = np.full(x.shape[0], np.inf)

@@ -282,16 +282,16 @@ fn version_2_and_custom_alignment() {
 #[test]
 fn unsupported_but_known_type_is_listed_not_dequantised() {
     let mut b = Builder::new();
-    b.tensor("q41", &[32], 3, 0); // Q4_1: 20 bytes per 32 weights
-    let bytes = b.build(&[7u8; 20]);
-    let f = TempFile::new("q41.gguf", &bytes);
-    let g = GgufFile::open(f.path()).expect("Q4_1 offsets validate");
-    let t = g.tensor("q41").expect("q41");
-    assert_eq!((t.type_name(), t.nbytes, t.ty), ("Q4_1", 20, None));
-    assert_eq!(g.tensor_data(t).expect("raw bytes").len(), 20);
+    b.tensor("q81", &[32], 9, 0); // Q8_1 (an activation format): 36 bytes per 32 weights
+    let bytes = b.build(&[7u8; 36]);
+    let f = TempFile::new("q81.gguf", &bytes);
+    let g = GgufFile::open(f.path()).expect("Q8_1 offsets validate");
+    let t = g.tensor("q81").expect("q81");
+    assert_eq!((t.type_name(), t.nbytes, t.ty), ("Q8_1", 36, None));
+    assert_eq!(g.tensor_data(t).expect("raw bytes").len(), 36);
     match g.dequantize_tensor(t) {
         Err(QkError::UnsupportedType { tensor, ty }) => {
-            assert_eq!((tensor.as_str(), ty.as_str()), ("q41", "Q4_1"))
+            assert_eq!((tensor.as_str(), ty.as_str()), ("q81", "Q8_1"))
         }
         other => panic!("expected UnsupportedType, got {other:?}"),
     }
@@ -607,7 +607,7 @@ fn type_table_is_consistent() {
         assert_eq!(layout, ty.layout(), "{ty}");
         assert_eq!(layout.supported(), Some(ty));
     }
-    // Sizes quoted in shared/spec/kernels-perf.md §1.
+    // Sizes quoted in docs/numerics.md "GGUF block formats".
     assert_eq!(GgmlType::IQ4XS.block_bytes(), 136);
     assert_eq!(
         TypeLayout::of_id(3).map(|l| (l.name, l.block_bytes)),

@@ -1,6 +1,7 @@
 //! Matrix kernels vs the CPU reference (`gguf::dequant::dequantize`, then f64 dot products) for
 //! every weight type, with subgroups on and off: mat-vec (1..11 columns), tiled mat-mat, MoE
-//! mat-vec by ids, embedding lookup, binding windows (forced small, and one real > 128 MiB).
+//! mat-vec by ids, the expert grouping and grouped MoE mat-mat, embedding lookup, binding windows
+//! (forced small, and one real > 128 MiB); the cooperative-matrix kernels where the adapter has them.
 //!
 //! Metric: NMSE = Σ(y − ref)² / Σ ref². The GPU dequantises with the same f32 products as the
 //! reference and only the summation order and precision differ (f32, K ≤ 4096): relative error per
@@ -12,7 +13,8 @@ use qk::gguf::dequant::dequantize;
 use qk::gpu::{Gpu, WeightTensor};
 use qk::ops::embed::embed;
 use qk::ops::matmul::{
-    Columns, ExpertIds, MatmulKernel, MoeInput, coop_accumulator, matmul_with, matvec, matvec_id,
+    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MOE_TILE_COLS, MatmulKernel, MoeInput,
+    coop_accumulator, group_experts, matmul_id, matmul_with, matvec, matvec_id,
 };
 
 use crate::gpu_tests::test_gpu;
@@ -20,16 +22,16 @@ use crate::gpu_tests::test_gpu;
 const NMSE_MAX: f64 = 1e-9;
 
 /// xorshift64*: deterministic test data without a dependency.
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
-    fn f32(&mut self) -> f32 {
+    pub(crate) fn f32(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
 }
@@ -38,9 +40,22 @@ fn put_f16(b: &mut [u8], at: usize, v: f32) {
     b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
 }
 
-/// Random weights of type `ty`: random bytes for quants with every f16 scale field overwritten by
-/// a finite value of a realistic size.
-fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
+/// Byte offsets of a block's f16 scale fields (ggml-common.h block structs).
+fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q2K => &[80, 82],
+        GgmlType::Q3K => &[108],
+        GgmlType::Q6K => &[208],
+        GgmlType::IQ1M | GgmlType::MXFP4 => &[],
+        _ => &[0],
+    }
+}
+
+/// Random weights of type `ty`: random bytes for quants with every scale field overwritten by a
+/// finite value of a realistic size (IQ1_M's f16 lies in the top nibbles of its scale words,
+/// MXFP4's is an E8M0 exponent byte).
+pub(crate) fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     match ty {
         GgmlType::F32 => (0..n).flat_map(|_| rng.f32().to_le_bytes()).collect(),
         GgmlType::F16 => (0..n)
@@ -54,13 +69,19 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
             let mut b: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
             let bb = ty.block_bytes();
             for blk in b.chunks_exact_mut(bb) {
+                for &at in f16_fields(ty) {
+                    put_f16(blk, at, rng.f32() * 0.01);
+                }
                 match ty {
-                    GgmlType::Q4K | GgmlType::Q5K => {
-                        put_f16(blk, 0, rng.f32() * 0.01);
-                        put_f16(blk, 2, rng.f32() * 0.01);
+                    GgmlType::IQ1M => {
+                        let d = half::f16::from_f32(rng.f32() * 0.01).to_bits();
+                        for k in 0..4 {
+                            blk[49 + 2 * k] = (blk[49 + 2 * k] & 0x0f) | (((d >> (4 * k)) as u8 & 15) << 4);
+                        }
                     }
-                    GgmlType::Q6K => put_f16(blk, 208, rng.f32() * 0.01),
-                    _ => put_f16(blk, 0, rng.f32() * 0.01),
+                    // 2^(e − 128) between 2^-10 and 2^-4.
+                    GgmlType::MXFP4 => blk[0] = 118 + (rng.next() % 7) as u8,
+                    _ => {}
                 }
             }
             b
@@ -68,7 +89,7 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     }
 }
 
-fn nmse(got: &[f32], want: &[f64]) -> f64 {
+pub(crate) fn nmse(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
     let err: f64 = got
         .iter()
@@ -96,7 +117,7 @@ fn reference(w: &[f32], x: &[f32], m: usize, k: usize, cols: usize) -> Vec<f64> 
     y
 }
 
-const TYPES: [GgmlType; 10] = GgmlType::ALL;
+const TYPES: [GgmlType; 23] = GgmlType::ALL;
 
 struct Case {
     w: WeightTensor,
@@ -163,9 +184,11 @@ fn matvec_every_type_subgroups_on_and_off() {
 fn matvec_windows_cut_on_rows() {
     let Some(gpu) = test_gpu(false) else { return };
     // Q6_K rows of 210 bytes and Q8_0 rows of 34·8 bytes: windows of ~1 KiB hold a few rows each.
-    for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16] {
+    // IQ2_XS windows hold four rows of 74 bytes and then the grid (2 KiB).
+    for ty in [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::F16, GgmlType::IQ2XS] {
         let (m, k) = (37, 256);
-        let case = make(gpu, ty, m, k, 1, 1000, 5);
+        let window = qk::gguf::grids::grid_of(ty).map_or(1000, |g| 4 * 74 + 2 * g.len() as u64 + 3);
+        let case = make(gpu, ty, m, k, 1, window, 5);
         assert!(case.w.windows.len() > 3, "{ty}: expected several windows");
         for cols in [1, 2] {
             let e = run_matvec(gpu, &case, m, k, cols, None);
@@ -224,63 +247,277 @@ fn coop_nmse_max(acc: &str) -> f64 {
     if acc == "f32" { 1e-6 } else { 1e-5 }
 }
 
+/// Fails under QK_REQUIRE_COOP=1 (the H200 run), else says the cooperative path went untested.
+fn coop_not_exercised(gpu: &Gpu, what: &str) {
+    let why = format!(
+        "{what} NOT exercised: {} offers no usable configuration (feature {}, configs {:?}, \
+         subgroups {}..{})",
+        gpu.adapter.name,
+        gpu.caps.cooperative_matrix,
+        gpu.caps.cooperative_matrix_configs,
+        gpu.caps.subgroup_min_size,
+        gpu.caps.subgroup_max_size
+    );
+    assert!(
+        std::env::var("QK_REQUIRE_COOP").as_deref() != Ok("1"),
+        "QK_REQUIRE_COOP=1: {why}"
+    );
+    println!("{why}");
+    eprintln!("{why}");
+}
+
 #[test]
 fn matmul_cooperative_matrix_every_type() {
     // With subgroups off the kernel finds its subgroup from the invocation index (fixed-size
-    // subgroups only): a different code path, so both devices run it.
+    // subgroups only): a different code path, so both devices run it. Both dense tiles: 64×64 (4
+    // subgroups of 32×32), 128×128 (8 of 64×32) and 128×64 (4 of 64×32).
     for off in [false, true] {
         let Some(gpu) = test_gpu(off) else { return };
-        let Some(acc) = coop_accumulator(gpu) else {
-            // Not a pass: say so, and fail where the run demands the cooperative path (the H200).
-            let why = format!(
-                "cooperative-matrix mat-mat NOT exercised (subgroups_off={off}): {} offers no \
-                 usable configuration (feature {}, configs {:?}, subgroups {}..{})",
-                gpu.adapter.name,
-                gpu.caps.cooperative_matrix,
-                gpu.caps.cooperative_matrix_configs,
-                gpu.caps.subgroup_min_size,
-                gpu.caps.subgroup_max_size
+        for tile in CoopTile::DENSE {
+            let Some(acc) = coop_accumulator(gpu, tile) else {
+                coop_not_exercised(
+                    gpu,
+                    &format!("cooperative-matrix mat-mat {tile:?} (subgroups_off={off})"),
+                );
+                continue;
+            };
+            let kernel = Some(MatmulKernel::Coop(tile));
+            let tol = coop_nmse_max(acc);
+            // 130 rows × 70 columns: full row tiles plus a partial one, a partial column tile
+            // whose last 16-wide matrix is mostly padding. The second device needs fewer types.
+            let (m, k, n) = (130, 512, 70);
+            for (i, ty) in TYPES.into_iter().enumerate() {
+                if off && !matches!(ty, GgmlType::Q8_0 | GgmlType::IQ4XS | GgmlType::F16) {
+                    continue;
+                }
+                let case = make(gpu, ty, m, k, 1, u64::MAX, 500 + i as u64);
+                let e = run_matvec(gpu, &case, m, k, n, kernel);
+                println!("coop matmul {tile:?} {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e}");
+                assert!(
+                    e < tol,
+                    "coop matmul {tile:?} {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e} ≥ {tol:e}"
+                );
+            }
+            // K = 200: not a multiple of the 32-wide K tile (zero padding), 33 columns.
+            for ty in [GgmlType::F16, GgmlType::F32, GgmlType::BF16] {
+                let case = make(gpu, ty, 65, 200, 1, u64::MAX, 9);
+                let e = run_matvec(gpu, &case, 65, 200, 33, kernel);
+                assert!(e < tol, "coop matmul {tile:?} {ty} K=200: NMSE {e:e}");
+            }
+            // Windows of a few rows each: every dispatch is an edge tile.
+            let case = make(gpu, GgmlType::Q6K, 37, 256, 1, 1000, 5);
+            assert!(case.w.windows.len() > 3);
+            let e = run_matvec(gpu, &case, 37, 256, 40, kernel);
+            assert!(e < tol, "windowed coop matmul {tile:?} Q6_K: NMSE {e:e}");
+            println!(
+                "cooperative-matrix mat-mat {tile:?} exercised on {} ({acc} accumulators, subgroup {}, \
+                 subgroups_off={off})",
+                gpu.adapter.name, gpu.caps.subgroup_max_size
             );
-            assert!(
-                std::env::var("QK_REQUIRE_COOP").as_deref() != Ok("1"),
-                "QK_REQUIRE_COOP=1: {why}"
+        }
+    }
+}
+
+/// Top-`n_used` distinct experts per token from a fixed stream, skewed so one expert gets many
+/// entries (several tiles) and one gets none.
+fn routed_ids(experts: usize, n_used: usize, n_tokens: usize, seed: u64) -> Vec<u32> {
+    let mut rng = Rng(seed);
+    let mut ids = Vec::new();
+    for _ in 0..n_tokens {
+        let mut chosen: Vec<u32> = vec![0];
+        while chosen.len() < n_used {
+            let e = 1 + (rng.next() % (experts as u64 - 2)) as u32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        // Slot order is the router's (by weight), not by id.
+        chosen.rotate_left((rng.next() % n_used as u64) as usize);
+        ids.extend(chosen);
+    }
+    ids
+}
+
+#[test]
+fn expert_groups_sort_every_entry_by_expert() {
+    let Some(gpu) = test_gpu(false) else { return };
+    // Expert 0 in every token (37 or 40 entries: three tiles), the last expert in none: offsets,
+    // the tile table and the order must cover every entry once. 300 experts spread over more
+    // invocations of the scan than one (4 each) and leave most experts empty.
+    for (experts, n_used, n_tokens) in [(9usize, 3usize, 37usize), (300, 8, 40)] {
+        check_expert_groups(gpu, experts, n_used, n_tokens);
+    }
+}
+
+fn check_expert_groups(gpu: &Gpu, experts: usize, n_used: usize, n_tokens: usize) {
+    let ids = routed_ids(experts, n_used, n_tokens, 5);
+    let shape = GroupShape {
+        experts: experts as u32,
+        n_used: n_used as u32,
+        n_tokens: n_tokens as u32,
+    };
+    // One id offset of 2 to check it is honoured.
+    let mut padded = vec![99u32, 99];
+    padded.extend(&ids);
+    let idb = gpu.buffer_from_u32("ids", &padded).unwrap();
+    let gb = gpu.buffer_zeroed("groups", shape.words() * 4).unwrap();
+    let mut rec = gpu.recorder();
+    let ids_arg = ExpertIds {
+        buf: &idb,
+        offset: 2,
+        n_used: n_used as u32,
+        n_tokens: n_tokens as u32,
+    };
+    group_experts(gpu, &mut rec, ids_arg, ExpertGroups { buf: &gb, shape }).unwrap();
+    let t = rec.read(&gb, 0, shape.words() * 4).unwrap();
+    let g: Vec<u32> = bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t]);
+    let entries = n_used * n_tokens;
+    let mut counts = vec![0usize; experts];
+    ids.iter().for_each(|&e| counts[e as usize] += 1);
+    let offsets = &g[1..experts + 2];
+    let mut want_offsets = vec![0u32];
+    counts
+        .iter()
+        .for_each(|c| want_offsets.push(want_offsets.last().unwrap() + *c as u32));
+    assert_eq!(offsets, &want_offsets[..]);
+    let tiles_at = experts + 2;
+    let n_tiles = g[0] as usize;
+    let want_tiles: usize = counts.iter().map(|c| c.div_ceil(MOE_TILE_COLS as usize)).sum();
+    assert_eq!(n_tiles, want_tiles);
+    let max_tiles = entries.div_ceil(MOE_TILE_COLS as usize) + experts.min(entries);
+    let order = &g[tiles_at + 2 * max_tiles..][..entries];
+    // Every entry once, each within its expert's range.
+    let mut seen = vec![false; entries];
+    for e in 0..experts {
+        for &entry in &order[offsets[e] as usize..offsets[e + 1] as usize] {
+            assert_eq!(
+                ids[entry as usize] as usize, e,
+                "entry {entry} filed under expert {e}"
             );
-            println!("{why}");
-            eprintln!("{why}");
+            assert!(!seen[entry as usize], "entry {entry} twice");
+            seen[entry as usize] = true;
+        }
+    }
+    assert!(seen.iter().all(|s| *s));
+    // Tiles: consecutive runs of at most MOE_TILE_COLS inside one expert, covering it.
+    let mut covered = 0;
+    for i in 0..n_tiles {
+        let (e, start) = (g[tiles_at + 2 * i] as usize, g[tiles_at + 2 * i + 1]);
+        assert!(start >= offsets[e] && start < offsets[e + 1], "tile {i}");
+        covered += (offsets[e + 1] - start).min(MOE_TILE_COLS) as usize;
+    }
+    assert_eq!(covered, entries);
+}
+
+/// Grouped MoE mat-mat by `kernel` against the CPU reference, for both input layouts.
+fn run_matmul_id(gpu: &Gpu, ty: GgmlType, window: u64, kernel: MatmulKernel) -> Vec<f64> {
+    // 37 tokens × 3 of 9 experts: expert 0 takes three tiles, expert 8 none; 72 rows (a partial
+    // row tile) of K = 256.
+    let (m, k, experts, n_used, n_tokens) = (72usize, 256usize, 9usize, 3usize, 37usize);
+    let ids = routed_ids(experts, n_used, n_tokens, 8);
+    let case = make(gpu, ty, m, k, experts, window, 41);
+    if window != u64::MAX {
+        assert!(
+            case.w.windows.len() >= 3,
+            "expected the expert stack in several windows"
+        );
+    }
+    let idb = gpu.buffer_from_u32("ids", &ids).unwrap();
+    let shape = GroupShape {
+        experts: experts as u32,
+        n_used: n_used as u32,
+        n_tokens: n_tokens as u32,
+    };
+    let gb = gpu.buffer_zeroed("groups", shape.words() * 4).unwrap();
+    let groups = ExpertGroups { buf: &gb, shape };
+    let ids_arg = ExpertIds {
+        buf: &idb,
+        offset: 0,
+        n_used: n_used as u32,
+        n_tokens: n_tokens as u32,
+    };
+    let mut errors = Vec::new();
+    for input in [MoeInput::PerToken, MoeInput::PerSlot] {
+        let x_cols = if input == MoeInput::PerToken {
+            n_tokens
+        } else {
+            n_tokens * n_used
+        };
+        let mut rng = Rng(77);
+        let x: Vec<f32> = (0..k * x_cols).map(|_| rng.f32()).collect();
+        let xb = gpu.buffer_from_f32("x", &x).unwrap();
+        let slots = n_tokens * n_used;
+        // Output columns of 80 rows (a stride larger than m): rows past m must stay untouched.
+        let yb = gpu.buffer_from_f32("y", &vec![7.0; 80 * slots]).unwrap();
+        let mut rec = gpu.recorder();
+        let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, 80));
+        group_experts(gpu, &mut rec, ids_arg, groups).unwrap();
+        matmul_id(gpu, &mut rec, &case.w, xc, yc, groups, input, kernel).unwrap();
+        let t = rec.read(&yb, 0, (80 * slots * 4) as u64).unwrap();
+        let y: Vec<f32> = bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t]);
+        let mut want = Vec::new();
+        let mut got = Vec::new();
+        for tok in 0..n_tokens {
+            for s in 0..n_used {
+                let slot = tok * n_used + s;
+                let e = ids[slot] as usize;
+                let w = &case.dense[e * m * k..(e + 1) * m * k];
+                let col = if input == MoeInput::PerToken { tok } else { slot };
+                want.extend(reference(w, &x[col * k..(col + 1) * k], m, k, 1));
+                got.extend_from_slice(&y[slot * 80..slot * 80 + m]);
+                assert!(y[slot * 80 + m..(slot + 1) * 80].iter().all(|v| *v == 7.0));
+            }
+        }
+        errors.push(nmse(&got, &want));
+    }
+    errors
+}
+
+#[test]
+fn moe_matmul_grouped_by_expert() {
+    for off in [false, true] {
+        let Some(gpu) = test_gpu(off) else { return };
+        for (ty, window) in [
+            (GgmlType::IQ4XS, u64::MAX),
+            (GgmlType::Q8_0, 3 * 72 * 272),
+            (GgmlType::Q4K, u64::MAX),
+            (GgmlType::F32, u64::MAX),
+        ] {
+            if off && ty != GgmlType::Q8_0 {
+                continue;
+            }
+            for e in run_matmul_id(gpu, ty, window, MatmulKernel::Tiled) {
+                assert!(e < NMSE_MAX, "grouped {ty} subgroups_off={off}: NMSE {e:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn moe_matmul_grouped_cooperative_matrix() {
+    for off in [false, true] {
+        let Some(gpu) = test_gpu(off) else { return };
+        let Some(acc) = coop_accumulator(gpu, CoopTile::MOE) else {
+            coop_not_exercised(
+                gpu,
+                &format!("grouped cooperative-matrix mat-mat (subgroups_off={off})"),
+            );
             continue;
         };
         let tol = coop_nmse_max(acc);
-        // 130 rows × 70 columns: two full 64-row tiles plus a partial one, a partial 64-column
-        // tile whose last 16-wide matrix is mostly padding. The second device needs fewer types.
-        let (m, k, n) = (130, 512, 70);
-        for (i, ty) in TYPES.into_iter().enumerate() {
-            if off && !matches!(ty, GgmlType::Q8_0 | GgmlType::IQ4XS | GgmlType::F16) {
-                continue;
+        for (ty, window) in [
+            (GgmlType::IQ4XS, u64::MAX),
+            (GgmlType::Q8_0, 3 * 72 * 272),
+            (GgmlType::Q4K, u64::MAX),
+        ] {
+            for e in run_matmul_id(gpu, ty, window, MatmulKernel::Coop(CoopTile::MOE)) {
+                println!("grouped coop {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e}");
+                assert!(
+                    e < tol,
+                    "grouped coop {ty} subgroups_off={off}: NMSE {e:e} ≥ {tol:e}"
+                );
             }
-            let case = make(gpu, ty, m, k, 1, u64::MAX, 500 + i as u64);
-            let e = run_matvec(gpu, &case, m, k, n, Some(MatmulKernel::Coop));
-            println!("coop matmul {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e}");
-            assert!(
-                e < tol,
-                "coop matmul {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e} ≥ {tol:e}"
-            );
         }
-        // K = 200: not a multiple of the 32-wide K tile (zero padding), 33 columns.
-        for ty in [GgmlType::F16, GgmlType::F32, GgmlType::BF16] {
-            let case = make(gpu, ty, 65, 200, 1, u64::MAX, 9);
-            let e = run_matvec(gpu, &case, 65, 200, 33, Some(MatmulKernel::Coop));
-            assert!(e < tol, "coop matmul {ty} K=200: NMSE {e:e}");
-        }
-        // Windows of a few rows each: every dispatch is an edge tile.
-        let case = make(gpu, GgmlType::Q6K, 37, 256, 1, 1000, 5);
-        assert!(case.w.windows.len() > 3);
-        let e = run_matvec(gpu, &case, 37, 256, 40, Some(MatmulKernel::Coop));
-        assert!(e < tol, "windowed coop matmul Q6_K: NMSE {e:e}");
-        println!(
-            "cooperative-matrix mat-mat exercised on {} ({acc} accumulators, subgroup {}, \
-             subgroups_off={off})",
-            gpu.adapter.name, gpu.caps.subgroup_max_size
-        );
     }
 }
 
@@ -294,6 +531,8 @@ fn moe_matvec_by_ids() {
             (GgmlType::IQ4XS, u64::MAX),
             (GgmlType::Q8_0, 2 * 40 * 272),
             (GgmlType::Q4K, u64::MAX),
+            // Two experts of 40 rows of 56 bytes per window, then the 4 KiB IQ1 grid.
+            (GgmlType::IQ1M, 2 * 40 * 56 + 4096 + 3),
         ] {
             let case = make(gpu, ty, m, k, experts, window, 31);
             if window != u64::MAX {

@@ -1,5 +1,5 @@
 """Anthropic Messages API: ``POST /v1/messages`` (streamed and not) and ``/v1/messages/count_tokens``
-(spec/landscape.md §3.1). Requests become OpenAI-shaped conversations for the chat template; reply
+as Anthropic specifies them. Requests become OpenAI-shaped conversations for the chat template; reply
 events become content blocks (thinking, text, tool_use) with the exact SSE event order."""
 
 from __future__ import annotations

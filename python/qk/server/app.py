@@ -1,6 +1,6 @@
 """The Starlette application: routes, API-key check, request ids, error rendering, lifespan.
 
-Every engine call goes through the scheduler's engine thread (the one door, STYLE.md §2); handlers
+Every engine call goes through the scheduler's engine thread (the one door, docs/architecture.md "Server layering"); handlers
 only translate JSON and await events. Errors are rendered by exception class in the route's API
 shape (``errors.py``), so no request ends in a bare 500 page or a dropped connection.
 """

@@ -1,5 +1,5 @@
 """Every error the HTTP layer can answer, mapped from exception CLASS to status and error type in one
-table (STYLE.md §11 rule 3; never from message text), and rendered in each API's own shape:
+table (docs/architecture.md "Errors"; never from message text), and rendered in each API's own shape:
 Anthropic ``{"type":"error","error":{type,message}}``, OpenAI ``{"error":{message,type,param,code}}``,
 llama.cpp ``{"error":{code,message,type}}``.
 """

@@ -1,4 +1,4 @@
-"""llama.cpp server's native ``POST /completion`` (spec/landscape.md §3.3): raw prompt (a string,
+"""llama.cpp server's native ``POST /completion``: raw prompt (a string,
 token ids, or a mix) in; ``content``, ``tokens``, ``stop``, ``stop_type``, ``timings`` out."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenAI ``POST /v1/chat/completions`` (spec/landscape.md §3.2): messages, tools / tool_choice,
+"""OpenAI ``POST /v1/chat/completions``: messages, tools / tool_choice,
 ``tool_calls`` (streamed as id+name first, then argument fragments), ``reasoning_content``,
 ``stream_options.include_usage``."""
 

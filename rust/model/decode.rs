@@ -1,0 +1,476 @@
+//! The decode step's layers: one position for each of several slots, recorded from fused kernels.
+//! Per layer, the norms run inside the mat-vecs that consume them, the GDN conv in its projection's
+//! epilogue, the delta rule and gated norm in one dispatch over every row, the residual adds in the
+//! output projections, and the shared expert as one more routed pick (its rows appended to the
+//! expert tensors at load), so a multi-slot step issues the same dispatches as a one-slot step.
+//! A layer the fused path cannot take (a legacy `ssm_in` projection, head dims beyond one
+//! workgroup) runs the general recording of `forward.rs` instead; layers hand over through the
+//! hidden state in `x`, so the two mix freely.
+
+use super::forward::{
+    Batch, LayerState, Model, Scratch, SlotState, attn_proj_width, cols, conv_bytes, delta_params,
+    dense_bytes, expert_bytes, ssm_bytes,
+};
+use super::weights::{
+    AttentionWeights, AttnProjection, BetaAlpha, DeltaNetProjection, DeltaNetWeights, ExpertGateUp,
+    LayerWeights, Mixer, MoeWeights, Stacked,
+};
+use crate::error::{QkError, Result};
+use crate::gpu::{Gpu, GpuBuffer, Recorder};
+use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
+use crate::ops::gdn_step::{self, GdnStepArgs, GdnStepParams};
+use crate::ops::matmul::{
+    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecOutput, MoeInput, matvec, matvec_fused, matvec_id,
+    matvec_id_with,
+};
+use crate::ops::router::{self, RouterParams, SharedSlot};
+
+impl Model {
+    /// Every local layer for one position of each slot in `states` (row i: `states[i]`, whose slot
+    /// index the engine wrote to `s.slots[i]`, at `positions[i]`), starting from the rows in x[0];
+    /// returns the index of the x buffer holding the output.
+    pub fn record_decode_layers(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        states: &[&SlotState],
+        positions: &[u32],
+    ) -> Result<usize> {
+        crate::ensure!(
+            states.len() == positions.len() && !states.is_empty() && states.len() <= s.rows as usize,
+            QkError::Engine(format!(
+                "decode: {} slot states for {} positions (scratch of {} rows)",
+                states.len(),
+                positions.len(),
+                s.rows
+            ))
+        );
+        let mut cur = 0usize;
+        for (li, lw) in self.weights.layers.iter().enumerate() {
+            let layer_states: Vec<&LayerState> = states.iter().map(|st| &st.layers[li]).collect();
+            if self.fused_decode(lw) {
+                self.record_decode_layer(gpu, rec, s, lw, &layer_states, positions, cur)?;
+            } else {
+                let batch = Batch::Decode { positions };
+                self.record_layer(gpu, rec, s, lw, &layer_states, batch, cur)?;
+            }
+            cur = 1 - cur;
+        }
+        Ok(cur)
+    }
+
+    /// Whether the fused kernels cover this layer.
+    fn fused_decode(&self, lw: &LayerWeights) -> bool {
+        let cfg = &self.cfg;
+        let mixer_ok = match &lw.mixer {
+            Mixer::DeltaNet(w) => {
+                matches!(&w.proj, DeltaNetProjection::Split { qkv, .. } if qkv.windows.len() == 1)
+                    && cfg.dk <= gdn_step::MAX_DK
+                    && cfg.dv <= gdn_step::MAX_DV
+            }
+            Mixer::Attention(_) => true,
+        };
+        let router_ok = match &lw.moe.router {
+            Stacked::One(r) => r.windows.len() == 1,
+            Stacked::Parts(p) => p.iter().all(|r| r.windows.len() == 1),
+        };
+        mixer_ok && router_ok && matches!(lw.moe.gate_up, ExpertGateUp::Fused(_))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn record_decode_layer(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        lw: &LayerWeights,
+        states: &[&LayerState],
+        positions: &[u32],
+        cur: usize,
+    ) -> Result<()> {
+        let t = positions.len() as u32;
+        let e = self.cfg.n_embd;
+        let (x, x_next) = (&s.x[cur], &s.x[1 - cur]);
+        let layer = Some(lw.index);
+        let normed = MatvecInput::Rms {
+            weight: &lw.attn_norm,
+            eps: self.cfg.eps,
+            store: None,
+        };
+        // The mixer's output projection adds the residual: x_next = x + mixer(x).
+        let (out_w, out_x, out_k) = match &lw.mixer {
+            Mixer::DeltaNet(w) => {
+                self.decode_deltanet(gpu, rec, s, w, states, normed, x, t, layer)?;
+                (&w.out, &s.gated, self.cfg.value_dim())
+            }
+            Mixer::Attention(w) => {
+                self.decode_attention(gpu, rec, s, w, states, positions, normed, x, t, layer)?;
+                (&w.out, &s.attn_out, self.cfg.heads * self.cfg.head_dim)
+            }
+        };
+        rec.op(
+            if matches!(lw.mixer, Mixer::DeltaNet(_)) {
+                "dn.out"
+            } else {
+                "attn.out"
+            },
+            layer,
+            dense_bytes(out_w),
+        );
+        let add = MatvecFusion {
+            input: MatvecInput::Plain,
+            output: MatvecOutput::AddTo { residual: x },
+        };
+        matvec_fused(
+            gpu,
+            rec,
+            out_w,
+            Columns::packed(out_x, out_k),
+            Columns::packed(x_next, e),
+            t,
+            &add,
+        )?;
+        self.decode_moe(gpu, rec, s, lw, t, x_next, layer)
+    }
+
+    /// Projections (norm fused; the conv in the qkv epilogue), then delta rule + gated norm.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_deltanet(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        w: &DeltaNetWeights,
+        states: &[&LayerState],
+        normed: MatvecInput<'_>,
+        x: &GpuBuffer,
+        t: u32,
+        layer: Option<u32>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let (cd, vd, nv, e) = (cfg.conv_dim(), cfg.value_dim(), cfg.v_heads, cfg.n_embd);
+        let gw = cd + 2 * nv;
+        let xc = Columns::packed(x, e);
+        let DeltaNetProjection::Split { qkv, gate } = &w.proj else {
+            return Err(QkError::Engine("fused decode: legacy ssm_in projection".into()));
+        };
+        let Some(LayerState::DeltaNet { conv, s: ssm, .. }) = states.first() else {
+            return Err(QkError::Engine("DeltaNet layer with attention state".into()));
+        };
+        rec.op("dn.qkv", layer, dense_bytes(qkv));
+        let conv_fusion = MatvecFusion {
+            input: normed,
+            output: MatvecOutput::Conv {
+                weights: &w.conv,
+                state: conv,
+                slots: &s.slots,
+                slots_offset: 0,
+                channels: cd,
+                taps: cfg.conv_taps,
+                state_stride: (conv_bytes(cfg) / 4) as u32,
+            },
+        };
+        matvec_fused(
+            gpu,
+            rec,
+            qkv,
+            xc,
+            Columns::packed(&s.conv_out, cd),
+            t,
+            &conv_fusion,
+        )?;
+        let plain_norm = MatvecFusion {
+            input: normed,
+            output: MatvecOutput::Store,
+        };
+        rec.op("dn.gate", layer, dense_bytes(gate));
+        matvec_fused(gpu, rec, gate, xc, Columns::packed(&s.z, vd), t, &plain_norm)?;
+        match &w.ba {
+            BetaAlpha::Grouped(ba) => {
+                rec.op("dn.ba", layer, dense_bytes(ba));
+                matvec_fused(gpu, rec, ba, xc, cols(&s.gproj, cd, gw), t, &plain_norm)?;
+            }
+            BetaAlpha::Split { beta, alpha } => {
+                rec.op("dn.ba", layer, dense_bytes(beta) + dense_bytes(alpha));
+                matvec_fused(gpu, rec, beta, xc, cols(&s.gproj, cd, gw), t, &plain_norm)?;
+                matvec_fused(gpu, rec, alpha, xc, cols(&s.gproj, cd + nv, gw), t, &plain_norm)?;
+            }
+        }
+        let dp = delta_params(cfg);
+        let p = GdnStepParams {
+            rows: t,
+            k_heads: dp.k_heads,
+            v_heads: dp.v_heads,
+            dk: dp.dk,
+            dv: dp.dv,
+            pairing: dp.pairing,
+            qkv_offset: 0,
+            qkv_stride: cd,
+            q_offset: dp.q_offset,
+            k_offset: dp.k_offset,
+            v_offset: dp.v_offset,
+            ba_offset: 0,
+            ba_stride: gw,
+            ba_group: dp.ba_group,
+            ba_group_stride: dp.ba_group_stride,
+            beta_offset: dp.beta_offset,
+            alpha_offset: dp.alpha_offset,
+            z_offset: 0,
+            z_stride: vd,
+            out_offset: 0,
+            out_stride: vd,
+            state_stride: (ssm_bytes(cfg) / 4) as u32,
+            slots_offset: 0,
+            eps: dp.eps,
+            q_scale: dp.q_scale,
+            norm_eps: cfg.eps,
+        };
+        rec.op("dn.step", layer, 2 * ssm_bytes(cfg) * u64::from(t));
+        gdn_step::record(
+            gpu,
+            rec,
+            &p,
+            &GdnStepArgs {
+                qkv: &s.conv_out,
+                ba: &s.gproj,
+                ssm_a: &w.ssm_a,
+                dt_bias: &w.dt_bias,
+                z: &s.z,
+                norm: &w.norm,
+                slots: &s.slots,
+                state: ssm,
+                out: &s.gated,
+            },
+        )
+    }
+
+    /// The q/k/v/gate projection (norm fused), then the per-slot attention core into `s.attn_out`.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_attention(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        w: &AttentionWeights,
+        states: &[&LayerState],
+        positions: &[u32],
+        normed: MatvecInput<'_>,
+        x: &GpuBuffer,
+        t: u32,
+        layer: Option<u32>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let (hd, e) = (cfg.head_dim, cfg.n_embd);
+        let (qw, kvw) = (2 * cfg.heads * hd, cfg.kv_row());
+        let aw = attn_proj_width(cfg);
+        let xc = Columns::packed(x, e);
+        let fusion = MatvecFusion {
+            input: normed,
+            output: MatvecOutput::Store,
+        };
+        match &w.proj {
+            AttnProjection::Separate { q, k, v } => {
+                rec.op(
+                    "attn.qkv",
+                    layer,
+                    dense_bytes(q) + dense_bytes(k) + dense_bytes(v),
+                );
+                matvec_fused(gpu, rec, q, xc, cols(&s.aproj, 0, aw), t, &fusion)?;
+                matvec_fused(gpu, rec, k, xc, cols(&s.aproj, qw, aw), t, &fusion)?;
+                matvec_fused(gpu, rec, v, xc, cols(&s.aproj, qw + kvw, aw), t, &fusion)?;
+            }
+            AttnProjection::Fused(qkv) => {
+                rec.op("attn.qkv", layer, dense_bytes(qkv));
+                matvec_fused(gpu, rec, qkv, xc, cols(&s.aproj, 0, aw), t, &fusion)?;
+            }
+        }
+        self.record_attention_core(gpu, rec, s, w, states, Batch::Decode { positions }, layer)
+    }
+
+    /// Router (post-attention norm fused, the normalised rows kept in `s.xn`), top-k with the shared
+    /// expert as pick k, the experts' gate/up, their down projections reading silu(gate)·up, and the
+    /// weighted sum added to `out` (which holds the residual stream already).
+    #[allow(clippy::too_many_arguments)]
+    fn decode_moe(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        lw: &LayerWeights,
+        t: u32,
+        out: &GpuBuffer,
+        layer: Option<u32>,
+    ) -> Result<()> {
+        let cfg = &self.cfg;
+        let w: &MoeWeights = &lw.moe;
+        let e = cfg.n_embd;
+        let (k, ff, ne) = (cfg.experts_used, cfg.expert_ff, cfg.experts);
+        let ExpertGateUp::Fused(gate_up) = &w.gate_up else {
+            return Err(QkError::Engine(
+                "fused decode: separate gate and up experts".into(),
+            ));
+        };
+        let xc = Columns::packed(out, e);
+        let norm_store = MatvecFusion {
+            input: MatvecInput::Rms {
+                weight: &lw.post_norm,
+                eps: cfg.eps,
+                store: Some(&s.xn),
+            },
+            output: MatvecOutput::Store,
+        };
+        rec.op("moe.router_mv", layer, w.router.bytes());
+        let (stride, gate_buf, gate_offset, gate_stride) = match &w.router {
+            Stacked::One(r) => {
+                let stride = ne + 1;
+                matvec_fused(
+                    gpu,
+                    rec,
+                    r,
+                    xc,
+                    Columns::packed(&s.router_logits, stride),
+                    t,
+                    &norm_store,
+                )?;
+                (stride, &s.router_logits, ne, stride)
+            }
+            Stacked::Parts(parts) => {
+                let [r, gate_inp] = parts.as_slice() else {
+                    return Err(QkError::Engine("router: expected router and shared gate".into()));
+                };
+                matvec_fused(
+                    gpu,
+                    rec,
+                    r,
+                    xc,
+                    Columns::packed(&s.router_logits, ne),
+                    t,
+                    &norm_store,
+                )?;
+                let normed = MatvecFusion {
+                    input: MatvecInput::Rms {
+                        weight: &lw.post_norm,
+                        eps: cfg.eps,
+                        store: None,
+                    },
+                    output: MatvecOutput::Store,
+                };
+                matvec_fused(gpu, rec, gate_inp, xc, Columns::packed(&s.sh_gate, 1), t, &normed)?;
+                (ne, &s.sh_gate, 0, 1)
+            }
+        };
+        let shared = w.shared_in_experts.then_some(SharedSlot {
+            id: ne,
+            gate: gate_buf,
+            gate_offset,
+            gate_stride,
+        });
+        let picks = k + u32::from(shared.is_some());
+        let rp = RouterParams {
+            tokens: t,
+            experts: ne,
+            k,
+            logits_offset: 0,
+            logits_token_stride: stride,
+        };
+        rec.op("moe.route", layer, 0);
+        router::record_with(
+            gpu,
+            rec,
+            &rp,
+            &s.router_logits,
+            &s.expert_ids,
+            &s.expert_w,
+            shared,
+        )?;
+        let ids = ExpertIds {
+            buf: &s.expert_ids,
+            offset: 0,
+            n_used: picks,
+            n_tokens: t,
+        };
+        rec.op("moe.gate_up", layer, expert_bytes(gate_up, picks, t));
+        let xn = Columns::packed(&s.xn, e);
+        matvec_id(
+            gpu,
+            rec,
+            gate_up,
+            xn,
+            cols(&s.gate_up, 0, 2 * ff),
+            ids,
+            MoeInput::PerToken,
+        )?;
+        rec.op("moe.down", layer, expert_bytes(&w.down, picks, t));
+        let silu_mul = MatvecInput::SiluMul { up: ff };
+        let gu = Columns::packed(&s.gate_up, 2 * ff);
+        let down = Columns::packed(&s.down, e);
+        matvec_id_with(gpu, rec, &w.down, gu, down, ids, MoeInput::PerSlot, silu_mul)?;
+        let mut p = EwParams {
+            rows: t,
+            n: e,
+            a_offset: 0,
+            a_stride: picks * e,
+            b_offset: 0,
+            b_stride: e,
+            out_offset: 0,
+            out_stride: e,
+            weights_offset: 0,
+            weights_stride: picks,
+            experts: picks,
+            accumulate: 1,
+            gate_offset,
+            gate_stride,
+        };
+        if shared.is_some() {
+            rec.op("moe.combine", layer, 0);
+            let args = EwArgs {
+                a: &s.down,
+                b: None,
+                out,
+                weights: Some(&s.expert_w),
+                gate: None,
+            };
+            return elementwise::record(gpu, rec, EwKind::MoeSum, &p, &args);
+        }
+        // The shared expert on its own: its gate/up from the stored normalised rows, its down
+        // reading silu(gate)·up, then the combine with its sigmoid gate.
+        let sff = cfg.shared_ff;
+        rec.op("shexp.gate_up", layer, w.shared_gate_up.bytes());
+        match &w.shared_gate_up {
+            Stacked::One(gu) => matvec(gpu, rec, gu, xn, Columns::packed(&s.sh_gate_up, 2 * sff), t)?,
+            Stacked::Parts(parts) => {
+                let [gate, up] = parts.as_slice() else {
+                    return Err(QkError::Engine("shared expert: expected gate and up".into()));
+                };
+                matvec(gpu, rec, gate, xn, cols(&s.sh_gate_up, 0, 2 * sff), t)?;
+                matvec(gpu, rec, up, xn, cols(&s.sh_gate_up, sff, 2 * sff), t)?;
+            }
+        }
+        rec.op("shexp.down", layer, dense_bytes(&w.shared_down));
+        let silu_mul = MatvecFusion {
+            input: MatvecInput::SiluMul { up: sff },
+            output: MatvecOutput::Store,
+        };
+        let sh_gu = Columns::packed(&s.sh_gate_up, 2 * sff);
+        matvec_fused(
+            gpu,
+            rec,
+            &w.shared_down,
+            sh_gu,
+            Columns::packed(&s.sh_down, e),
+            t,
+            &silu_mul,
+        )?;
+        p.a_stride = k * e;
+        rec.op("moe.combine", layer, 0);
+        let args = EwArgs {
+            a: &s.down,
+            b: Some(&s.sh_down),
+            out,
+            weights: Some(&s.expert_w),
+            gate: Some(gate_buf),
+        };
+        elementwise::record(gpu, rec, EwKind::MoeCombine, &p, &args)
+    }
+}

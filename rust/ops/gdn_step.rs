@@ -1,0 +1,145 @@
+//! One decode position of a gated DeltaNet layer for every row of a step (shaders/gdn_step.wgsl):
+//! delta rule and gated RMSNorm in one dispatch, each row on its own slot's state.
+
+use bytemuck::{Pod, Zeroable};
+
+use super::elementwise::require_len;
+use crate::error::{QkError, Result};
+use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
+
+pub const FILE: ShaderFile = crate::shader_file!("gdn_step");
+/// Workgroup size and lanes per value column: one workgroup holds a head of up to 128 columns.
+const WG: u32 = 256;
+const LANES: u32 = 2;
+/// Largest key and value head dims one workgroup holds.
+pub const MAX_DK: u32 = 128;
+pub const MAX_DV: u32 = WG / LANES;
+
+/// Mirrors `StepParams` in gdn_step.wgsl (field meanings are documented there).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
+pub struct GdnStepParams {
+    pub rows: u32,
+    pub k_heads: u32,
+    pub v_heads: u32,
+    pub dk: u32,
+    pub dv: u32,
+    pub pairing: u32,
+    pub qkv_offset: u32,
+    pub qkv_stride: u32,
+    pub q_offset: u32,
+    pub k_offset: u32,
+    pub v_offset: u32,
+    pub ba_offset: u32,
+    pub ba_stride: u32,
+    pub ba_group: u32,
+    pub ba_group_stride: u32,
+    pub beta_offset: u32,
+    pub alpha_offset: u32,
+    pub z_offset: u32,
+    pub z_stride: u32,
+    pub out_offset: u32,
+    pub out_stride: u32,
+    pub state_stride: u32,
+    pub slots_offset: u32,
+    pub eps: f32,
+    pub q_scale: f32,
+    pub norm_eps: f32,
+}
+
+/// The buffers of a step.
+pub struct GdnStepArgs<'a> {
+    /// Conv output (q ‖ k ‖ v) of each row.
+    pub qkv: &'a GpuBuffer,
+    pub ba: &'a GpuBuffer,
+    pub ssm_a: &'a GpuBuffer,
+    pub dt_bias: &'a GpuBuffer,
+    /// The output gate z of each row.
+    pub z: &'a GpuBuffer,
+    /// The gated norm's weight (dv floats).
+    pub norm: &'a GpuBuffer,
+    /// Row r's slot at `slots[slots_offset + r]`.
+    pub slots: &'a GpuBuffer,
+    /// Every slot's S (slot s at float s · state_stride).
+    pub state: &'a GpuBuffer,
+    pub out: &'a GpuBuffer,
+}
+
+fn extent(rows: u32, offset: u32, stride: u32, width: u32) -> u64 {
+    u64::from(offset) + u64::from(rows.saturating_sub(1)) * u64::from(stride) + u64::from(width)
+}
+
+/// Record the step for `p.rows` rows (grid: v_heads × rows).
+pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepArgs<'_>) -> Result<()> {
+    crate::ensure!(
+        p.dk >= 1
+            && p.dk <= MAX_DK
+            && p.dv >= 1
+            && p.dv <= MAX_DV
+            && p.k_heads >= 1
+            && p.v_heads.is_multiple_of(p.k_heads)
+            && p.ba_group >= 1,
+        QkError::Engine(format!(
+            "gdn step: dk {} dv {} with {} k-heads, {} v-heads (at most {MAX_DK} and {MAX_DV})",
+            p.dk, p.dv, p.k_heads, p.v_heads
+        ))
+    );
+    if p.rows == 0 {
+        return Ok(());
+    }
+    let vd = p.v_heads * p.dv;
+    let qkv_width = (p.q_offset.max(p.k_offset) + p.k_heads * p.dk).max(p.v_offset + vd);
+    require_len(
+        "gdn step qkv",
+        a.qkv,
+        extent(p.rows, p.qkv_offset, p.qkv_stride, qkv_width),
+    )?;
+    let last = p.v_heads - 1;
+    let ba_width =
+        p.beta_offset.max(p.alpha_offset) + (last / p.ba_group) * p.ba_group_stride + last % p.ba_group + 1;
+    require_len(
+        "gdn step ba",
+        a.ba,
+        extent(p.rows, p.ba_offset, p.ba_stride, ba_width),
+    )?;
+    require_len("gdn step ssm_a", a.ssm_a, u64::from(p.v_heads))?;
+    require_len("gdn step dt_bias", a.dt_bias, u64::from(p.v_heads))?;
+    require_len("gdn step z", a.z, extent(p.rows, p.z_offset, p.z_stride, vd))?;
+    require_len("gdn step norm", a.norm, u64::from(p.dv))?;
+    require_len(
+        "gdn step slots",
+        a.slots,
+        u64::from(p.slots_offset) + u64::from(p.rows),
+    )?;
+    require_len(
+        "gdn step out",
+        a.out,
+        extent(p.rows, p.out_offset, p.out_stride, vd),
+    )?;
+    crate::ensure!(
+        u64::from(p.state_stride) >= u64::from(vd) * u64::from(p.dk),
+        QkError::Engine("gdn step: state stride smaller than one slot's S".into())
+    );
+    require_len("gdn step state", a.state, u64::from(p.state_stride))?;
+    let pipe = gpu.pipeline(
+        &FILE,
+        &[("WG", WG.to_string()), ("LANES", LANES.to_string())],
+        &[],
+    )?;
+    rec.dispatch(
+        &pipe,
+        &[
+            a.qkv.all(),
+            a.ba.all(),
+            a.ssm_a.all(),
+            a.dt_bias.all(),
+            a.z.all(),
+            a.norm.all(),
+            a.slots.all(),
+            a.state.all(),
+            a.out.all(),
+        ],
+        bytemuck::bytes_of(p),
+        [p.v_heads, p.rows, 1],
+    )
+}

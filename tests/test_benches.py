@@ -1,0 +1,66 @@
+"""Smoke runs of the benchmark scripts on a tiny fixture: a benchmark that only ever runs on the H200
+would otherwise break unseen between device sessions. The numbers are not checked (lavapipe's say
+nothing about a GPU's); that each script runs to the end and prints the JSON its callers read is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from qk._qk import adapters
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "tiny-qwen3next-f32.gguf"
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def _need_adapter():
+    if not adapters() and os.environ.get("QK_REQUIRE_GPU") != "1":
+        pytest.skip("no GPU adapter")
+
+
+def run_bench(*args: str, timeout: float = 400) -> dict:
+    """Run a benches/ script; its stdout must be one JSON document (tables go to stderr)."""
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.timeout(600)
+def test_split_bench_runs_both_lane_settings_to_the_end():
+    out = run_bench("benches/split_bench.py", str(FIXTURE), "--prompt", "16", "--decode", "3", "--ctx", "128")
+    assert out["tokens_identical"] is True
+    for part in ("unsplit", "split_lanes1", "split_lanes2"):
+        assert out[part]["single_ms_per_token"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_engine_bench_with_profile_prints_its_json():
+    out = run_bench(
+        "benches/engine_bench.py",
+        str(FIXTURE),
+        "--prompt",
+        "16",
+        "--decode",
+        "3",
+        "--slots",
+        "2",
+        "--ctx",
+        "128",
+        "--profile",
+    )
+    assert out["decode_ms_per_token"] > 0
+    assert "profile" in out
