@@ -1,12 +1,14 @@
 //! Kernel micro-benchmark: device-to-device copy bandwidth (the baseline), mat-vec GB/s of weight
-//! bytes per type, mat-mat GFLOP/s, and the prefill kernels at the Qwen3-Next-80B shape (chunked
-//! DeltaNet, grouped MoE mat-mat), on whatever adapter QK_DEVICE picks.
+//! bytes per type, mat-mat GFLOP/s, the prefill kernels at the Qwen3-Next-80B shape (chunked
+//! DeltaNet, grouped MoE mat-mat), and attention (decode GB/s of K/V per cache type and depth,
+//! prepare, prefill TFLOP/s), on whatever adapter QK_DEVICE picks.
 //!
 //!   cargo bench --no-default-features --bench kernels            # full sizes (a real GPU)
 //!   QK_BENCH_SMOKE=1 cargo bench --no-default-features --bench kernels   # tiny sizes, CI
 //!
 //! QK_BENCH_TYPES=IQ4_XS,Q8_0 limits the mat-vec types, QK_BENCH_NO_MATMUL=1 skips mat-mat,
-//! QK_BENCH_ONLY_PREFILL=1 runs only the prefill cases (DeltaNet and MoE). QK_MATVEC_NR /
+//! QK_BENCH_ONLY_PREFILL=1 runs only the prefill cases (DeltaNet and MoE), QK_BENCH_ONLY_ATTENTION=1
+//! only attention, QK_BENCH_NO_ATTENTION=1 skips attention. QK_MATVEC_NR /
 //! QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning runs).
 //! Mat-mat runs the f32 tiled kernel and, where the adapter offers them, the cooperative-matrix
 //! tiles side by side; `fast` names the kernel a default (not precise) engine picks.
@@ -19,6 +21,10 @@ use std::time::Instant;
 
 use qk::gguf::GgmlType;
 use qk::gpu::{Gpu, GpuBuffer, Recorder};
+use qk::ops::attention::{
+    self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrepareArgs, ProjLayout,
+    reference,
+};
 use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecShape, MoeInput, Precision,
@@ -161,6 +167,12 @@ fn main() {
         copy_bytes as f64 / 1048576.0
     );
 
+    if !flag("QK_BENCH_NO_ATTENTION") {
+        attention_bench(&gpu, copy_gbs, smoke);
+    }
+    if flag("QK_BENCH_ONLY_ATTENTION") {
+        return;
+    }
     let mut rng = Rng(0x5eed);
     if !flag("QK_BENCH_ONLY_PREFILL") {
         matrix_kernels(&gpu, &mut rng, target_bytes, iters, copy_gbs);
@@ -576,4 +588,360 @@ fn moe_prefill(gpu: &Gpu, rng: &mut Rng) {
         .expect("down");
     });
     report("matvec by ids", t);
+}
+
+impl Rng {
+    /// Uniform in [-scale, scale).
+    fn floats(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
+            .collect()
+    }
+}
+
+/// Qwen3-Next-80B attention: 16 q heads over 2 kv heads of dim 256, gated.
+const ATTN_HEADS: u32 = 16;
+const ATTN_KV_HEADS: u32 = 2;
+const ATTN_DIM: u32 = 256;
+
+fn attn_shape(ctx: u32, k_type: KvType, v_type: KvType) -> AttnShape {
+    AttnShape {
+        heads: ATTN_HEADS,
+        kv_heads: ATTN_KV_HEADS,
+        head_dim: ATTN_DIM,
+        n_rot: 64,
+        ctx,
+        k_type,
+        v_type,
+        scale: 1.0 / 16.0,
+        eps: 1e-6,
+    }
+}
+
+/// K and V buffers for `slots` slots (grouped as the engine does), every position filled with
+/// random rows in the cache type (a 1024-position pattern uploaded once, then copied on the GPU).
+fn filled_cache(
+    gpu: &Gpu,
+    shape: &AttnShape,
+    slots: u32,
+    rng: &mut Rng,
+) -> Vec<(GpuBuffer, GpuBuffer, u32, u32)> {
+    let per_buffer = shape
+        .slots_per_buffer(gpu.caps.max_binding_size, gpu.caps.max_buffer_size)
+        .expect("one slot fits a binding");
+    let pattern_positions = 1024u64.min(u64::from(shape.ctx));
+    let pattern = |ty: KvType, rng: &mut Rng| -> GpuBuffer {
+        let mut words = Vec::new();
+        for _ in 0..pattern_positions * u64::from(shape.kv_heads) {
+            words.extend(reference::encode_row(
+                ty,
+                &rng.floats(shape.head_dim as usize, 2.0),
+            ));
+        }
+        gpu.buffer_from_u32("kv pattern", &words).expect("pattern")
+    };
+    let (kp, vp) = (pattern(shape.k_type, rng), pattern(shape.v_type, rng));
+    let mut groups = Vec::new();
+    let mut first = 0;
+    while first < slots {
+        let n = per_buffer.min(slots - first);
+        let cells = u64::from(n) * u64::from(shape.ctx);
+        let k = gpu
+            .buffer_zeroed("bench k", cells * shape.k_position_bytes())
+            .expect("k");
+        let v = gpu
+            .buffer_zeroed("bench v", cells * shape.v_position_bytes())
+            .expect("v");
+        for (dst, src) in [(&k, &kp), (&v, &vp)] {
+            let mut rec = gpu.recorder();
+            let mut at = 0;
+            while at < dst.size {
+                let len = src.size.min(dst.size - at);
+                rec.copy(src, 0, dst, at, len).expect("copy");
+                at += len;
+            }
+            rec.submit().expect("submit");
+        }
+        groups.push((k, v, first, n));
+        first += n;
+    }
+    gpu.wait().expect("wait");
+    groups
+}
+
+fn partials(gpu: &Gpu, po: u64, pml: u64) -> (GpuBuffer, GpuBuffer) {
+    (
+        gpu.buffer_zeroed("part_o", po * 4).expect("part_o"),
+        gpu.buffer_zeroed("part_ml", pml * 4).expect("part_ml"),
+    )
+}
+
+/// Operands with q, the gate logits and the output packed per row (heads × head_dim).
+fn packed_args<'a>(
+    q: &'a GpuBuffer,
+    gate: Option<&'a GpuBuffer>,
+    out: &'a GpuBuffer,
+    part: &'a (GpuBuffer, GpuBuffer),
+) -> CoreArgs<'a> {
+    let row_stride = ATTN_HEADS * ATTN_DIM;
+    CoreArgs {
+        q,
+        gate: gate.map(|g| {
+            let layout = GateLayout {
+                offset: 0,
+                row_stride,
+                head_stride: ATTN_DIM,
+            };
+            (g, layout)
+        }),
+        out,
+        out_layout: OutLayout {
+            offset: 0,
+            row_stride,
+        },
+        part_o: &part.0,
+        part_ml: &part.1,
+    }
+}
+
+fn kv_views(groups: &[(GpuBuffer, GpuBuffer, u32, u32)]) -> Vec<KvGroup<'_>> {
+    groups
+        .iter()
+        .map(|(k, v, first_slot, slots)| KvGroup {
+            k,
+            v,
+            first_slot: *first_slot,
+            slots: *slots,
+        })
+        .collect()
+}
+
+/// Decode attention (split + merge) over depths 512 / 8192 / 65536 / 262144 for 1 and 8 rows (8
+/// slots at the same depth; slots that do not fit one binding go to a second buffer pair, one more
+/// split dispatch) in each cache type: µs per call, GB/s of K+V read and its share of the copy
+/// bandwidth, and for one row at the two shorter depths the NMSE against the f64 reference on the
+/// same cache (the H200's 32-lane path is only tested here and by the test binary). Then the
+/// prepare op and prefill of 4096 tokens.
+fn attention_bench(gpu: &Gpu, copy_gbs: f64, smoke: bool) {
+    let depths: &[u32] = if smoke {
+        &[64, 512]
+    } else {
+        &[512, 8192, 65_536, 262_144]
+    };
+    let max_rows = 8u32;
+    let ctx = *depths.last().expect("depths");
+    let iters = if smoke { 1 } else { 20 };
+    let mut rng = Rng(0xa77e);
+    let qn = (ATTN_HEADS * ATTN_DIM) as usize;
+    let q = gpu
+        .buffer_from_f32("q", &rng.floats(max_rows as usize * qn, 1.0))
+        .expect("q");
+    let gate = gpu
+        .buffer_from_f32("gate", &rng.floats(max_rows as usize * qn, 2.0))
+        .expect("gate");
+    let out = gpu
+        .buffer_zeroed("out", (max_rows as usize * qn * 4) as u64)
+        .expect("out");
+    let (po, pml) = attention::partial_len(max_rows, 0, ATTN_HEADS, ATTN_DIM);
+    let part = partials(gpu, po, pml);
+    let rows_buf = gpu.buffer_zeroed("rows", u64::from(max_rows) * 8).expect("rows");
+    let args = packed_args(&q, Some(&gate), &out, &part);
+    println!(
+        "attention {ATTN_HEADS} q heads / {ATTN_KV_HEADS} kv heads x {ATTN_DIM}, decode (split + merge, 2 dispatches), \
+         {} splits at most:",
+        attention::DECODE_MAX_SPLITS
+    );
+    let mut f16_one_row = Vec::new();
+    for (kt, vt) in [
+        (KvType::F16, KvType::F16),
+        (KvType::Q8_0, KvType::F16),
+        (KvType::F32, KvType::F32),
+    ] {
+        let shape = attn_shape(ctx, kt, vt);
+        let groups = filled_cache(gpu, &shape, max_rows, &mut rng);
+        let kv = kv_views(&groups);
+        println!(
+            "  {}/{}: {} buffer pair(s) for {max_rows} slots of {ctx} positions; K+V {:.2} GiB per slot per layer, \
+             {:.2} GiB per slot for 12 layers",
+            kt.name(),
+            vt.name(),
+            groups.len(),
+            shape.slot_bytes() as f64 / f64::from(1u32 << 30),
+            12.0 * shape.slot_bytes() as f64 / f64::from(1u32 << 30)
+        );
+        for &depth in depths {
+            let mut line = format!("  {:>4}/{:<3} depth {depth:>6}:", kt.name(), vt.name());
+            for rows in [1u32, max_rows] {
+                let pairs: Vec<u32> = (0..rows).flat_map(|r| [r, depth - 1]).collect();
+                gpu.write(&rows_buf, 0, bytemuck::cast_slice(&pairs))
+                    .expect("rows");
+                let t = time_submit(gpu, iters, |rec| {
+                    attention::record_decode(gpu, rec, &shape, &rows_buf, rows, &kv, &args).expect("decode")
+                });
+                let bytes = u64::from(rows)
+                    * u64::from(depth)
+                    * (shape.k_position_bytes() + shape.v_position_bytes());
+                let gbs = bytes as f64 / t / 1e9;
+                line += &format!(
+                    "  {rows} row(s) {:>8.1} µs {gbs:>7.1} GB/s ({:>3.0}% of copy)",
+                    t * 1e6,
+                    100.0 * gbs / copy_gbs
+                );
+                if kt == KvType::F16 && rows == 1 {
+                    f16_one_row.push((depth, t));
+                }
+            }
+            if depth <= 8192 {
+                line += &format!(
+                    "  NMSE vs f64 {:.1e}",
+                    decode_nmse(gpu, &shape, &groups, &args, depth)
+                );
+            }
+            println!("{line}");
+        }
+        if kt == KvType::F16 {
+            prepare_bench(gpu, &shape, &kv, iters, &mut rng);
+        }
+    }
+    for &(d1, t1) in f16_one_row.iter().skip(1) {
+        let (d0, t0) = f16_one_row[0];
+        println!(
+            "  f16, 1 row: depth {d1} costs {:+.1} µs over depth {d0} per layer ({:+.1} µs per token over 12 layers)",
+            (t1 - t0) * 1e6,
+            12.0 * (t1 - t0) * 1e6
+        );
+    }
+    prefill_bench(gpu, smoke, iters.min(3), &mut rng);
+}
+
+/// NMSE of row 0's output (slot 0 at `depth - 1`, left in `out` by the timed runs) against the f64
+/// reference over the cache as stored.
+fn decode_nmse(
+    gpu: &Gpu,
+    shape: &AttnShape,
+    groups: &[(GpuBuffer, GpuBuffer, u32, u32)],
+    args: &CoreArgs<'_>,
+    depth: u32,
+) -> f64 {
+    let rows = gpu.buffer_from_u32("rows", &[0, depth - 1]).expect("rows");
+    let mut rec = gpu.recorder();
+    attention::record_decode(gpu, &mut rec, shape, &rows, 1, &kv_views(groups), args).expect("decode");
+    rec.submit().expect("submit");
+    let qn = (ATTN_HEADS * ATTN_DIM) as usize;
+    let got = gpu.read_f32(args.out, 0, qn).expect("out");
+    let q = gpu.read_f32(args.q, 0, qn).expect("q");
+    let gate = gpu.read_f32(args.gate.expect("gated").0, 0, qn).expect("gate");
+    let cells = u64::from(depth) * u64::from(shape.kv_heads);
+    let read = |buf: &GpuBuffer, ty: KvType| -> Vec<Vec<f32>> {
+        let w = ty.row_words(shape.head_dim) as usize;
+        let raw = gpu.read_u32(buf, 0, cells as usize * w).expect("cache");
+        raw.chunks(w)
+            .map(|r| reference::decode_row(ty, r, shape.head_dim as usize))
+            .collect()
+    };
+    let (k, v) = (read(&groups[0].0, shape.k_type), read(&groups[0].1, shape.v_type));
+    let kvh = shape.kv_heads as usize;
+    let want = reference::attention_row(
+        shape,
+        &q,
+        Some(&gate),
+        depth as usize,
+        &|p, g| k[p * kvh + g].clone(),
+        &|p, g| v[p * kvh + g].clone(),
+    );
+    let err: f64 = got.iter().zip(&want).map(|(a, b)| f64::from(a - b).powi(2)).sum();
+    err / want.iter().map(|b| f64::from(*b).powi(2)).sum::<f64>()
+}
+
+/// The prepare op (q/k norms, RoPE, K/V store) for a step of 1 and 8 rows.
+fn prepare_bench(gpu: &Gpu, shape: &AttnShape, kv: &[KvGroup<'_>], iters: u32, rng: &mut Rng) {
+    let (h, kvh, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
+    let layout = ProjLayout {
+        row_stride: 2 * h * hd + 2 * kvh * hd,
+        q_offset: 0,
+        q_head_stride: 2 * hd,
+        k_offset: 2 * h * hd,
+        v_offset: 2 * h * hd + kvh * hd,
+    };
+    let proj = gpu
+        .buffer_from_f32("proj", &rng.floats(8 * layout.row_stride as usize, 2.0))
+        .expect("proj");
+    let ones = gpu
+        .buffer_from_f32("norm", &vec![1.0; hd as usize])
+        .expect("norm");
+    let freqs = gpu
+        .buffer_from_f32("freqs", &qk::ops::rope::freq_table(shape.n_rot, 1e7))
+        .expect("freqs");
+    let q_out = gpu
+        .buffer_zeroed("q_out", u64::from(8 * h * hd) * 4)
+        .expect("q_out");
+    let args = PrepareArgs {
+        proj: &proj,
+        layout,
+        q_norm: &ones,
+        k_norm: &ones,
+        freqs: &freqs,
+        q_out: &q_out,
+    };
+    let rows_buf = gpu.buffer_zeroed("rows", 64).expect("rows");
+    let mut line = format!(
+        "  prepare ({} K, {} V):",
+        shape.k_type.name(),
+        shape.v_type.name()
+    );
+    for rows in [1u32, 8] {
+        let pairs: Vec<u32> = (0..rows).flat_map(|r| [r, 100 + r]).collect();
+        gpu.write(&rows_buf, 0, bytemuck::cast_slice(&pairs))
+            .expect("rows");
+        let t = time_submit(gpu, iters, |rec| {
+            let step = AttnRows::Step {
+                buf: &rows_buf,
+                n: rows,
+            };
+            attention::record_prepare(gpu, rec, shape, step, kv, &args).expect("prepare")
+        });
+        line += &format!("  {rows} row(s) {:>6.1} µs", t * 1e6);
+    }
+    println!("{line}");
+}
+
+/// Prefill attention of 4096 tokens over an f16 cache: as the engine cuts it today (64 pieces of
+/// 64 positions, each attending to everything before it) and as one piece, in ms and TFLOP/s of the
+/// causal work (4 · heads · head_dim flops per query-key pair).
+fn prefill_bench(gpu: &Gpu, smoke: bool, iters: u32, rng: &mut Rng) {
+    let tokens: u32 = if smoke { 256 } else { 4096 };
+    let shape = attn_shape(tokens, KvType::F16, KvType::F16);
+    let groups = filled_cache(gpu, &shape, 1, rng);
+    let kv = kv_views(&groups);
+    let qn = (ATTN_HEADS * ATTN_DIM) as usize;
+    let q = gpu
+        .buffer_from_f32("q", &rng.floats(tokens as usize * qn, 1.0))
+        .expect("q");
+    let out = gpu
+        .buffer_zeroed("out", (tokens as usize * qn * 4) as u64)
+        .expect("out");
+    let pairs = f64::from(tokens) * f64::from(tokens + 1) / 2.0;
+    let flops = 4.0 * f64::from(ATTN_HEADS * ATTN_DIM) * pairs;
+    for piece in [64u32, tokens] {
+        let (po, pml) = attention::partial_len(0, piece, ATTN_HEADS, ATTN_DIM);
+        if po * 4 > gpu.caps.max_binding_size {
+            println!(
+                "  prefill {tokens} tokens in pieces of {piece}: partials of {} MiB exceed a binding, skipped",
+                (po * 4) >> 20
+            );
+            continue;
+        }
+        let part = partials(gpu, po, pml);
+        let args = packed_args(&q, None, &out, &part);
+        let t = time_submit(gpu, iters, |rec| {
+            for pos in (0..tokens).step_by(piece as usize) {
+                attention::record_prefill(gpu, rec, &shape, 0, pos, piece, &kv, &args).expect("prefill");
+            }
+        });
+        println!(
+            "  prefill {tokens} tokens in pieces of {piece:>4} (f16 cache): {:>8.2} ms  {:>6.2} TFLOP/s",
+            t * 1e3,
+            flops / t / 1e12
+        );
+    }
 }

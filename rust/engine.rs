@@ -14,7 +14,8 @@ use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
 use crate::gpu::record::{Encoded, OpLabel, SubmitProfile};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
-use crate::model::forward::{Batch, Model, Scratch, SlotState, attn_shape, write_step_rows};
+use crate::model::forward::{Batch, Model, Scratch, SlotState, write_step_rows};
+use crate::model::kv::attn_shape;
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
 use crate::ops::attention::KvType;
@@ -354,7 +355,15 @@ impl Engine {
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
-        let scratch = Scratch::new(&gpu, &cfg, rows, HEAD_ROWS.max(opts.slots), has_head, legacy)?;
+        let scratch = Scratch::new(
+            &gpu,
+            &cfg,
+            rows,
+            HEAD_ROWS.max(opts.slots),
+            opts.slots,
+            has_head,
+            legacy,
+        )?;
         let engine = Engine {
             gpu,
             model: Model {

@@ -13,9 +13,10 @@
 // f32 as llama.cpp does, only its reduction to [-pi, pi] is careful, because Vulkan bounds sin/cos
 // error only inside that range.
 // OP=decode: grid (splits, kv heads, rows); a row is (slot, position) from ROWS (or a prefill
-// piece's run). COLS columns of LANES invocations walk the split's keys, a column one key at a
-// time (two per iteration); a lane owns 8 dims of every head of the GQA group, so a key's K and V
-// rows are read once, coalesced, for all its q heads. Scores are summed across the lanes by
+// piece's run). COLS columns of LANES invocations walk the split's keys, a column UNROLL keys per
+// iteration (their loads issued together); a lane owns UPL units of 8 dims of every head of the
+// GQA group, so a key's K and V rows are read once, coalesced, for all its q heads (q itself sits
+// in workgroup memory). Scores are summed across the lanes by
 // subgroup shuffles; each column keeps its own softmax state, merged across columns at the end.
 // OP=prefill: grid (splits, kv heads, query tiles); a tile is TT consecutive tokens × the group's
 // G heads (PR rows), LANES invocations per row, K and V staged in workgroup memory BK keys at a
@@ -32,15 +33,18 @@
 #define HEAD_DIM 64
 #define GROUP 2
 #define LANES 8
-#define COLS 8
+#define UPL 1
+#define COLS 4
+#define UNROLL 4
 #define PR 64
-#define WG 64
-#variants OP=prefill LANES=4 WG=256
+#define BK 16
+#define WG 32
+#variants OP=prefill LANES=4 UPL=2 WG=256
 #variants OP=merge
 #variants K_TYPE=0 V_TYPE=0
-#variants K_TYPE=2 V_TYPE=0 OP=prefill LANES=1 WG=64
-#variants K_TYPE=2 GROUP=3 LANES=4 WG=32
-#variants K_TYPE=0 LANES=1 WG=8
+#variants K_TYPE=2 V_TYPE=0 OP=prefill LANES=1 UPL=8 WG=64
+#variants K_TYPE=2 GROUP=3 LANES=4 UPL=2 WG=16
+#variants K_TYPE=0 LANES=1 UPL=8 WG=4
 #variants OP=prepare
 #variants OP=prepare K_TYPE=0 V_TYPE=0
 #variants OP=prepare K_TYPE=2
@@ -107,7 +111,7 @@ const G: u32 = {{GROUP}}u;
 const LANES: u32 = {{LANES}}u;
 // 8-dim units per head row, and per lane.
 const UNITS: u32 = D / 8u;
-const UPL: u32 = UNITS / LANES;
+const UPL: u32 = {{UPL}}u;
 // Stands in for -inf: exp(MASKED - finite) is exactly 0 and never a NaN.
 const MASKED: f32 = -3.0e38;
 const NO_SLOT: u32 = 0xffffffffu;
@@ -305,6 +309,9 @@ fn part_index(r: u32, h: u32, split: u32) -> u32 {
 
 #if OP == decode
 const COLS: u32 = {{COLS}}u;
+const U: u32 = {{UNROLL}}u;
+// The group's q heads (scaled), read by every column; the column merge's scratch.
+var<workgroup> qs: array<mat2x4<f32>, G * UNITS>;
 var<workgroup> comb_ml: array<vec2<f32>, COLS>;
 var<workgroup> comb_o: array<mat2x4<f32>, COLS * UNITS>;
 
@@ -328,78 +335,90 @@ fn main(ids: ComputeIds) {
     let lg = lane_group(ids);
     let lane = lg.x;
     let col = lg.y;
-
-    var q: array<mat2x4<f32>, G * UPL>;
+    for (var i = ids.lid; i < G * UNITS; i += {{WG}}u) {
+        qs[i] = load_q(r, g * G + i / UNITS, i % UNITS);
+    }
+    workgroupBarrier();
+    // Unrolled (#for) so these arrays keep constant indices and stay in registers.
     var o: array<mat2x4<f32>, G * UPL>;
     var m: array<f32, G>;
     var l: array<f32, G>;
-    for (var h = 0u; h < G; h++) {
-        for (var j = 0u; j < UPL; j++) {
-            q[h * UPL + j] = load_q(r, g * G + h, j * LANES + lane);
-            o[h * UPL + j] = mat2x4<f32>();
-        }
-        m[h] = MASKED;
-        l[h] = 0.0;
-    }
-    // Two keys per column per iteration (their loads issued together); the trip count is uniform,
-    // keys past the end are masked.
-    let iters = (end - start + 2u * COLS - 1u) / (2u * COLS);
+#for h in 0..GROUP
+    m[{{h}}] = MASKED;
+    l[{{h}}] = 0.0;
+#for j in 0..UPL
+    o[{{h}} * UPL + {{j}}] = mat2x4<f32>();
+#endfor
+#endfor
+    // U keys per column per iteration, their K and V loads issued together; the trip count is
+    // uniform, keys past the end are masked (and read the last key again).
+    let iters = (end - start + U * COLS - 1u) / (U * COLS);
     for (var it = 0u; it < iters; it++) {
-        let key0 = start + 2u * COLS * it + col;
-        let key1 = key0 + COLS;
-        let ok0 = key0 < end;
-        let ok1 = key1 < end;
-        let kw0 = k_row(local, min(key0, end - 1u), g);
-        let kw1 = k_row(local, min(key1, end - 1u), g);
-        let vw0 = v_row(local, min(key0, end - 1u), g);
-        let vw1 = v_row(local, min(key1, end - 1u), g);
-        var k0: array<mat2x4<f32>, UPL>;
-        var k1: array<mat2x4<f32>, UPL>;
-        var v0: array<mat2x4<f32>, UPL>;
-        var v1: array<mat2x4<f32>, UPL>;
-        for (var j = 0u; j < UPL; j++) {
-            k0[j] = load_k(kw0, j * LANES + lane);
-            k1[j] = load_k(kw1, j * LANES + lane);
-            v0[j] = load_v(vw0, j * LANES + lane);
-            v1[j] = load_v(vw1, j * LANES + lane);
-        }
-        for (var h = 0u; h < G; h++) {
-            var s0 = 0.0;
-            var s1 = 0.0;
-            for (var j = 0u; j < UPL; j++) {
-                s0 += dot8(q[h * UPL + j], k0[j]);
-                s1 += dot8(q[h * UPL + j], k1[j]);
-            }
-            s0 = select(MASKED, lanes_sum(s0), ok0);
-            s1 = select(MASKED, lanes_sum(s1), ok1);
-            let mn = max(m[h], max(s0, s1));
-            let c = exp(m[h] - mn);
+        var kv: array<mat2x4<f32>, 2 * U * UPL>;
+        var ok: array<bool, U>;
+#for u in 0..UNROLL
+        let key{{u}} = start + (it * U + {{u}}u) * COLS + col;
+        ok[{{u}}] = key{{u}} < end;
+        let kw{{u}} = k_row(local, min(key{{u}}, end - 1u), g);
+        let vw{{u}} = v_row(local, min(key{{u}}, end - 1u), g);
+#for j in 0..UPL
+        kv[2u * ({{u}} * UPL + {{j}})] = load_k(kw{{u}}, {{j}}u * LANES + lane);
+        kv[2u * ({{u}} * UPL + {{j}}) + 1u] = load_v(vw{{u}}, {{j}}u * LANES + lane);
+#endfor
+#endfor
+#for h in 0..GROUP
+        {
+            var s: array<f32, U>;
+#for u in 0..UNROLL
+            s[{{u}}] = 0.0;
+#endfor
+#for j in 0..UPL
+            let qv{{j}} = qs[{{h}}u * UNITS + {{j}}u * LANES + lane];
+#for u in 0..UNROLL
+            s[{{u}}] += dot8(qv{{j}}, kv[2u * ({{u}} * UPL + {{j}})]);
+#endfor
+#endfor
+            var mn = m[{{h}}];
+#for u in 0..UNROLL
+            s[{{u}}] = select(MASKED, lanes_sum(s[{{u}}]), ok[{{u}}]);
+            mn = max(mn, s[{{u}}]);
+#endfor
+            let c = exp(m[{{h}}] - mn);
+            var sum = 0.0;
+#for u in 0..UNROLL
             // Masked keys give exactly 0 even while mn is still MASKED.
-            let p0 = select(0.0, exp(s0 - mn), ok0);
-            let p1 = select(0.0, exp(s1 - mn), ok1);
-            l[h] = l[h] * c + p0 + p1;
-            m[h] = mn;
-            for (var j = 0u; j < UPL; j++) {
-                o[h * UPL + j] = o[h * UPL + j] * c + v0[j] * p0 + v1[j] * p1;
-            }
+            s[{{u}}] = select(0.0, exp(s[{{u}}] - mn), ok[{{u}}]);
+            sum += s[{{u}}];
+#endfor
+            l[{{h}}] = l[{{h}}] * c + sum;
+            m[{{h}}] = mn;
+#for j in 0..UPL
+            var acc{{j}} = o[{{h}} * UPL + {{j}}] * c;
+#for u in 0..UNROLL
+            acc{{j}} += kv[2u * ({{u}} * UPL + {{j}}) + 1u] * s[{{u}}];
+#endfor
+            o[{{h}} * UPL + {{j}}] = acc{{j}};
+#endfor
         }
+#endfor
     }
     // Merge the columns: per head, rescale each column's output to the common max and sum.
-    for (var h = 0u; h < G; h++) {
+#for h in 0..GROUP
+    {
         if lane == 0u {
-            comb_ml[col] = vec2<f32>(m[h], l[h]);
+            comb_ml[col] = vec2<f32>(m[{{h}}], l[{{h}}]);
         }
         workgroupBarrier();
         var mx = MASKED;
         for (var c = 0u; c < COLS; c++) {
             mx = max(mx, comb_ml[c].x);
         }
-        let f = exp(m[h] - mx);
-        for (var j = 0u; j < UPL; j++) {
-            comb_o[col * UNITS + j * LANES + lane] = o[h * UPL + j] * f;
-        }
+        let f = exp(m[{{h}}] - mx);
+#for j in 0..UPL
+        comb_o[col * UNITS + {{j}}u * LANES + lane] = o[{{h}} * UPL + {{j}}] * f;
+#endfor
         workgroupBarrier();
-        let e = part_index(r, g * G + h, split);
+        let e = part_index(r, g * G + {{h}}u, split);
         for (var u = ids.lid; u < UNITS; u += {{WG}}u) {
             var acc = mat2x4<f32>();
             for (var c = 0u; c < COLS; c++) {
@@ -416,13 +435,14 @@ fn main(ids: ComputeIds) {
         }
         workgroupBarrier();
     }
+#endfor
 }
 #endif
 
 #if OP == prefill
 // Tokens per tile and keys per staged K/V block.
 const TT: u32 = {{PR}}u / G;
-const BK: u32 = 16u;
+const BK: u32 = {{BK}}u;
 var<workgroup> tile: array<mat2x4<f32>, BK * UNITS>;
 
 @compute @workgroup_size({{WG}})
@@ -450,15 +470,16 @@ fn main(ids: ComputeIds) {
     // Keys up to the row's own position are visible.
     let own = row_at(min(t, P.rows - 1u)).y;
 
+    // Unrolled (#for) so these arrays keep constant indices and stay in registers.
     var q: array<mat2x4<f32>, UPL>;
     var o: array<mat2x4<f32>, UPL>;
-    for (var j = 0u; j < UPL; j++) {
-        q[j] = mat2x4<f32>();
-        if live {
-            q[j] = load_q(t, h, j * LANES + lane);
-        }
-        o[j] = mat2x4<f32>();
+#for j in 0..UPL
+    q[{{j}}] = mat2x4<f32>();
+    if live {
+        q[{{j}}] = load_q(t, h, {{j}}u * LANES + lane);
     }
+    o[{{j}}] = mat2x4<f32>();
+#endfor
     var m = MASKED;
     var l = 0.0;
     for (var k0 = start; k0 < end; k0 += BK) {
@@ -469,24 +490,24 @@ fn main(ids: ComputeIds) {
         workgroupBarrier();
         var p: array<f32, BK>;
         var mx = MASKED;
-        for (var kk = 0u; kk < BK; kk++) {
+#for kk in 0..BK
+        {
             var acc = 0.0;
-            for (var j = 0u; j < UPL; j++) {
-                acc += dot8(q[j], tile[kk * UNITS + j * LANES + lane]);
-            }
-            let key = k0 + kk;
-            let s = select(MASKED, lanes_sum(acc), key < end && key <= own);
-            p[kk] = s;
-            mx = max(mx, s);
+#for j in 0..UPL
+            acc += dot8(q[{{j}}], tile[{{kk}}u * UNITS + {{j}}u * LANES + lane]);
+#endfor
+            let key = k0 + {{kk}}u;
+            p[{{kk}}] = select(MASKED, lanes_sum(acc), key < end && key <= own);
+            mx = max(mx, p[{{kk}}]);
         }
+#endfor
         let mn = max(m, mx);
         let c = exp(m - mn);
         var sum = 0.0;
-        for (var kk = 0u; kk < BK; kk++) {
-            let e = select(exp(p[kk] - mn), 0.0, p[kk] == MASKED);
-            p[kk] = e;
-            sum += e;
-        }
+#for kk in 0..BK
+        p[{{kk}}] = select(exp(p[{{kk}}] - mn), 0.0, p[{{kk}}] == MASKED);
+        sum += p[{{kk}}];
+#endfor
         l = l * c + sum;
         m = mn;
         workgroupBarrier();
@@ -494,19 +515,21 @@ fn main(ids: ComputeIds) {
             tile[i] = load_v(v_row(local, min(k0 + i / UNITS, end - 1u), g), i % UNITS);
         }
         workgroupBarrier();
-        for (var j = 0u; j < UPL; j++) {
-            var acc = o[j] * c;
-            for (var kk = 0u; kk < BK; kk++) {
-                acc += tile[kk * UNITS + j * LANES + lane] * p[kk];
-            }
-            o[j] = acc;
+#for j in 0..UPL
+        {
+            var acc = o[{{j}}] * c;
+#for kk in 0..BK
+            acc += tile[{{kk}}u * UNITS + {{j}}u * LANES + lane] * p[{{kk}}];
+#endfor
+            o[{{j}}] = acc;
         }
+#endfor
     }
     if live {
         let e = part_index(t, h, split);
-        for (var j = 0u; j < UPL; j++) {
-            PART_O[e * UNITS + j * LANES + lane] = o[j];
-        }
+#for j in 0..UPL
+        PART_O[e * UNITS + {{j}}u * LANES + lane] = o[{{j}}];
+#endfor
         if lane == 0u {
             PART_ML[e] = vec2<f32>(m, l);
         }

@@ -6,13 +6,14 @@
 use std::sync::Arc;
 
 use super::config::{Arch, LayerKind, ModelConfig};
+use super::kv::KvLayer;
 use super::weights::{
     AttnProjection, BetaAlpha, DeltaNetProjection, ExpertGateUp, LayerWeights, Mixer, Stacked, Weights,
 };
 use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
 use crate::ops::attention::{
-    self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrepareArgs, ProjLayout,
+    self, AttnRows, AttnShape, CoreArgs, GateLayout, OutLayout, PrepareArgs, ProjLayout,
 };
 use crate::ops::conv::{self, ConvParams};
 use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
@@ -64,86 +65,6 @@ impl LayerState {
 pub struct SlotState {
     pub pos: u32,
     pub layers: Vec<LayerState>,
-}
-
-/// One K/V buffer pair of an attention layer, holding slots `first_slot .. first_slot + slots`.
-pub struct KvBuffers {
-    pub k: GpuBuffer,
-    pub v: GpuBuffer,
-    pub first_slot: u32,
-    pub slots: u32,
-}
-
-/// The KV cache of one attention layer for every slot: K and V with a slot axis (layouts in
-/// ops/attention.rs), in as few buffer pairs as the device's binding size allows (one where
-/// slots × ctx fits; each pair then costs one more split dispatch per decode step).
-pub struct KvLayer {
-    pub shape: AttnShape,
-    pub groups: Vec<KvBuffers>,
-}
-
-impl KvLayer {
-    pub fn new(gpu: &Gpu, shape: AttnShape, slots: u32, layer: u32) -> Result<KvLayer> {
-        shape.validate()?;
-        let per_buffer = shape.slots_per_buffer(gpu.caps.max_binding_size, gpu.caps.max_buffer_size)?;
-        let ctx = u64::from(shape.ctx);
-        let mut groups = Vec::new();
-        let mut first = 0;
-        while first < slots {
-            let n = per_buffer.min(slots - first);
-            let cells = u64::from(n) * ctx;
-            groups.push(KvBuffers {
-                k: gpu.buffer_zeroed(&format!("kv{layer}.k{first}"), cells * shape.k_position_bytes())?,
-                v: gpu.buffer_zeroed(&format!("kv{layer}.v{first}"), cells * shape.v_position_bytes())?,
-                first_slot: first,
-                slots: n,
-            });
-            first += n;
-        }
-        Ok(KvLayer { shape, groups })
-    }
-
-    pub fn views(&self) -> Vec<KvGroup<'_>> {
-        self.groups
-            .iter()
-            .map(|g| KvGroup {
-                k: &g.k,
-                v: &g.v,
-                first_slot: g.first_slot,
-                slots: g.slots,
-            })
-            .collect()
-    }
-
-    /// The K and V byte ranges (buffer, offset, bytes) of `slot`'s positions `0..pos`.
-    pub fn slot_ranges(&self, slot: u32, pos: u32) -> Result<[(&GpuBuffer, u64, u64); 2]> {
-        let g = self
-            .groups
-            .iter()
-            .find(|g| slot >= g.first_slot && slot - g.first_slot < g.slots)
-            .ok_or_else(|| QkError::Engine(format!("KV cache: slot {slot} out of range")))?;
-        let local = u64::from(slot - g.first_slot) * u64::from(self.shape.ctx);
-        let (kb, vb) = (self.shape.k_position_bytes(), self.shape.v_position_bytes());
-        Ok([
-            (&g.k, local * kb, u64::from(pos) * kb),
-            (&g.v, local * vb, u64::from(pos) * vb),
-        ])
-    }
-}
-
-/// The attention shape of `cfg` with a cache of `ctx` positions in the given types.
-pub fn attn_shape(cfg: &ModelConfig, ctx: u32, k_type: KvType, v_type: KvType) -> AttnShape {
-    AttnShape {
-        heads: cfg.heads,
-        kv_heads: cfg.kv_heads,
-        head_dim: cfg.head_dim,
-        n_rot: cfg.n_rot,
-        ctx,
-        k_type,
-        v_type,
-        scale: cfg.attn_scale,
-        eps: cfg.eps,
-    }
 }
 
 impl SlotState {
@@ -244,7 +165,7 @@ pub struct Scratch {
     pub(crate) dn_out: GpuBuffer,
     pub(crate) gated: GpuBuffer,
     pub(crate) dn_scratch: GpuBuffer,
-    /// Attention: [q+gate | K | V] per row.
+    /// Attention: [q+gate | K | V] per row, prepared q, gated output, split partials (ops/attention.rs).
     pub(crate) aproj: GpuBuffer,
     pub(crate) q: GpuBuffer,
     pub(crate) attn_out: GpuBuffer,
@@ -281,12 +202,14 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    /// Activations for `rows` rows; with `has_head`, logits for `head_rows` of them at a time.
+    /// Activations for `rows` rows (prefill pieces) and decode steps of up to `step_rows`; with
+    /// `has_head`, logits for `head_rows` of them at a time.
     pub fn new(
         gpu: &Gpu,
         cfg: &ModelConfig,
         rows: u32,
         head_rows: u32,
+        step_rows: u32,
         has_head: bool,
         legacy: bool,
     ) -> Result<Scratch> {
@@ -304,7 +227,7 @@ impl Scratch {
         let aw = u64::from(attn_proj_width(cfg));
         let hd = u64::from(cfg.heads * cfg.head_dim);
         let dparams = delta_params(cfg);
-        let (po, pml) = attention::partial_len(rows, cfg.heads, cfg.head_dim);
+        let (po, pml) = attention::partial_len(step_rows.min(rows), rows, cfg.heads, cfg.head_dim);
         let vocab = u64::from(cfg.vocab);
         let head_rows = head_rows.min(rows);
         let logit_rows = if has_head { u64::from(head_rows) } else { 0 };

@@ -31,7 +31,8 @@
 //!   `KvType::row_words(head_dim)` words at `(((s - first_slot) * ctx + p) * kv_heads + g) * row_words`,
 //!   so a slot's positions `0..p` are one contiguous range (what snapshots copy).
 //! * Partials (scratch, [`partial_len`]): `f32` outputs (head_dim per entry) and (max, sum) pairs,
-//!   entry `(r * heads + h) * split_stride + split`.
+//!   entry `(r * heads + h) * split_stride + split`, split_stride the mode's most splits
+//!   ([`DECODE_MAX_SPLITS`], [`PREFILL_MAX_SPLITS`]).
 //! * Output (`f32`, [`OutLayout`]): row r head h at `offset + r * row_stride + h * head_dim`.
 
 use bytemuck::{Pod, Zeroable};
@@ -52,14 +53,12 @@ pub const PREFILL_MIN_SPLIT: u32 = 256;
 pub const PREFILL_MAX_SPLITS: u32 = 16;
 /// Query rows (token × q head of one group) per prefill workgroup (`PR`).
 pub const PREFILL_ROWS: u32 = 64;
-/// Key columns per decode workgroup (`COLS`).
-pub const DECODE_COLS: u32 = 8;
-/// Partial entries per (row, head) in the scratch: the larger of the two modes' split counts.
-pub const SPLIT_STRIDE: u32 = if DECODE_MAX_SPLITS > PREFILL_MAX_SPLITS {
-    DECODE_MAX_SPLITS
-} else {
-    PREFILL_MAX_SPLITS
-};
+/// Key columns per decode workgroup (`COLS`) and keys per column per iteration (`UNROLL`): 4 × 4
+/// keys' K and V rows (4 KiB at head_dim 256, f16) in flight per 32-lane column.
+pub const DECODE_COLS: u32 = 4;
+pub const DECODE_UNROLL: u32 = 4;
+/// Keys per K/V block staged in workgroup memory by the prefill kernel (`BK`).
+pub const PREFILL_KEYS: u32 = 16;
 /// Largest GQA group and head dim the kernels keep in registers.
 pub const MAX_GROUP: u32 = 16;
 pub const MAX_HEAD_DIM: u32 = 512;
@@ -278,9 +277,12 @@ pub struct CoreArgs<'a> {
     pub part_ml: &'a GpuBuffer,
 }
 
-/// f32 counts of the partial-output and (max, sum) scratch for up to `rows` rows.
-pub fn partial_len(rows: u32, heads: u32, head_dim: u32) -> (u64, u64) {
-    let entries = u64::from(rows) * u64::from(heads) * u64::from(SPLIT_STRIDE);
+/// f32 counts of the partial-output and (max, sum) scratch for decode steps of up to
+/// `decode_rows` rows and prefill pieces of up to `prefill_rows` positions.
+pub fn partial_len(decode_rows: u32, prefill_rows: u32, heads: u32, head_dim: u32) -> (u64, u64) {
+    let per_head = (u64::from(decode_rows) * u64::from(DECODE_MAX_SPLITS))
+        .max(u64::from(prefill_rows) * u64::from(PREFILL_MAX_SPLITS));
+    let entries = per_head * u64::from(heads);
     (entries * u64::from(head_dim), entries * 2)
 }
 
@@ -362,7 +364,7 @@ fn lanes(gpu: &Gpu, head_dim: u32, most: u32) -> u32 {
     l.max(1)
 }
 
-fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'static str, String); 9] {
+fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'static str, String); 12] {
     [
         ("OP", op.into()),
         ("K_TYPE", shape.k_type.define()),
@@ -370,10 +372,34 @@ fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'stati
         ("HEAD_DIM", shape.head_dim.to_string()),
         ("GROUP", shape.group().to_string()),
         ("LANES", lanes.to_string()),
+        ("UPL", (shape.head_dim / 8 / lanes).to_string()),
         ("COLS", DECODE_COLS.to_string()),
+        ("UNROLL", DECODE_UNROLL.to_string()),
         ("PR", PREFILL_ROWS.to_string()),
+        ("BK", PREFILL_KEYS.to_string()),
         ("WG", wg.to_string()),
     ]
+}
+
+/// Workgroup memory of the decode kernel (q of the group, the column merge) and of the prefill
+/// kernel (one staged K or V block), checked against the device before the pipeline is built.
+fn check_workgroup_memory(gpu: &Gpu, shape: &AttnShape, decode: bool) -> Result<()> {
+    let unit_bytes = 32 * u64::from(shape.head_dim / 8);
+    let bytes = if decode {
+        unit_bytes * u64::from(shape.group() + DECODE_COLS) + 8 * u64::from(DECODE_COLS)
+    } else {
+        unit_bytes * u64::from(PREFILL_KEYS)
+    };
+    crate::ensure!(
+        bytes <= u64::from(gpu.caps.max_workgroup_storage),
+        QkError::Engine(format!(
+            "attention: {} q heads per kv head of dim {} need {bytes} bytes of workgroup memory, the device has {}",
+            shape.group(),
+            shape.head_dim,
+            gpu.caps.max_workgroup_storage
+        ))
+    );
+    Ok(())
 }
 
 fn check_groups(shape: &AttnShape, kv: &[KvGroup<'_>]) -> Result<()> {
@@ -496,7 +522,13 @@ pub fn record_prepare(
     Ok(())
 }
 
-fn check_core(shape: &AttnShape, n: u32, kv: &[KvGroup<'_>], args: &CoreArgs<'_>) -> Result<()> {
+fn check_core(
+    shape: &AttnShape,
+    n: u32,
+    decode: bool,
+    kv: &[KvGroup<'_>],
+    args: &CoreArgs<'_>,
+) -> Result<()> {
     shape.validate()?;
     check_groups(shape, kv)?;
     let hd = u64::from(shape.head_dim);
@@ -519,7 +551,11 @@ fn check_core(shape: &AttnShape, n: u32, kv: &[KvGroup<'_>], args: &CoreArgs<'_>
         args.out,
         u64::from(o.offset) + last * u64::from(o.row_stride) + heads * hd,
     )?;
-    let (po, pml) = partial_len(n, shape.heads, shape.head_dim);
+    let (po, pml) = if decode {
+        partial_len(n, 0, shape.heads, shape.head_dim)
+    } else {
+        partial_len(0, n, shape.heads, shape.head_dim)
+    };
     require_len("attention partial out", args.part_o, po)?;
     require_len("attention partial max/sum", args.part_ml, pml)
 }
@@ -541,7 +577,6 @@ fn core_params(shape: &AttnShape, n: u32, args: &CoreArgs<'_>) -> CoreParams {
         gated: u32::from(args.gate.is_some()),
         out_offset: args.out_layout.offset,
         out_row_stride: args.out_layout.row_stride,
-        split_stride: SPLIT_STRIDE,
         tile_rows: 1,
         scale: shape.scale,
         ..Default::default()
@@ -612,7 +647,8 @@ pub fn record_decode(
     if n == 0 {
         return Ok(());
     }
-    check_core(shape, n, kv, args)?;
+    check_core(shape, n, true, kv, args)?;
+    check_workgroup_memory(gpu, shape, true)?;
     require_len("attention rows", rows_buf, 2 * u64::from(n))?;
     let lanes = lanes(gpu, shape.head_dim, 32);
     let pipe = gpu.pipeline(
@@ -622,6 +658,7 @@ pub fn record_decode(
     )?;
     let mut p = CoreParams {
         rows_from_buffer: 1,
+        split_stride: DECODE_MAX_SPLITS,
         min_split: DECODE_MIN_SPLIT,
         max_splits: DECODE_MAX_SPLITS,
         ..core_params(shape, n, args)
@@ -651,7 +688,7 @@ pub fn record_prefill(
     if n == 0 {
         return Ok(());
     }
-    check_core(shape, n, kv, args)?;
+    check_core(shape, n, false, kv, args)?;
     crate::ensure!(
         u64::from(pos) + u64::from(n) <= u64::from(shape.ctx),
         QkError::Engine(format!(
@@ -659,6 +696,7 @@ pub fn record_prefill(
             shape.ctx
         ))
     );
+    check_workgroup_memory(gpu, shape, false)?;
     let g = group_of(kv, slot)?;
     let lanes = lanes(gpu, shape.head_dim, 4);
     let pipe = gpu.pipeline(
@@ -672,6 +710,7 @@ pub fn record_prefill(
         pos,
         first_slot: g.first_slot,
         slots: g.slots,
+        split_stride: PREFILL_MAX_SPLITS,
         min_split: PREFILL_MIN_SPLIT,
         max_splits: PREFILL_MAX_SPLITS,
         tile_rows: tokens_per_tile,
