@@ -1,11 +1,12 @@
 // Dequantisation of ggml weight blocks read from `W: array<u32>` (declared by the including kernel:
 // WGSL has no u8 storage). `dq8_<type>(row, g)` returns weights 8g..8g+7 of the row that starts at
-// byte `row` of W, for every type qk reads (rust/ops/matmul.rs qtype_name gives <type>); products
-// are formed in rust/gguf/dequant.rs's order. Block layouts and formulas: docs/numerics.md
-// "GGUF block formats" (ggml-common.h). Rows may start at any byte (MXFP4 blocks are 17 bytes, Q6_K 210, Q8_0 34), so
-// reads go through w_u32_at, which funnels two words when the offset is not 4-aligned; types whose
-// block size is a multiple of 4 read fields with w_u32_al. The IQ1/IQ2/IQ3 types also read their
-// grid from the end of the W binding (iq_grid): kernels bind whole weight windows.
+// byte `row` of W. Block layouts and formulas: docs/numerics.md "GGUF block formats"
+// (ggml-common.h). Rows may
+// start at any byte (MXFP4 blocks are 17 bytes, Q6_K 210, Q8_0 34), so reads go through w_u32_at,
+// which funnels two words when the offset is not 4-aligned; types whose block size is a multiple of
+// 4 read fields with w_u32_al. Every type qk reads has its dq8 (<type> = rust/ops/matmul.rs
+// qtype_name), with rust/gguf/dequant.rs's products. The IQ1/IQ2/IQ3 types also read their grid
+// from the end of the W binding (iq_grid), so kernels bind whole weight windows.
 
 struct W8 {
     a: vec4<f32>,

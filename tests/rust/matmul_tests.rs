@@ -236,6 +236,16 @@ fn matmul_inner_dim_not_a_tile_multiple() {
         let e = run_matvec(gpu, &case, 45, 224, cols, None);
         assert!(e < NMSE_MAX, "matvec Q8_0 K=224 cols={cols}: NMSE {e:e}");
     }
+    // Seven 17-byte MXFP4 blocks make 119-byte rows, so every other row starts at an odd byte;
+    // Q5_0's 154-byte rows start 2-aligned.
+    for ty in [GgmlType::MXFP4, GgmlType::Q5_0] {
+        let case = make(gpu, ty, 45, 224, 1, u64::MAX, 12);
+        for cols in [1, 40] {
+            let kernel = (cols > 8).then_some(MatmulKernel::Tiled);
+            let e = run_matvec(gpu, &case, 45, 224, cols, kernel);
+            assert!(e < NMSE_MAX, "{ty} K=224 cols={cols}: NMSE {e:e}");
+        }
+    }
 }
 
 /// The cooperative-matrix mat-mat runs with f16 inputs. Each product w·x then carries two f16
