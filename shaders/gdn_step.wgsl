@@ -3,17 +3,27 @@
 // the delta-rule update of the v-head's state S, its read-out, and the per-head gated RMSNorm
 // (RMSNorm(o) · NORM · SiLU(z)) — the work of the recurrent kernel plus the gated norm, in one
 // dispatch over all slots. Grid (v_heads, rows); row r is slot SLOTS[slots_offset + r], whose
-// states start at float slot · state_stride. A workgroup owns one whole head (COLS value columns,
-// LANES lanes per column, each lane every LANES-th key row in registers), so the norm over the
+// states start at float slot · state_stride. A workgroup owns one whole head, so the norm over the
 // head's outputs needs no second kernel.
 //
-// Layouts as shaders/deltanet.wgsl: S of v-head n is (n · dv + j) · dk + i (value-major); q, k, v
-// of row r at qkv_offset + r · qkv_stride + {q,k,v}_offset; beta/alpha logits as DeltaParams; z of
-// row r at z_offset + r · z_stride + n · dv + j; the output likewise at out_offset + r · out_stride.
+// S is value-major ((n · dv + j) · dk + i: a value column's dk floats are contiguous), so LANES
+// neighbouring invocations share a column, each holding every LANES-th key row: their loads of a
+// column are one contiguous run, and the column's dot products are subgroup sums (LANES is the
+// subgroup size; without subgroups LANES = 1 and an invocation holds a whole column). The workgroup
+// walks the head's columns in PASSES passes of WG / LANES columns; every S load is issued first.
+//
+// Layouts as shaders/deltanet.wgsl: q, k, v of row r at qkv_offset + r · qkv_stride +
+// {q,k,v}_offset; beta/alpha logits as DeltaParams; z of row r at z_offset + r · z_stride + n · dv
+// + j; the output likewise at out_offset + r · out_stride.
 #include "common.wgsl"
 #include "common_reduce.wgsl"
 #define WG 256
-#define LANES 2
+#define LANES 1
+// Key rows per invocation (MAX_DK / LANES) and column passes (MAX_DV · LANES / WG).
+#define ROWS 128
+#define PASSES 1
+#variants LANES=32 ROWS=4 PASSES=16 SUBGROUPS=1
+#variants LANES=8 ROWS=16 PASSES=4 SUBGROUPS=1
 
 struct StepParams {
     rows: u32,
@@ -48,8 +58,6 @@ struct StepParams {
 }
 
 const COLS: u32 = {{WG}}u / {{LANES}}u;
-const MAX_DK: u32 = 128u;
-const ROWS_PER_LANE: u32 = MAX_DK / {{LANES}}u;
 
 var<immediate> P: StepParams;
 @group(0) @binding(0) var<storage, read> QKV: array<f32>;
@@ -62,11 +70,6 @@ var<immediate> P: StepParams;
 @group(0) @binding(7) var<storage, read_write> STATE: array<f32>;
 @group(0) @binding(8) var<storage, read_write> OUT: array<f32>;
 
-var<workgroup> sh_q: array<f32, MAX_DK>;
-var<workgroup> sh_k: array<f32, MAX_DK>;
-var<workgroup> kv_parts: array<f32, {{WG}}>;
-var<workgroup> o_parts: array<f32, {{WG}}>;
-
 fn k_head_of(n: u32) -> u32 {
     if P.pairing == 0u {
         return n / (P.v_heads / P.k_heads);
@@ -78,93 +81,106 @@ fn ba_at(r: u32, n: u32, which: u32) -> f32 {
     return BA[P.ba_offset + r * P.ba_stride + which + (n / P.ba_group) * P.ba_group_stride + n % P.ba_group];
 }
 
+// The sum of v over the LANES invocations that share a column.
+fn column_sum(v: f32) -> f32 {
+#if SUBGROUPS
+    return subgroupAdd(v);
+#else
+    return v;
+#endif
+}
+
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
     let n = ids.wid.x;
     let r = ids.wid.y;
-    let lid = ids.lid;
-    let col = lid / {{LANES}}u;
-    let lane = lid % {{LANES}}u;
-    let j = col;
-    let col_valid = j < P.dv;
+    let lane = ids.lid % {{LANES}}u;
+    let cg = ids.lid / {{LANES}}u;
     let dk = P.dk;
     let kh = k_head_of(n);
     let qkv = P.qkv_offset + r * P.qkv_stride;
     let st = SLOTS[P.slots_offset + r] * P.state_stride + n * P.dv * dk;
 
-    for (var i = lid; i < dk; i += {{WG}}u) {
-        sh_q[i] = QKV[qkv + P.q_offset + kh * dk + i];
-        sh_k[i] = QKV[qkv + P.k_offset + kh * dk + i];
-    }
-    // The state loads do not depend on q and k: issue them before the barrier.
-    var s: array<f32, ROWS_PER_LANE>;
-    for (var t = 0u; t < ROWS_PER_LANE; t++) {
-        let i = lane + t * {{LANES}}u;
-        if col_valid && i < dk {
-            s[t] = STATE[st + j * dk + i];
+    // Every S load first: column j = pass · COLS + cg, key rows lane + t · LANES.
+    var s: array<array<f32, {{ROWS}}>, {{PASSES}}>;
+#for p in 0..PASSES
+    {
+        let j = {{p}}u * COLS + cg;
+#for t in 0..ROWS
+        if j < P.dv && lane + {{t}}u * {{LANES}}u < dk {
+            s[{{p}}][{{t}}] = STATE[st + j * dk + lane + {{t}}u * {{LANES}}u];
         }
+#endfor
     }
-    workgroupBarrier();
-    // Every invocation sums the squares itself, in the same order (no reduction barriers).
+#endfor
+    var q: array<f32, {{ROWS}}>;
+    var k: array<f32, {{ROWS}}>;
     var qq = 0.0;
     var kk = 0.0;
-    for (var i = 0u; i < dk; i++) {
-        qq += sh_q[i] * sh_q[i];
-        kk += sh_k[i] * sh_k[i];
+#for t in 0..ROWS
+    if lane + {{t}}u * {{LANES}}u < dk {
+        q[{{t}}] = QKV[qkv + P.q_offset + kh * dk + lane + {{t}}u * {{LANES}}u];
+        k[{{t}}] = QKV[qkv + P.k_offset + kh * dk + lane + {{t}}u * {{LANES}}u];
+        qq += q[{{t}}] * q[{{t}}];
+        kk += k[{{t}}] * k[{{t}}];
     }
+#endfor
+    qq = column_sum(qq);
+    kk = column_sum(kk);
     let inv_q = P.q_scale / max(sqrt(qq), P.eps);
     let inv_k = 1.0 / max(sqrt(kk), P.eps);
+#for t in 0..ROWS
+    q[{{t}}] *= inv_q;
+    k[{{t}}] *= inv_k;
+#endfor
     let x = ba_at(r, n, P.alpha_offset) + DT_BIAS[n];
     // softplus with the usual linear tail above 20 (as deltanet.wgsl).
     let softplus = select(log(1.0 + exp(x)), x, x > 20.0);
     let decay = exp(SSM_A[n] * softplus);
     let beta = 1.0 / (1.0 + exp(-ba_at(r, n, P.beta_offset)));
 
-    var kv = 0.0;
-    for (var t = 0u; t < ROWS_PER_LANE; t++) {
-        let i = lane + t * {{LANES}}u;
-        if i < dk {
-            s[t] *= decay;
-            kv += s[t] * sh_k[i] * inv_k;
+    var o: array<f32, {{PASSES}}>;
+    var sq = 0.0;
+#for p in 0..PASSES
+    {
+        let j = {{p}}u * COLS + cg;
+        let valid = j < P.dv;
+        var kv = 0.0;
+#for t in 0..ROWS
+        s[{{p}}][{{t}}] *= decay;
+        kv += s[{{p}}][{{t}}] * k[{{t}}];
+#endfor
+        kv = column_sum(kv);
+        var v = 0.0;
+        if valid {
+            v = QKV[qkv + P.v_offset + n * P.dv + j];
+        }
+        let delta = beta * (v - kv);
+        var op = 0.0;
+#for t in 0..ROWS
+        s[{{p}}][{{t}}] += k[{{t}}] * delta;
+        op += s[{{p}}][{{t}}] * q[{{t}}];
+        if valid && lane + {{t}}u * {{LANES}}u < dk {
+            STATE[st + j * dk + lane + {{t}}u * {{LANES}}u] = s[{{p}}][{{t}}];
+        }
+#endfor
+        o[{{p}}] = column_sum(op);
+        if valid && lane == 0u {
+            sq += o[{{p}}] * o[{{p}}];
         }
     }
-    kv_parts[lid] = kv;
-    workgroupBarrier();
-    var kv_total = 0.0;
-    for (var ln = 0u; ln < {{LANES}}u; ln++) {
-        kv_total += kv_parts[col * {{LANES}}u + ln];
-    }
-    var v = 0.0;
-    if col_valid {
-        v = QKV[qkv + P.v_offset + n * P.dv + j];
-    }
-    let delta = beta * (v - kv_total);
-    var o = 0.0;
-    for (var t = 0u; t < ROWS_PER_LANE; t++) {
-        let i = lane + t * {{LANES}}u;
-        if i < dk {
-            s[t] += sh_k[i] * inv_k * delta;
-            o += s[t] * sh_q[i] * inv_q;
-        }
-    }
-    o_parts[lid] = o;
-    for (var t = 0u; t < ROWS_PER_LANE; t++) {
-        let i = lane + t * {{LANES}}u;
-        if col_valid && i < dk {
-            STATE[st + j * dk + i] = s[t];
-        }
-    }
-    workgroupBarrier();
-    var o_total = 0.0;
-    for (var ln = 0u; ln < {{LANES}}u; ln++) {
-        o_total += o_parts[col * {{LANES}}u + ln];
-    }
+#endfor
     // Gated RMSNorm over the head's dv outputs (lane 0 of each valid column contributes).
-    let contributes = col_valid && lane == 0u;
-    let sq = wg_sum(select(0.0, o_total * o_total, contributes), ids);
-    let inv = inverseSqrt(sq / f32(P.dv) + P.norm_eps);
-    if contributes {
-        let z = Z[P.z_offset + r * P.z_stride + n * P.dv + j];
-        OUT[P.out_offset + r * P.out_stride + n * P.dv + j] = o_total * inv * NORM[j] * (z / (1.0 + exp(-z)));
+    let inv = inverseSqrt(wg_sum(sq, ids) / f32(P.dv) + P.norm_eps);
+    if lane == 0u {
+#for p in 0..PASSES
+        {
+            let j = {{p}}u * COLS + cg;
+            if j < P.dv {
+                let z = Z[P.z_offset + r * P.z_stride + n * P.dv + j];
+                OUT[P.out_offset + r * P.out_stride + n * P.dv + j] = o[{{p}}] * inv * NORM[j] * (z / (1.0 + exp(-z)));
+            }
+        }
+#endfor
     }
 }

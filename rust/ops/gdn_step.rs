@@ -8,12 +8,23 @@ use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
 pub const FILE: ShaderFile = crate::shader_file!("gdn_step");
-/// Workgroup size and lanes per value column: one workgroup holds a head of up to 128 columns.
+/// Workgroup size: one workgroup holds a head of up to 128 columns.
 const WG: u32 = 256;
-const LANES: u32 = 2;
 /// Largest key and value head dims one workgroup holds.
 pub const MAX_DK: u32 = 128;
-pub const MAX_DV: u32 = WG / LANES;
+pub const MAX_DV: u32 = 128;
+
+/// Invocations sharing a value column (gdn_step.wgsl `LANES`): the subgroup size where subgroups
+/// have one fixed size (the column's sums are subgroup sums), else 1.
+fn lanes(gpu: &Gpu) -> u32 {
+    let c = &gpu.caps;
+    let sg = c.subgroup_max_size;
+    if c.subgroups && sg == c.subgroup_min_size && sg.is_power_of_two() && (2..=64).contains(&sg) {
+        sg
+    } else {
+        1
+    }
+}
 
 /// Mirrors `StepParams` in gdn_step.wgsl (field meanings are documented there).
 #[repr(C)]
@@ -121,9 +132,15 @@ pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepA
         QkError::Engine("gdn step: state stride smaller than one slot's S".into())
     );
     require_len("gdn step state", a.state, u64::from(p.state_stride))?;
+    let lanes = lanes(gpu);
     let pipe = gpu.pipeline(
         &FILE,
-        &[("WG", WG.to_string()), ("LANES", LANES.to_string())],
+        &[
+            ("WG", WG.to_string()),
+            ("LANES", lanes.to_string()),
+            ("ROWS", (MAX_DK / lanes).to_string()),
+            ("PASSES", (MAX_DV * lanes).div_ceil(WG).to_string()),
+        ],
         &[],
     )?;
     rec.dispatch(

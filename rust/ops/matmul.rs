@@ -238,6 +238,11 @@ struct MatmulParams {
     order_at: u32,
 }
 
+/// Steps (rows × K / weights per step) up to which a mat-vec counts as small (see
+/// [`MatvecShape::for_matrix`]): one step per invocation is then at most ~16 waves of an H200's
+/// 270 k resident invocations; larger matrices keep every invocation busy with the tuned shapes.
+const SMALL_MATRIX_STEPS: u64 = 4 << 20;
+
 /// A mat-vec launch shape: rows per workgroup, invocations per workgroup (a power of two ≥ the
 /// subgroup size) and K steps per loop iteration of the word paths. [`MatvecShape::default_for`]
 /// is what every op uses; tuning runs (benches/kernels.rs) pass others to [`matvec_shaped`].
@@ -265,6 +270,31 @@ impl MatvecShape {
             rows,
             wg,
             unroll: if ncols <= 2 { 2 } else { 1 },
+        }
+    }
+
+    /// The shape for a matrix of `rows` rows (per expert) of K = `k`: [`MatvecShape::default_for`]
+    /// for large ones, which those shapes were tuned on; for the small ones a decode step is made of
+    /// (a layer's projections and experts: 0.1–5 M weights), one row per workgroup and a workgroup
+    /// wide enough that each invocation takes about one step of the row, so the whole GPU has loads in
+    /// flight at once — 8 rows × 32 invocations walking K left most of an H200 idle (130–250 GB/s on
+    /// 4–9 MB matrices). Depends on the matrix alone, never on the number of columns, so a row's sum
+    /// is the same in any batch.
+    pub fn for_matrix(ty: GgmlType, rows: u64, k: u64, ncols: u32) -> Self {
+        // Weights one invocation takes per step on the word paths (16: IQ4_XS, Q4_K, Q6_K pairs of
+        // words), 8 elsewhere.
+        let per_step = match ty {
+            GgmlType::IQ4XS | GgmlType::Q4K | GgmlType::Q6K => 16,
+            _ => 8,
+        };
+        let steps = k / per_step;
+        if rows * steps > SMALL_MATRIX_STEPS {
+            return MatvecShape::default_for(ty, ncols);
+        }
+        MatvecShape {
+            rows: 1,
+            wg: (steps.next_power_of_two() as u32).clamp(32, 256),
+            unroll: 1,
         }
     }
 
@@ -408,7 +438,9 @@ fn matvec_with(
     let mut done = 0u32;
     while done < ncols {
         let nc = (ncols - done).min(MATVEC_MAX_COLS);
-        let shape = shape.unwrap_or(MatvecShape::default_for(w.ty, nc)).clamped();
+        let shape = shape
+            .unwrap_or(MatvecShape::for_matrix(w.ty, w.rows, w.cols, nc))
+            .clamped();
         let pipe = matvec_pipeline(gpu, w.ty, nc, false, shape, fusion)?;
         for win in &w.windows {
             let mut p = MatvecParams {
@@ -620,7 +652,7 @@ pub fn matvec_id_with(
             w.name
         )));
     }
-    let shape = MatvecShape::default_for(w.ty, 1).clamped();
+    let shape = MatvecShape::for_matrix(w.ty, w.rows, w.cols, 1).clamped();
     let pipe = matvec_pipeline(gpu, w.ty, 1, true, shape, &fusion)?;
     for (win, expert_first, expert_count) in expert_windows(w)? {
         let mut p = MatvecParams {

@@ -313,9 +313,17 @@ fn router_appends_the_shared_expert_as_the_last_pick() {
 
 #[test]
 fn gdn_step_matches_the_recurrent_reference_and_gated_norm_per_slot() {
+    // Subgroups on: a column shared by a subgroup's lanes; off: one invocation per column.
+    for no_subgroups in [false, true] {
+        if let Some(gpu) = test_gpu(no_subgroups) {
+            gdn_step_case(gpu);
+        }
+    }
+}
+
+fn gdn_step_case(gpu: &Gpu) {
     use qk::ops::deltanet::{DeltaParams, reference};
     use qk::ops::gdn_step::{GdnStepArgs, GdnStepParams, record};
-    let Some(gpu) = test_gpu(false) else { return };
     // qwen3next grouping: 2 k-heads, 4 v-heads, dk = dv = 64; 3 rows on slots 1, 3, 0 of 4; two steps.
     let (nk, nv, dk, dv, rows, n_slots) = (2u32, 4u32, 64u32, 64u32, 3u32, 4u32);
     let (key_dim, vd) = (nk * dk, nv * dv);
