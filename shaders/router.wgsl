@@ -4,21 +4,26 @@
 // id-indexed expert mat-vec. One workgroup per token.
 //
 // SG > 0 is the fast path for a device whose subgroups have exactly SG lanes: the workgroup is one
-// subgroup, each lane keeps its experts' probabilities in registers, and each of the k picks is two
-// subgroup reductions with no barrier (the shared-memory tree below costs ~6 barriers per pick: the
+// subgroup routing with common_route.wgsl (each lane keeps its experts' probabilities in registers,
+// each of the k picks is two subgroup reductions with no barrier (the shared-memory tree below costs ~6 barriers per pick: the
 // router was 23 µs of a decode step's layer on the H200). With SHARED=1 the token's shared expert
 // becomes pick k: id P.shared_id (its rows appended to the expert tensors), weight sigmoid of its gate
 // logit, so the expert kernels and the combine treat it like a routed one.
 #include "common.wgsl"
 #include "common_reduce.wgsl"
+#if SG
+#include "common_route.wgsl"
+#endif
 #define WG 64
 #define SG 0
 #define SHARED 0
 // SG path: experts per lane, ceil(experts / SG).
 #define PER_LANE 16
+// The routing library's subgroup size (the SG path's).
+#define RSG 32
 #variants SHARED=1
-#variants SG=32 WG=32 SHARED=1 SUBGROUPS=1
-#variants SG=8 WG=8 PER_LANE=64 SUBGROUPS=1
+#variants SG=32 RSG=32 WG=32 SHARED=1 SUBGROUPS=1
+#variants SG=8 RSG=8 WG=8 PER_LANE=64 SUBGROUPS=1
 
 struct RouterParams {
     tokens: u32,
@@ -36,18 +41,38 @@ struct RouterParams {
 
 const MAX_EXPERTS: u32 = 1024u;
 const MAX_K: u32 = 32u;
+
+var<immediate> P: RouterParams;
+@group(0) @binding(0) var<storage, read> ROUTE_LOGITS: array<f32>;
+@group(0) @binding(1) var<storage, read_write> ROUTE_IDS: array<u32>;
+@group(0) @binding(2) var<storage, read_write> ROUTE_W: array<f32>;
+#if SHARED
+@group(0) @binding(3) var<storage, read> GATE: array<f32>;
+#endif
+
+#if SG
+@compute @workgroup_size({{SG}})
+fn main(ids: ComputeIds) {
+    let lane = ids.lid;
+    let token = group_index(ids);
+    if token >= P.tokens {
+        return;
+    }
+    let out = token * P.ids_stride;
+    let args = RouteArgs(P.logits_offset + token * P.logits_token_stride, P.experts, P.k, false, 0u, 0u, out, true, 0u);
+    route_token(lane, args);
+#if SHARED
+    if lane == 0u {
+        ROUTE_IDS[out + P.k] = P.shared_id;
+        ROUTE_W[out + P.k] = 1.0 / (1.0 + exp(-GATE[P.gate_offset + token * P.gate_stride]));
+    }
+#endif
+}
+#else
 const NO_EXPERT: u32 = 0xffffffffu;
 // Below every probability: marks an expert already chosen.
 const TAKEN: f32 = -1.0;
 const MIN_WEIGHT_SUM: f32 = 6.1e-5;
-
-var<immediate> P: RouterParams;
-@group(0) @binding(0) var<storage, read> LOGITS: array<f32>;
-@group(0) @binding(1) var<storage, read_write> EXPERT_IDS: array<u32>;
-@group(0) @binding(2) var<storage, read_write> EXPERT_WEIGHTS: array<f32>;
-#if SHARED
-@group(0) @binding(3) var<storage, read> GATE: array<f32>;
-#endif
 
 var<workgroup> chosen_id: array<u32, MAX_K>;
 var<workgroup> chosen_p: array<f32, MAX_K>;
@@ -65,75 +90,15 @@ fn write_token(token: u32) {
     sum = max(sum, MIN_WEIGHT_SUM);
     let base = token * P.ids_stride;
     for (var it = 0u; it < P.k; it++) {
-        EXPERT_IDS[base + it] = chosen_id[it];
-        EXPERT_WEIGHTS[base + it] = chosen_p[it] / sum;
+        ROUTE_IDS[base + it] = chosen_id[it];
+        ROUTE_W[base + it] = chosen_p[it] / sum;
     }
 #if SHARED
-    EXPERT_IDS[base + P.k] = P.shared_id;
-    EXPERT_WEIGHTS[base + P.k] = 1.0 / (1.0 + exp(-GATE[P.gate_offset + token * P.gate_stride]));
+    ROUTE_IDS[base + P.k] = P.shared_id;
+    ROUTE_W[base + P.k] = 1.0 / (1.0 + exp(-GATE[P.gate_offset + token * P.gate_stride]));
 #endif
 }
 
-#if SG
-@compute @workgroup_size({{SG}})
-fn main(ids: ComputeIds) {
-    let lane = ids.lid;
-    let token = group_index(ids);
-    if token >= P.tokens {
-        return;
-    }
-    let base = P.logits_offset + token * P.logits_token_stride;
-    // Lane l holds experts l + j·SG for j < PER_LANE (unrolled: the array stays in registers).
-    var probs: array<f32, {{PER_LANE}}>;
-    var local_max = -3.0e38;
-#for j in 0..PER_LANE
-    probs[{{j}}] = TAKEN;
-    if lane + {{j}}u * {{SG}}u < P.experts {
-        probs[{{j}}] = LOGITS[base + lane + {{j}}u * {{SG}}u];
-        local_max = max(local_max, probs[{{j}}]);
-    }
-#endfor
-    let m = subgroupMax(local_max);
-    var local_sum = 0.0;
-#for j in 0..PER_LANE
-    if lane + {{j}}u * {{SG}}u < P.experts {
-        probs[{{j}}] = exp(probs[{{j}}] - m);
-        local_sum += probs[{{j}}];
-    }
-#endfor
-    let total = subgroupAdd(local_sum);
-#for j in 0..PER_LANE
-    if lane + {{j}}u * {{SG}}u < P.experts {
-        probs[{{j}}] = probs[{{j}}] / total;
-    }
-#endfor
-    for (var it = 0u; it < P.k; it++) {
-        // Within a lane experts ascend with j, so the strict comparison keeps the lowest id.
-        var best_value = TAKEN;
-        var best_id = NO_EXPERT;
-#for j in 0..PER_LANE
-        if probs[{{j}}] > best_value {
-            best_value = probs[{{j}}];
-            best_id = lane + {{j}}u * {{SG}}u;
-        }
-#endfor
-        let top = subgroupMax(best_value);
-        let winner = subgroupMin(select(NO_EXPERT, best_id, best_value == top));
-#for j in 0..PER_LANE
-        if winner == lane + {{j}}u * {{SG}}u {
-            probs[{{j}}] = TAKEN;
-        }
-#endfor
-        if lane == 0u {
-            chosen_id[it] = winner;
-            chosen_p[it] = top;
-        }
-    }
-    if lane == 0u {
-        write_token(token);
-    }
-}
-#else
 var<workgroup> probs: array<f32, MAX_EXPERTS>;
 var<workgroup> red_value: array<f32, {{WG}}>;
 var<workgroup> red_id: array<u32, {{WG}}>;
@@ -149,7 +114,7 @@ fn main(ids: ComputeIds) {
     let base = P.logits_offset + token * P.logits_token_stride;
     var local_max = -3.0e38;
     for (var e = lid; e < e_count; e += {{WG}}u) {
-        let l = LOGITS[base + e];
+        let l = ROUTE_LOGITS[base + e];
         probs[e] = l;
         local_max = max(local_max, l);
     }

@@ -41,6 +41,7 @@ pub const LIBRARY: &[ShaderFile] = &[
     shader_file!("common"),
     shader_file!("common_dequant"),
     shader_file!("common_reduce"),
+    shader_file!("common_route"),
     shader_file!("common_matmul"),
 ];
 

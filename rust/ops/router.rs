@@ -104,6 +104,7 @@ pub fn record_with(
     let mut defines = vec![("SHARED", u32::from(shared.is_some()).to_string())];
     if let Some(sg) = subgroup_lanes(gpu, p.experts) {
         defines.push(("SG", sg.to_string()));
+        defines.push(("RSG", sg.to_string()));
         defines.push(("WG", sg.to_string()));
         defines.push(("PER_LANE", p.experts.div_ceil(sg).to_string()));
     }
