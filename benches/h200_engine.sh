@@ -7,7 +7,7 @@
 #                                                 GPU tests, then qk and llama.cpp side by side
 #   bash benches/h200_engine.sh wait [SECONDS]   wait for the background run; print its log
 # Results land in $OUT (engine.log, qk-bench.json, llama-bench.md, llama-batched.txt, kernels.txt).
-# env: QK_SKIP_TESTS=1, QK_SKIP_LLAMA=1, QK_KERNELS=1 (kernel micro-benchmark),
+# env: QK_SKIP_TESTS=1, QK_TEST_FILTER (a cargo test filter), QK_SKIP_LLAMA=1, QK_KERNELS=1 (kernel micro-benchmark),
 #      QK_BENCH_ARGS (extra engine_bench.py flags), QK_SPLIT=1 (the split bench).
 set -uo pipefail
 WORK=/tmp/qk-bench
@@ -53,7 +53,7 @@ BUILD=\$!
 MAKE=\$!
 if [ "${QK_SKIP_TESTS:-0}" != 1 ]; then
   echo "== GPU tests (cargo test binary; subgroup 32, cooperative matrix, big bindings)"
-  QK_REQUIRE_GPU=1 QK_REQUIRE_COOP=1 .device/rust-tests --test-threads=1 2>&1 \
+  QK_REQUIRE_GPU=1 QK_REQUIRE_COOP=1 .device/rust-tests ${QK_TEST_FILTER:-} --test-threads=1 2>&1 \
     | grep -E "^test result|FAILED|panicked|failures:" | head -20
 fi
 if [ "${QK_KERNELS:-0}" = 1 ]; then
