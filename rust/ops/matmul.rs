@@ -273,14 +273,16 @@ impl MatvecShape {
         }
     }
 
-    /// The shape for a matrix of `rows` rows (per expert) of K = `k`: [`MatvecShape::default_for`]
-    /// for large ones, which those shapes were tuned on; for the small ones a decode step is made of
-    /// (a layer's projections and experts: 0.1–5 M weights), one row per workgroup and a workgroup
-    /// wide enough that each invocation takes about one step of the row, so the whole GPU has loads in
-    /// flight at once — 8 rows × 32 invocations walking K left most of an H200 idle (130–250 GB/s on
-    /// 4–9 MB matrices). Depends on the matrix alone, never on the number of columns, so a row's sum
-    /// is the same in any batch.
-    pub fn for_matrix(ty: GgmlType, rows: u64, k: u64, ncols: u32) -> Self {
+    /// The shape of a dense mat-vec over a matrix of `rows` rows of K = `k`, with `ncols` columns and
+    /// (`norm`) the RMSNorm folded into it: [`MatvecShape::default_for`] for large matrices, which
+    /// those shapes were tuned on. The decode step's small ones (0.1–10 M weights) get a workgroup
+    /// wide enough that each invocation takes about one step of K, so the whole GPU has loads in
+    /// flight — 8 rows × 32 invocations walking K left most of an H200 idle (130–250 GB/s on 4–9 MB
+    /// matrices, H200 2026-12-01). Rows per workgroup grow with the columns (each step's activation
+    /// loads serve more rows) and with a fused norm (every workgroup recomputes its columns' norms:
+    /// 1 row per workgroup made dn.qkv slower). The workgroup width, which fixes how K is split and so
+    /// each row's sum, depends on K alone: a row's result is the same in any batch.
+    pub fn for_matrix(ty: GgmlType, rows: u64, k: u64, ncols: u32, norm: bool) -> Self {
         // Weights one invocation takes per step on the word paths (16: IQ4_XS, Q4_K, Q6_K pairs of
         // words), 8 elsewhere.
         let per_step = match ty {
@@ -291,8 +293,13 @@ impl MatvecShape {
         if rows * steps > SMALL_MATRIX_STEPS {
             return MatvecShape::default_for(ty, ncols);
         }
+        let rows_per_group = match (norm, ncols) {
+            (true, _) | (_, 3..) => 4,
+            (false, 2) => 2,
+            _ => 1,
+        };
         MatvecShape {
-            rows: 1,
+            rows: rows_per_group,
             wg: (steps.next_power_of_two() as u32).clamp(32, 256),
             unroll: 1,
         }
@@ -439,7 +446,13 @@ fn matvec_with(
     while done < ncols {
         let nc = (ncols - done).min(MATVEC_MAX_COLS);
         let shape = shape
-            .unwrap_or(MatvecShape::for_matrix(w.ty, w.rows, w.cols, nc))
+            .unwrap_or(MatvecShape::for_matrix(
+                w.ty,
+                w.rows,
+                w.cols,
+                nc,
+                matches!(fusion.input, MatvecInput::Rms { .. }),
+            ))
             .clamped();
         let pipe = matvec_pipeline(gpu, w.ty, nc, false, shape, fusion)?;
         for win in &w.windows {
@@ -652,7 +665,9 @@ pub fn matvec_id_with(
             w.name
         )));
     }
-    let shape = MatvecShape::for_matrix(w.ty, w.rows, w.cols, 1).clamped();
+    // Expert products keep the tuned shape: with one row per workgroup a step of 8 slots launched
+    // ~90 k workgroups of one step each and ran at half the rate (H200, 2026-12-01).
+    let shape = MatvecShape::default_for(w.ty, 1).clamped();
     let pipe = matvec_pipeline(gpu, w.ty, 1, true, shape, &fusion)?;
     for (win, expert_first, expert_count) in expert_windows(w)? {
         let mut p = MatvecParams {
