@@ -113,6 +113,15 @@ fn main(ids: ComputeIds) {
 #endfor
     }
 #endfor
+    // The columns' v and z too: a load inside each pass would wait a memory round trip per pass.
+    var vs: array<f32, {{PASSES}}>;
+    var zs: array<f32, {{PASSES}}>;
+#for p in 0..PASSES
+    if {{p}}u * COLS + cg < P.dv {
+        vs[{{p}}] = QKV[qkv + P.v_offset + n * P.dv + {{p}}u * COLS + cg];
+        zs[{{p}}] = Z[P.z_offset + r * P.z_stride + n * P.dv + {{p}}u * COLS + cg];
+    }
+#endfor
     var q: array<f32, {{ROWS}}>;
     var k: array<f32, {{ROWS}}>;
     var qq = 0.0;
@@ -151,11 +160,7 @@ fn main(ids: ComputeIds) {
         kv += s[{{p}}][{{t}}] * k[{{t}}];
 #endfor
         kv = column_sum(kv);
-        var v = 0.0;
-        if valid {
-            v = QKV[qkv + P.v_offset + n * P.dv + j];
-        }
-        let delta = beta * (v - kv);
+        let delta = beta * (vs[{{p}}] - kv);
         var op = 0.0;
 #for t in 0..ROWS
         s[{{p}}][{{t}}] += k[{{t}}] * delta;
@@ -177,7 +182,7 @@ fn main(ids: ComputeIds) {
         {
             let j = {{p}}u * COLS + cg;
             if j < P.dv {
-                let z = Z[P.z_offset + r * P.z_stride + n * P.dv + j];
+                let z = zs[{{p}}];
                 OUT[P.out_offset + r * P.out_stride + n * P.dv + j] = o[{{p}}] * inv * NORM[j] * (z / (1.0 + exp(-z)));
             }
         }
