@@ -55,6 +55,9 @@ pub struct WeightWindow {
     pub buffer: GpuBuffer,
     pub first_row: u64,
     pub n_rows: u64,
+    /// Byte offset of the window's first row in `buffer`: non-zero for a tensor that shares its
+    /// buffer with others (see [`WeightTensor::split_rows`]).
+    pub offset: u64,
 }
 
 /// A weight matrix (or stack of expert matrices) resident on the device in its GGUF block layout.
@@ -75,6 +78,33 @@ pub struct WeightTensor {
 }
 
 impl WeightTensor {
+    /// Two tensors over this dense one-window tensor's rows `[0, at)` and `[at, rows)`, sharing its
+    /// buffer (no copy): a matrix uploaded as one stack of two, for kernels that take the stack in
+    /// one product and others that take each part.
+    pub fn split_rows(&self, at: u64, names: [&str; 2]) -> Option<[WeightTensor; 2]> {
+        let [win] = self.windows.as_slice() else {
+            return None;
+        };
+        if self.experts != 1 || at == 0 || at >= self.rows {
+            return None;
+        }
+        let part = |name: &str, first: u64, rows: u64| WeightTensor {
+            name: name.into(),
+            ty: self.ty,
+            cols: self.cols,
+            rows,
+            experts: 1,
+            row_bytes: self.row_bytes,
+            windows: vec![WeightWindow {
+                buffer: win.buffer.clone(),
+                first_row: 0,
+                n_rows: rows,
+                offset: win.offset + first * self.row_bytes,
+            }],
+        };
+        Some([part(names[0], 0, at), part(names[1], at, self.rows - at)])
+    }
+
     /// The window holding global row `row`.
     pub fn window_of(&self, row: u64) -> Option<&WeightWindow> {
         self.windows
@@ -248,6 +278,7 @@ impl Gpu {
                 buffer,
                 first_row: first,
                 n_rows: n,
+                offset: 0,
             });
             first += n;
         }

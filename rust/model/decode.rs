@@ -150,15 +150,15 @@ impl Model {
     ) -> Result<()> {
         let cfg = &self.cfg;
         let (cd, vd, nv, e) = (cfg.conv_dim(), cfg.value_dim(), cfg.v_heads, cfg.n_embd);
-        let gw = cd + 2 * nv;
+        // One row of s.dn_proj: [conv(q ‖ k ‖ v) | z | beta/alpha logits].
+        let pw = cd + vd + 2 * nv;
         let xc = Columns::packed(x, e);
-        let DeltaNetProjection::Split { qkv, gate } = &w.proj else {
+        let DeltaNetProjection::Split { qkv, gate, stacked } = &w.proj else {
             return Err(QkError::Engine("fused decode: legacy ssm_in projection".into()));
         };
         let Some(LayerState::DeltaNet { conv, s: ssm, .. }) = states.first() else {
             return Err(QkError::Engine("DeltaNet layer with attention state".into()));
         };
-        rec.op("dn.qkv", layer, dense_bytes(qkv));
         let conv_fusion = MatvecFusion {
             input: normed,
             output: MatvecOutput::Conv {
@@ -171,30 +171,41 @@ impl Model {
                 state_stride: (conv_bytes(cfg) / 4) as u32,
             },
         };
-        matvec_fused(
-            gpu,
-            rec,
-            qkv,
-            xc,
-            Columns::packed(&s.conv_out, cd),
-            t,
-            &conv_fusion,
-        )?;
         let plain_norm = MatvecFusion {
             input: normed,
             output: MatvecOutput::Store,
         };
-        rec.op("dn.gate", layer, dense_bytes(gate));
-        matvec_fused(gpu, rec, gate, xc, Columns::packed(&s.z, vd), t, &plain_norm)?;
+        match stacked {
+            // q ‖ k ‖ v ‖ z in one product; the conv runs on the first cd rows.
+            Some(both) => {
+                rec.op("dn.qkvz", layer, dense_bytes(both));
+                matvec_fused(gpu, rec, both, xc, cols(&s.dn_proj, 0, pw), t, &conv_fusion)?;
+            }
+            None => {
+                rec.op("dn.qkv", layer, dense_bytes(qkv));
+                matvec_fused(gpu, rec, qkv, xc, cols(&s.dn_proj, 0, pw), t, &conv_fusion)?;
+                rec.op("dn.gate", layer, dense_bytes(gate));
+                matvec_fused(gpu, rec, gate, xc, cols(&s.dn_proj, cd, pw), t, &plain_norm)?;
+            }
+        }
+        let ba_at = cd + vd;
         match &w.ba {
             BetaAlpha::Grouped(ba) => {
                 rec.op("dn.ba", layer, dense_bytes(ba));
-                matvec_fused(gpu, rec, ba, xc, cols(&s.gproj, cd, gw), t, &plain_norm)?;
+                matvec_fused(gpu, rec, ba, xc, cols(&s.dn_proj, ba_at, pw), t, &plain_norm)?;
             }
             BetaAlpha::Split { beta, alpha } => {
                 rec.op("dn.ba", layer, dense_bytes(beta) + dense_bytes(alpha));
-                matvec_fused(gpu, rec, beta, xc, cols(&s.gproj, cd, gw), t, &plain_norm)?;
-                matvec_fused(gpu, rec, alpha, xc, cols(&s.gproj, cd + nv, gw), t, &plain_norm)?;
+                matvec_fused(gpu, rec, beta, xc, cols(&s.dn_proj, ba_at, pw), t, &plain_norm)?;
+                matvec_fused(
+                    gpu,
+                    rec,
+                    alpha,
+                    xc,
+                    cols(&s.dn_proj, ba_at + nv, pw),
+                    t,
+                    &plain_norm,
+                )?;
             }
         }
         let dp = delta_params(cfg);
@@ -206,18 +217,19 @@ impl Model {
             dv: dp.dv,
             pairing: dp.pairing,
             qkv_offset: 0,
-            qkv_stride: cd,
+            qkv_stride: pw,
             q_offset: dp.q_offset,
             k_offset: dp.k_offset,
             v_offset: dp.v_offset,
+            // delta_params places beta/alpha after the cd conv channels; here they follow z too.
             ba_offset: 0,
-            ba_stride: gw,
+            ba_stride: pw,
             ba_group: dp.ba_group,
             ba_group_stride: dp.ba_group_stride,
-            beta_offset: dp.beta_offset,
-            alpha_offset: dp.alpha_offset,
-            z_offset: 0,
-            z_stride: vd,
+            beta_offset: dp.beta_offset + vd,
+            alpha_offset: dp.alpha_offset + vd,
+            z_offset: cd,
+            z_stride: pw,
             out_offset: 0,
             out_stride: vd,
             state_stride: (ssm_bytes(cfg) / 4) as u32,
@@ -232,11 +244,11 @@ impl Model {
             rec,
             &p,
             &GdnStepArgs {
-                qkv: &s.conv_out,
-                ba: &s.gproj,
+                qkv: &s.dn_proj,
+                ba: &s.dn_proj,
                 ssm_a: &w.ssm_a,
                 dt_bias: &w.dt_bias,
-                z: &s.z,
+                z: &s.dn_proj,
                 norm: &w.norm,
                 slots: &s.slots,
                 state: ssm,

@@ -161,6 +161,8 @@ pub struct Scratch {
     /// Legacy `ssm_in` output before it is regrouped into gproj and z.
     pub(crate) legacy: GpuBuffer,
     pub(crate) conv_out: GpuBuffer,
+    /// Decode: [conv(q ‖ k ‖ v) | z | beta/alpha] per row (rust/model/decode.rs).
+    pub(crate) dn_proj: GpuBuffer,
     pub(crate) z: GpuBuffer,
     pub(crate) dn_out: GpuBuffer,
     pub(crate) gated: GpuBuffer,
@@ -247,6 +249,10 @@ impl Scratch {
                 },
             )?,
             conv_out: buf("gdn.conv_out", r * u64::from(cfg.conv_dim()))?,
+            dn_proj: buf(
+                "gdn.decode_proj",
+                r * u64::from(cfg.conv_dim() + cfg.value_dim() + 2 * cfg.v_heads),
+            )?,
             z: buf("gdn.z", r * u64::from(cfg.value_dim()))?,
             dn_out: buf("gdn.out", r * u64::from(cfg.value_dim()))?,
             gated: buf("gdn.gated", r * u64::from(cfg.value_dim()))?,
@@ -551,7 +557,7 @@ impl Model {
         let gw = cd + 2 * nv;
         let xn = Columns::packed(&s.xn, e);
         match &w.proj {
-            DeltaNetProjection::Split { qkv, gate } => {
+            DeltaNetProjection::Split { qkv, gate, .. } => {
                 rec.op("dn.qkv", layer, dense_bytes(qkv));
                 self.mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
                 rec.op("dn.gate", layer, dense_bytes(gate));

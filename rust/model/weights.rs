@@ -24,8 +24,14 @@ pub enum BetaAlpha {
 
 /// The q‖k‖v and z projections of a DeltaNet layer.
 pub enum DeltaNetProjection {
-    /// `attn_qkv` (rows q ‖ k ‖ v) and `attn_gate` (z).
-    Split { qkv: WeightTensor, gate: WeightTensor },
+    /// `attn_qkv` (rows q ‖ k ‖ v) and `attn_gate` (z); where their types match, `stacked` is both
+    /// in one buffer (q ‖ k ‖ v ‖ z rows; `qkv` and `gate` are views of it), which the decode step
+    /// takes in one product.
+    Split {
+        qkv: WeightTensor,
+        gate: WeightTensor,
+        stacked: Option<WeightTensor>,
+    },
     /// Legacy qwen3next `ssm_in` (HF in_proj_qkvz): per k-head g the rows
     /// [q_g (dk) ‖ k_g (dk) ‖ v of its r v-heads ‖ z of the same] (docs/numerics.md "Tensors").
     Legacy(WeightTensor),
@@ -298,9 +304,38 @@ impl Loader<'_> {
         let mixer = match cfg.kinds[il as usize] {
             LayerKind::DeltaNet => {
                 let proj = if self.file.tensor(&p("attn_qkv.weight")).is_some() {
-                    DeltaNetProjection::Split {
-                        qkv: self.matrix(&p("attn_qkv.weight"), e, cfg.conv_dim(), 1)?,
-                        gate: self.matrix(&p("attn_gate.weight"), e, cfg.value_dim(), 1)?,
+                    let (qkv, gate) = (p("attn_qkv.weight"), p("attn_gate.weight"));
+                    let parts = [(qkv.as_str(), cfg.conv_dim()), (gate.as_str(), cfg.value_dim())];
+                    match self.stacked(&parts, e, 1)? {
+                        Stacked::One(both) => match both.split_rows(u64::from(cfg.conv_dim()), [&qkv, &gate])
+                        {
+                            Some([qkv, gate]) => DeltaNetProjection::Split {
+                                qkv,
+                                gate,
+                                stacked: Some(both),
+                            },
+                            // The stack spans bindings: each part on its own after all.
+                            None => {
+                                self.bytes -= both.rows * both.row_bytes;
+                                drop(both);
+                                DeltaNetProjection::Split {
+                                    qkv: self.matrix(&qkv, e, cfg.conv_dim(), 1)?,
+                                    gate: self.matrix(&gate, e, cfg.value_dim(), 1)?,
+                                    stacked: None,
+                                }
+                            }
+                        },
+                        // Types differ: each part on its own.
+                        Stacked::Parts(mut v) => {
+                            let missing = || QkError::Engine("DeltaNet projection parts".into());
+                            let gate = v.pop().ok_or_else(missing)?;
+                            let qkv = v.pop().ok_or_else(missing)?;
+                            DeltaNetProjection::Split {
+                                qkv,
+                                gate,
+                                stacked: None,
+                            }
+                        }
                     }
                 } else {
                     let rows = cfg.conv_dim() + cfg.value_dim();
