@@ -28,6 +28,9 @@
 #include "common.wgsl"
 #include "common_dequant.wgsl"
 #include "common_reduce.wgsl"
+#if ROUTE
+#include "common_route.wgsl"
+#endif
 #define QTYPE q8_0
 #define NC 1
 #define NR 2
@@ -46,6 +49,14 @@
 #define B_CW 3
 #define B_ST 4
 #define B_SL 5
+// MOE with ROUTE=1: the token's experts are picked here from the router logits (common_route.wgsl:
+// subgroup 0 of each workgroup routes, RSG its size, PER_LANE = ceil(experts / RSG)) instead of by a
+// router dispatch, and one workgroup per token writes the picks for the kernels after it.
+#define ROUTE 0
+#define RSG 32
+#define PER_LANE 16
+#define B_RW 4
+#define B_RL 5
 // Steps per loop iteration of the word paths (loads of all issued first); 1 for many columns,
 // whose activation registers would otherwise crowd out occupancy.
 #define UNROLL 2
@@ -79,6 +90,8 @@
 #variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 EPI=add B_RES=3
 #variants QTYPE=q6_k MOE=1 PRE=silu_mul B_IDS=3
+#variants QTYPE=iq4_xs MOE=1 ROUTE=1 RSG=32 PER_LANE=16 WG=128 NR=1 SUBGROUPS=1
+#variants QTYPE=q8_0 MOE=1 ROUTE=1 RSG=8 PER_LANE=9 SUBGROUPS=1
 
 struct MatvecParams {
     // Weights per row, rows to compute (per expert with MOE), bytes per row.
@@ -110,6 +123,12 @@ struct MatvecParams {
     taps: u32,
     state_stride: u32,
     slots_offset: u32,
+    // ROUTE: token t's logits at route_logits + t * route_stride, experts of them, and (route_shared)
+    // the shared expert as pick n_used - 1 (id route_experts, gate logit after the experts').
+    route_logits: u32,
+    route_stride: u32,
+    route_experts: u32,
+    route_shared: u32,
 }
 
 var<immediate> P: MatvecParams;
@@ -117,7 +136,13 @@ var<immediate> P: MatvecParams;
 @group(0) @binding(1) var<storage, read> X: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> Y: array<f32>;
 #if MOE
+#if ROUTE
+@group(0) @binding({{B_IDS}}) var<storage, read_write> ROUTE_IDS: array<u32>;
+@group(0) @binding({{B_RW}}) var<storage, read_write> ROUTE_W: array<f32>;
+@group(0) @binding({{B_RL}}) var<storage, read> ROUTE_LOGITS: array<f32>;
+#else
 @group(0) @binding({{B_IDS}}) var<storage, read> IDS: array<u32>;
+#endif
 
 var<workgroup> moe_expert: u32;
 #endif
@@ -223,9 +248,32 @@ fn main(ids: ComputeIds) {
     let row0 = ids.wid.x * {{NR}}u;
     let slot = ids.wid.y;
     let token = ids.wid.z;
+#if ROUTE
+#if SUBGROUPS
+    let route_lane = ids.sg_lane;
+    let route_here = ids.sg_id == 0u;
+#else
+    // (Never dispatched: the host routes in this kernel only where subgroups exist.)
+    let route_lane = ids.lid;
+    let route_here = ids.lid < {{RSG}}u;
+#endif
+    if route_here {
+        // Pick `slot` of this token; workgroup (0, 0, token) also writes all its picks.
+        let with_shared = P.route_shared != 0u;
+        let logits = P.route_logits + token * P.route_stride;
+        let args = RouteArgs(logits, P.route_experts, P.n_used - select(0u, 1u, with_shared), with_shared,
+            P.route_experts, logits + P.route_experts, P.ids_offset + token * P.n_used,
+            ids.wid.x == 0u && slot == 0u, slot);
+        let picked = route_token(route_lane, args);
+        if route_lane == 0u {
+            moe_expert = picked;
+        }
+    }
+#else
     if ids.lid == 0u {
         moe_expert = IDS[P.ids_offset + token * P.n_used + slot];
     }
+#endif
     // Uniform across the workgroup, so the early exit keeps the reduction's barriers uniform.
     let expert = workgroupUniformLoad(&moe_expert);
     if expert < P.expert_first || expert >= P.expert_first + P.expert_count {

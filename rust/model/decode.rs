@@ -20,8 +20,8 @@ use crate::gpu::{Gpu, GpuBuffer, Recorder};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::gdn_step::{self, GdnStepArgs, GdnStepParams};
 use crate::ops::matmul::{
-    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecOutput, MoeInput, matvec, matvec_fused, matvec_id,
-    matvec_id_with,
+    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecOutput, MoeInput, MoeRoute, matvec, matvec_fused,
+    matvec_id, matvec_id_routed, matvec_id_with, route_lanes,
 };
 use crate::ops::router::{self, RouterParams, SharedSlot};
 
@@ -379,40 +379,49 @@ impl Model {
             gate_stride,
         });
         let picks = k + u32::from(shared.is_some());
-        let rp = RouterParams {
-            tokens: t,
-            experts: ne,
-            k,
-            logits_offset: 0,
-            logits_token_stride: stride,
-        };
-        rec.op("moe.route", layer, 0);
-        router::record_with(
-            gpu,
-            rec,
-            &rp,
-            &s.router_logits,
-            &s.expert_ids,
-            &s.expert_w,
-            shared,
-        )?;
         let ids = ExpertIds {
             buf: &s.expert_ids,
             offset: 0,
             n_used: picks,
             n_tokens: t,
         };
-        rec.op("moe.gate_up", layer, expert_bytes(gate_up, picks, t));
         let xn = Columns::packed(&s.xn, e);
-        matvec_id(
-            gpu,
-            rec,
-            gate_up,
-            xn,
-            cols(&s.gate_up, 0, 2 * ff),
-            ids,
-            MoeInput::PerToken,
-        )?;
+        let gu_out = cols(&s.gate_up, 0, 2 * ff);
+        // With the shared gate logit beside the expert logits (a stacked router), the gate/up
+        // product routes its tokens itself where the device can: one dispatch fewer per layer.
+        let stacked_router = matches!(w.router, Stacked::One(_));
+        if stacked_router && route_lanes(gpu, ne).is_some() {
+            let route = MoeRoute {
+                logits: &s.router_logits,
+                offset: 0,
+                stride,
+                experts: ne,
+                shared: shared.is_some(),
+                weights: &s.expert_w,
+            };
+            rec.op("moe.gate_up", layer, expert_bytes(gate_up, picks, t));
+            matvec_id_routed(gpu, rec, gate_up, xn, gu_out, ids, &route)?;
+        } else {
+            let rp = RouterParams {
+                tokens: t,
+                experts: ne,
+                k,
+                logits_offset: 0,
+                logits_token_stride: stride,
+            };
+            rec.op("moe.route", layer, 0);
+            router::record_with(
+                gpu,
+                rec,
+                &rp,
+                &s.router_logits,
+                &s.expert_ids,
+                &s.expert_w,
+                shared,
+            )?;
+            rec.op("moe.gate_up", layer, expert_bytes(gate_up, picks, t));
+            matvec_id(gpu, rec, gate_up, xn, gu_out, ids, MoeInput::PerToken)?;
+        }
         rec.op("moe.down", layer, expert_bytes(&w.down, picks, t));
         let silu_mul = MatvecInput::SiluMul { up: ff };
         let gu = Columns::packed(&s.gate_up, 2 * ff);

@@ -5,6 +5,7 @@
 //! (token, slot) entries sorted by expert on the GPU, then one dispatch for all routed experts.
 //! Activations are f32 columns (one per token) in storage buffers.
 
+use super::elementwise::require_len;
 use crate::error::{QkError, Result};
 use crate::gguf::GgmlType;
 use crate::gpu::{Binding, Gpu, GpuBuffer, Recorder, ShaderFile, WeightTensor};
@@ -88,6 +89,10 @@ struct MatvecParams {
     taps: u32,
     state_stride: u32,
     slots_offset: u32,
+    route_logits: u32,
+    route_stride: u32,
+    route_experts: u32,
+    route_shared: u32,
 }
 
 /// What a mat-vec does to its activation columns before the product (matvec.wgsl `PRE`).
@@ -323,6 +328,19 @@ fn matvec_pipeline(
     shape: MatvecShape,
     fusion: &MatvecFusion<'_>,
 ) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
+    matvec_pipeline_with(gpu, ty, ncols, moe, shape, fusion, &[])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matvec_pipeline_with(
+    gpu: &Gpu,
+    ty: GgmlType,
+    ncols: u32,
+    moe: bool,
+    shape: MatvecShape,
+    fusion: &MatvecFusion<'_>,
+    extra: &[(&'static str, String)],
+) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
     let mut defines = vec![
         ("QTYPE", qtype_name(ty).into()),
         ("NC", ncols.to_string()),
@@ -336,6 +354,7 @@ fn matvec_pipeline(
         defines.push(("B_IDS", "3".into()));
     }
     defines.extend(fusion.defines(ncols, 3 + u32::from(moe)));
+    defines.extend(extra.iter().cloned());
     gpu.pipeline(&MATVEC, &defines, &[])
 }
 
@@ -618,6 +637,54 @@ pub fn matvec_id(
     matvec_id_with(gpu, rec, w, x, y, ids, input, MatvecInput::Plain)
 }
 
+/// Routing done inside the expert mat-vec (matvec.wgsl `ROUTE`): token t's expert logits at float
+/// `offset + t·stride` of `logits` (`experts` of them; with `shared`, the shared expert's gate logit
+/// right after them and its rows appended as expert `experts`), the picks written to the ids buffer
+/// and to `weights` as the router would (k = n_used, less one with `shared`).
+#[derive(Clone, Copy, Debug)]
+pub struct MoeRoute<'a> {
+    pub logits: &'a GpuBuffer,
+    pub offset: u32,
+    pub stride: u32,
+    pub experts: u32,
+    pub shared: bool,
+    pub weights: &'a GpuBuffer,
+}
+
+/// [`matvec_id`] of a token-input product (gate/up) that routes its tokens itself; None where this
+/// device cannot route in a kernel (see [`route_lanes`]): use the router dispatch instead.
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_id_routed(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ids: ExpertIds<'_>,
+    route: &MoeRoute<'_>,
+) -> Result<()> {
+    expert_matvec(
+        gpu,
+        rec,
+        w,
+        x,
+        y,
+        ids,
+        MoeInput::PerToken,
+        MatvecInput::Plain,
+        Some(route),
+    )
+}
+
+/// Lanes of the subgroup that routes a token inside a kernel on this device, if it can: subgroups of
+/// one fixed size (common_route.wgsl), few enough experts per lane for registers.
+pub fn route_lanes(gpu: &Gpu, experts: u32) -> Option<u32> {
+    let c = &gpu.caps;
+    let sg = c.subgroup_max_size;
+    (c.subgroups && sg == c.subgroup_min_size && (8..=64).contains(&sg) && experts.div_ceil(sg) <= 64)
+        .then_some(sg)
+}
+
 /// [`matvec_id`] with a fused input stage (plain or silu·mul; the norm is not offered here).
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_id_with(
@@ -629,6 +696,21 @@ pub fn matvec_id_with(
     ids: ExpertIds<'_>,
     input: MoeInput,
     pre: MatvecInput<'_>,
+) -> Result<()> {
+    expert_matvec(gpu, rec, w, x, y, ids, input, pre, None)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn expert_matvec(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ids: ExpertIds<'_>,
+    input: MoeInput,
+    pre: MatvecInput<'_>,
+    route: Option<&MoeRoute<'_>>,
 ) -> Result<()> {
     let fusion = MatvecFusion {
         input: pre,
@@ -668,7 +750,34 @@ pub fn matvec_id_with(
     // Expert products keep the tuned shape: with one row per workgroup a step of 8 slots launched
     // ~90 k workgroups of one step each and ran at half the rate (H200, 2026-12-01).
     let shape = MatvecShape::default_for(w.ty, 1).clamped();
-    let pipe = matvec_pipeline(gpu, w.ty, 1, true, shape, &fusion)?;
+    let mut extra = Vec::new();
+    let mut route_params = [0u32; 4];
+    if let Some(r) = route {
+        let sg = route_lanes(gpu, r.experts).ok_or_else(|| {
+            QkError::Engine(format!("{}: this device cannot route inside a kernel", w.name))
+        })?;
+        let k = n_used - u32::from(r.shared);
+        if k == 0 || k > crate::ops::router::MAX_K || r.experts > crate::ops::router::MAX_EXPERTS {
+            return Err(QkError::Engine(format!(
+                "{}: top-{k} of {} experts",
+                w.name, r.experts
+            )));
+        }
+        let last = u64::from(r.offset)
+            + u64::from(n_tokens.max(1) - 1) * u64::from(r.stride)
+            + u64::from(r.experts + u32::from(r.shared));
+        require_len("routed logits", r.logits, last)?;
+        require_len("routed weights", r.weights, u64::from(ids_offset) + slots)?;
+        extra = vec![
+            ("ROUTE", "1".to_string()),
+            ("RSG", sg.to_string()),
+            ("PER_LANE", r.experts.div_ceil(sg).to_string()),
+            ("B_RW", "4".to_string()),
+            ("B_RL", "5".to_string()),
+        ];
+        route_params = [r.offset, r.stride, r.experts, u32::from(r.shared)];
+    }
+    let pipe = matvec_pipeline_with(gpu, w.ty, 1, true, shape, &fusion, &extra)?;
     for (win, expert_first, expert_count) in expert_windows(w)? {
         let mut p = MatvecParams {
             k: as_u32(w.cols, "K")?,
@@ -688,10 +797,15 @@ pub fn matvec_id_with(
             ..Default::default()
         };
         fusion.params(&mut p);
+        [p.route_logits, p.route_stride, p.route_experts, p.route_shared] = route_params;
         let groups = as_u32(w.rows.div_ceil(u64::from(shape.rows)), "workgroups")?;
+        let mut bindings = vec![win.buffer.all(), x.buf.all(), y.buf.all(), ids.all()];
+        if let Some(r) = route {
+            bindings.extend([r.weights.all(), r.logits.all()]);
+        }
         rec.dispatch(
             &pipe,
-            &[win.buffer.all(), x.buf.all(), y.buf.all(), ids.all()],
+            &bindings,
             bytemuck::bytes_of(&p),
             [groups, n_used, n_tokens],
         )?;

@@ -57,13 +57,10 @@ struct KernelParams {
     gate_stride: u32,
 }
 
-/// Lanes of the one-subgroup fast path on this device, if it has one: subgroups of one fixed size
-/// (the workgroup must be exactly one), few enough experts per lane to stay in registers.
+/// Lanes of the one-subgroup fast path on this device, if it has one (see
+/// [`crate::ops::matmul::route_lanes`]).
 fn subgroup_lanes(gpu: &Gpu, experts: u32) -> Option<u32> {
-    let c = &gpu.caps;
-    let sg = c.subgroup_max_size;
-    (c.subgroups && sg == c.subgroup_min_size && (8..=64).contains(&sg) && experts.div_ceil(sg) <= 64)
-        .then_some(sg)
+    crate::ops::matmul::route_lanes(gpu, experts)
 }
 
 /// Record routing of `p.tokens` tokens: `ids` (u32) and `weights` (f32) get k entries per token.

@@ -445,3 +445,77 @@ fn gdn_step_case(gpu: &Gpu) {
         assert!(e < NMSE_MAX, "step {step}: state NMSE {e:e}");
     }
 }
+
+#[test]
+fn routing_inside_the_expert_product_matches_the_router_then_the_product() {
+    use qk::ops::matmul::{MoeRoute, matvec_id, matvec_id_routed, route_lanes};
+    use qk::ops::router::{self, RouterParams, SharedSlot};
+    let Some(gpu) = test_gpu(false) else { return };
+    // 40 experts + the shared one appended (41 in the stack), top-3 + shared, 3 tokens; logits in
+    // rows of 41 with the shared gate logit last (the stacked router's layout).
+    let (m, k, experts, top, tokens) = (32usize, 256usize, 40u32, 3u32, 3u32);
+    if route_lanes(gpu, experts).is_none() {
+        assert!(std::env::var("QK_REQUIRE_GPU").as_deref() != Ok("1") || !gpu.caps.subgroups);
+        return;
+    }
+    let (w, _) = upload(gpu, GgmlType::IQ4XS, m, k, experts as usize + 1, 31);
+    let stride = experts + 1;
+    let logits = floats((tokens * stride) as usize, 32, 3.0);
+    let x = floats(k * tokens as usize, 33, 1.0);
+    let lb = gpu.buffer_from_f32("logits", &logits).unwrap();
+    let xb = gpu.buffer_from_f32("x", &x).unwrap();
+    let picks = top + 1;
+    let n = (tokens * picks) as usize;
+    let run = |routed: bool| {
+        let ib = gpu.buffer_zeroed("ids", n as u64 * 4).unwrap();
+        let wb = gpu.buffer_zeroed("weights", n as u64 * 4).unwrap();
+        let yb = gpu.buffer_zeroed("y", (n * m * 4) as u64).unwrap();
+        let ids = ExpertIds {
+            buf: &ib,
+            offset: 0,
+            n_used: picks,
+            n_tokens: tokens,
+        };
+        let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
+        let mut rec = gpu.recorder();
+        if routed {
+            let route = MoeRoute {
+                logits: &lb,
+                offset: 0,
+                stride,
+                experts,
+                shared: true,
+                weights: &wb,
+            };
+            matvec_id_routed(gpu, &mut rec, &w, xc, yc, ids, &route).unwrap();
+        } else {
+            let rp = RouterParams {
+                tokens,
+                experts,
+                k: top,
+                logits_offset: 0,
+                logits_token_stride: stride,
+            };
+            let shared = SharedSlot {
+                id: experts,
+                gate: &lb,
+                gate_offset: experts,
+                gate_stride: stride,
+            };
+            router::record_with(gpu, &mut rec, &rp, &lb, &ib, &wb, Some(shared)).unwrap();
+            matvec_id(gpu, &mut rec, &w, xc, yc, ids, MoeInput::PerToken).unwrap();
+        }
+        rec.submit().unwrap();
+        (
+            gpu.read_u32(&ib, 0, n).unwrap(),
+            read(gpu, &wb, n),
+            read(gpu, &yb, n * m),
+        )
+    };
+    let (ids_a, w_a, y_a) = run(false);
+    let (ids_b, w_b, y_b) = run(true);
+    // The same routing code and the same product: the same bytes.
+    assert_eq!(ids_a, ids_b);
+    assert_eq!(w_a, w_b);
+    assert_eq!(y_a, y_b);
+}
