@@ -163,8 +163,9 @@ def main() -> None:
     # partial one), then a decode step.
     for n in sorted({a.prompt, a.long} - {0}):
         warm_up_prefill(eng, tokens, n)
-    ids, _ = eng.stage_run(0, prompt[:64], 0)
-    eng.stage_run(0, [ids[-1]], 64)
+    warm = prompt[:64]
+    ids, _ = eng.stage_run(0, warm, 0)
+    eng.stage_run(0, [ids[-1]], len(warm))
 
     t0 = time.perf_counter()
     ids, _ = eng.stage_run(0, prompt, 0)

@@ -380,7 +380,8 @@ fn projection_prefill(gpu: &Gpu, rng: &mut Rng) {
                     runs.push(splits);
                 }
                 for s in runs {
-                    let t = time_submit(gpu, 5, |rec| {
+                    // 20 products per submit: the small ones take tens of µs, a submit ~200.
+                    let t = time_submit(gpu, if smoke() { 1 } else { 20 }, |rec| {
                         let (xc, yc) = (Columns::packed(&x, k as u32), Columns::packed(&y, rows as u32));
                         matmul_split(gpu, rec, &w, xc, yc, ncols, kernel, s, Some(&part)).expect("matmul")
                     });
