@@ -3,7 +3,8 @@
 aggregate decode rate of several slots stepped together. Host overhead (Python, one readback per
 step) is included, as a server sees it.
 
---profile adds a profiled decode step of 1 slot and of all slots (Engine.profile_step): per op family
+--profile adds a profiled decode step of 1 slot and of all slots (Engine.profile_step) and profiled
+prefill pieces of 512 and 64 tokens (Engine.profile_stage_run): per op family
 the dispatches, GPU µs (timestamp queries; "n/a" where the adapter has none) and achieved GB/s over
 the weight bytes it reads, then dispatches and submits per token and the host µs of a plain step
 (recording vs submit+wait), and the slowest single ops. The tables go to stderr; the JSON result
@@ -21,6 +22,9 @@ import sys
 import time
 
 import numpy as np
+
+# The engine's prefill piece (rust/engine.rs PREFILL_PIECE): positions per recorded submit.
+PIECE = 512
 
 
 def fmt(v: float | None, spec: str) -> str:
@@ -90,6 +94,30 @@ def print_profile(prof: dict, title: str, top: int) -> dict:
     }
 
 
+def piece_shapes(n: int, piece: int = PIECE) -> list[int]:
+    """The piece lengths the engine may cut a prefill of n tokens from position 0 into
+    (rust/engine.rs piece_len): full pieces, then the rest, whose last partial chunk runs as a piece
+    of its own when it would take another kernel class (up to 15 columns: the mat-vec, or f32 tiles
+    where the adapter has cooperative ones); both cuts are listed where that depends on the adapter."""
+    shapes: set[int] = set()
+    left = n
+    while left > piece:
+        shapes.add(piece)
+        left -= piece
+    tail = left % 64
+    shapes.add(left)
+    if left > 64 and 0 < tail <= 15:
+        shapes.update({left - tail, tail})
+    return sorted(shapes - {0})
+
+
+def warm_up_prefill(eng, tokens: list[int], n: int) -> None:
+    """Run each piece shape of an n-token prefill once, from position 0 (each call cuts into the
+    same pieces as that part of the timed run)."""
+    for length in piece_shapes(n):
+        eng.stage_run(0, tokens[:length], 0)
+
+
 def decode_rate(eng, slots: list[int], toks: list[int], n: int) -> tuple[float, list[int]]:
     """Seconds per step of `n` steps of `slots` through Engine.step (the server's path, where the
     next step is recorded while the GPU runs this one), and the tokens it ended on."""
@@ -106,7 +134,9 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--prompt", type=int, default=512, help="prefill length, then one-stream decode after it")
     ap.add_argument("--decode", type=int, default=128, help="steps per decode measurement")
-    ap.add_argument("--depths", default="", help="comma list: one-stream decode after a prompt of each length")
+    ap.add_argument(
+        "--depths", default="", help="comma list: one-stream decode after a prompt of each length"
+    )
     ap.add_argument("--long", type=int, default=0, help="also time a prefill of this many tokens")
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=8192)
@@ -128,9 +158,14 @@ def main() -> None:
     tokens = [int(t) for t in rng.integers(0, vocab, longest)]
     prompt = tokens[: a.prompt]
 
-    # Warm-up compiles every pipeline the timed runs use once (the whole prompt's pieces, decode).
-    ids, _ = eng.stage_run(0, prompt, 0)
-    eng.stage_run(0, [ids[-1]], len(prompt))
+    # Warm-up compiles every pipeline the timed runs use: kernels and tiles follow the piece's
+    # column count, so each piece shape of each timed prefill runs once (a full piece, the last
+    # partial one), then a decode step.
+    for n in sorted({a.prompt, a.long} - {0}):
+        warm_up_prefill(eng, tokens, n)
+    warm = prompt[:64]
+    ids, _ = eng.stage_run(0, warm, 0)
+    eng.stage_run(0, [ids[-1]], len(warm))
 
     t0 = time.perf_counter()
     ids, _ = eng.stage_run(0, prompt, 0)
@@ -176,9 +211,13 @@ def main() -> None:
         "counters": eng.counters(),
     }
     if a.profile:
-        # One prefill piece (64 tokens from position 0: the DeltaNet chunk) on slot 0.
-        prof = eng.profile_stage_run(0, prompt[:64], 0)
-        profiles.append(print_profile(prof, "prefill piece: 64 tokens", a.top))
+        # Prefill pieces on slot 0 from position 0: a full engine piece (what a long prompt is made
+        # of) and one 64-token DeltaNet chunk; each profiled call runs once unprofiled first, so the
+        # profile holds no pipeline compilation.
+        for n in sorted({min(PIECE, len(tokens)), min(64, len(tokens))}, reverse=True):
+            eng.stage_run(0, tokens[:n], 0)
+            prof = eng.profile_stage_run(0, tokens[:n], 0)
+            profiles.append(print_profile(prof, f"prefill piece: {n} tokens", a.top))
         res["profile"] = profiles
     print(json.dumps(res, indent=1, default=str))
 

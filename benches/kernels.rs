@@ -28,7 +28,8 @@ use qk::ops::attention::{
 use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecShape, MoeInput, Precision,
-    coop_accumulator, group_experts, matmul_id, matmul_kernel, matmul_with, matvec_id, matvec_shaped,
+    coop_accumulator, group_experts, k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with,
+    matvec_id, matvec_shaped,
 };
 
 struct Rng(u64);
@@ -294,37 +295,59 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
                 t * 1e3
             );
         }
-        let fast = matmul_kernel(gpu, Precision::Fast, ty, mm as u64, mn);
+        let fast = matmul_kernel(gpu, Precision::Fast, ty, mm as u64, mk as u64, mn);
         println!("{line}  fast={}", kernel_name(fast));
     }
 }
 
-/// The name a mat-mat kernel goes by in the tables.
+/// The name a mat-mat kernel goes by in the tables (a K step other than 32 is named).
 fn kernel_name(kernel: MatmulKernel) -> String {
     match kernel {
         MatmulKernel::Tiled => "tiled".to_string(),
+        MatmulKernel::Coop(t) if t.k_step != 32 => format!("coop{}x{}k{}", t.rows, t.cols, t.k_step),
         MatmulKernel::Coop(t) => format!("coop{}x{}", t.rows, t.cols),
     }
 }
 
-/// The dense IQ4_XS products of one Qwen3-Next-80B layer over a 512-token piece (rows × K: DeltaNet
-/// qkv, z and out, the shared expert's gate+up and down), per kernel, and which one a fast engine
-/// picks: where the 128×128 cooperative tile starts to pay.
+/// The cooperative tiles this adapter runs, each with K steps 32 and 64.
+fn coop_kernels(gpu: &Gpu, tiles: &[CoopTile]) -> Vec<MatmulKernel> {
+    let mut out = Vec::new();
+    for &tile in tiles {
+        for k_step in [32, 64] {
+            let t = tile.with_k_step(k_step);
+            if coop_accumulator(gpu, t).is_some() {
+                out.push(MatmulKernel::Coop(t));
+            }
+        }
+    }
+    out
+}
+
+/// The dense products of one Qwen3-Next-80B layer (rows × K: the F32 router + shared gate and
+/// β/α, the IQ4_XS DeltaNet qkv, z and out, the shared expert's gate+up and down) over a 64- and a
+/// 512-token piece: per kernel (tiled f32, each cooperative tile with K steps 32 and 64) unsplit
+/// and split over K as the engine does (`k_splits`), and which kernel and split a fast engine
+/// picks. µs per product, TFLOP/s, GB/s of weights read.
 fn projection_prefill(gpu: &Gpu, rng: &mut Rng) {
-    let ncols: u32 = if smoke() { 96 } else { 512 };
-    let shapes: &[(&str, usize, usize)] = if smoke() {
-        &[("small", 256, 256)]
+    let pieces: &[u32] = if smoke() { &[96] } else { &[64, 512] };
+    let shapes: &[(&str, GgmlType, usize, usize)] = if smoke() {
+        &[
+            ("small", GgmlType::IQ4XS, 256, 256),
+            ("small.f32", GgmlType::F32, 64, 512),
+        ]
     } else {
         &[
-            ("dn.qkv", 8192, 2048),
-            ("dn.z", 4096, 2048),
-            ("dn.out", 2048, 4096),
-            ("shexp.gate_up", 1024, 2048),
-            ("shexp.down", 2048, 512),
+            ("router+gate", GgmlType::F32, 513, 2048),
+            ("dn.ba", GgmlType::F32, 64, 2048),
+            ("dn.qkv", GgmlType::IQ4XS, 8192, 2048),
+            ("dn.z", GgmlType::IQ4XS, 4096, 2048),
+            ("dn.out", GgmlType::IQ4XS, 2048, 4096),
+            ("shexp.gate_up", GgmlType::IQ4XS, 1024, 2048),
+            ("shexp.down", GgmlType::IQ4XS, 2048, 512),
         ]
     };
-    let ty = GgmlType::IQ4XS;
-    for &(name, rows, k) in shapes {
+    let max_cols = *pieces.iter().max().expect("a piece") as usize;
+    for &(name, ty, rows, k) in shapes {
         let w = gpu
             .upload_weight(
                 "bench_proj",
@@ -335,34 +358,50 @@ fn projection_prefill(gpu: &Gpu, rng: &mut Rng) {
                 &weights(ty, rows * k, rng),
             )
             .expect("upload");
-        let x = gpu
-            .buffer_from_f32("x", &vec![0.5; k * ncols as usize])
-            .expect("x");
-        let y = gpu
-            .buffer_zeroed("y", (rows * ncols as usize * 4) as u64)
-            .expect("y");
-        let flops = 2.0 * rows as f64 * k as f64 * f64::from(ncols);
-        let mut line = format!("prefill {name:<14} {rows}x{k}x{ncols} {}:", ty.name());
+        let x = gpu.buffer_from_f32("x", &vec![0.5; k * max_cols]).expect("x");
+        let y = gpu.buffer_zeroed("y", (rows * max_cols * 4) as u64).expect("y");
+        let splits = k_splits(rows as u64, k as u64);
+        let part = gpu
+            .buffer_zeroed("partials", u64::from(splits) * (rows * max_cols * 4) as u64)
+            .expect("partials");
         let mut kernels = vec![MatmulKernel::Tiled];
-        for tile in CoopTile::DENSE {
-            if coop_accumulator(gpu, tile).is_some() {
-                kernels.push(MatmulKernel::Coop(tile));
+        kernels.extend(coop_kernels(gpu, &CoopTile::DENSE));
+        for &ncols in pieces {
+            let flops = 2.0 * rows as f64 * k as f64 * f64::from(ncols);
+            let bytes = (w.rows * w.row_bytes) as f64;
+            println!(
+                "prefill {name:<14} {rows}x{k}x{ncols} {} (engine splits K {splits}×):",
+                ty.name()
+            );
+            for &kernel in &kernels {
+                let mut line = format!("    {:<14}", kernel_name(kernel));
+                let mut runs = vec![1];
+                if splits > 1 {
+                    runs.push(splits);
+                }
+                for s in runs {
+                    // 20 products per submit: the small ones take tens of µs, a submit ~200.
+                    let t = time_submit(gpu, if smoke() { 1 } else { 20 }, |rec| {
+                        let (xc, yc) = (Columns::packed(&x, k as u32), Columns::packed(&y, rows as u32));
+                        matmul_split(gpu, rec, &w, xc, yc, ncols, kernel, s, Some(&part)).expect("matmul")
+                    });
+                    line += &format!(
+                        "  split {s:>2}: {:>8.1} µs {:>6.2} TFLOP/s {:>7.1} GB/s",
+                        t * 1e6,
+                        flops / t / 1e12,
+                        bytes / t / 1e9
+                    );
+                }
+                println!("{line}");
             }
-        }
-        for kernel in kernels {
-            let t = time_submit(gpu, 5, |rec| {
-                let (xc, yc) = (Columns::packed(&x, k as u32), Columns::packed(&y, rows as u32));
-                matmul_with(gpu, rec, &w, xc, yc, ncols, kernel).expect("matmul")
-            });
-            line += &format!(
-                "  {}: {:>7.1} µs {:>6.1} TFLOP/s",
-                kernel_name(kernel),
-                t * 1e6,
-                flops / t / 1e12
+            let fast = matmul_kernel(gpu, Precision::Fast, ty, rows as u64, k as u64, ncols);
+            let precise = matmul_kernel(gpu, Precision::Precise, ty, rows as u64, k as u64, ncols);
+            println!(
+                "    engine: fast={} precise={} split {splits}",
+                kernel_name(fast),
+                kernel_name(precise)
             );
         }
-        let fast = matmul_kernel(gpu, Precision::Fast, ty, rows as u64, ncols);
-        println!("{line}  fast={}", kernel_name(fast));
     }
 }
 
@@ -442,14 +481,22 @@ fn deltanet_prefill(gpu: &Gpu, rng: &mut Rng) {
 }
 
 /// The MoE of one layer for a prefill piece at the Qwen3-Next-80B shape (512 experts, 10 used,
-/// ff 512, n_embd 2048, 512 tokens, IQ4_XS): the grouping kernel, then gate+up (2·ff rows) and
-/// down by the grouped mat-mat per kernel, against the per-token mat-vec by ids it replaces.
-/// TFLOP/s counts the routed products only; GB/s the expert weights read (every expert is hit).
+/// ff 512, n_embd 2048, IQ4_XS) over 64 tokens (most experts get one or two columns) and 512 (about
+/// ten each): the grouping kernel, then gate+up (2·ff rows) and down by the grouped mat-mat per
+/// kernel (tiled f32, cooperative with K steps 32 and 64), against the per-token mat-vec by ids.
+/// TFLOP/s counts the routed products only; GB/s the weights of the experts the piece hits.
 fn moe_prefill(gpu: &Gpu, rng: &mut Rng) {
-    let (experts, n_used, ff, n_embd, tokens) = if smoke() {
-        (16u32, 4u32, 256u32, 256u32, 40u32)
+    let pieces: &[u32] = if smoke() { &[40] } else { &[64, 512] };
+    for &tokens in pieces {
+        moe_piece(gpu, rng, tokens);
+    }
+}
+
+fn moe_piece(gpu: &Gpu, rng: &mut Rng, tokens: u32) {
+    let (experts, n_used, ff, n_embd) = if smoke() {
+        (16u32, 4u32, 256u32, 256u32)
     } else {
-        (512, 10, 512, 2048, 512)
+        (512, 10, 512, 2048)
     };
     let ty = GgmlType::IQ4XS;
     let gate_up = gpu
@@ -512,15 +559,19 @@ fn moe_prefill(gpu: &Gpu, rng: &mut Rng) {
         n_tokens: tokens,
     };
     let flops = 2.0 * f64::from(entries) * 3.0 * f64::from(ff) * f64::from(n_embd);
-    let bytes = (gate_up.rows * gate_up.row_bytes + down.rows * down.row_bytes) * u64::from(experts);
+    let mut hit = ids.clone();
+    hit.sort_unstable();
+    hit.dedup();
+    let bytes = (gate_up.rows * gate_up.row_bytes + down.rows * down.row_bytes) * hit.len() as u64;
     let report = |name: &str, t: f64| {
         println!(
             "moe {tokens} tokens × {n_used} of {experts} experts (ff {ff}, n_embd {n_embd}, {}) {name:<12} \
-             {:>9.1} µs  {:>7.2} TFLOP/s  {:>7.1} GB/s of expert weights",
+             {:>9.1} µs  {:>7.2} TFLOP/s  {:>7.1} GB/s of the {} experts' weights",
             ty.name(),
             t * 1e6,
             flops / t / 1e12,
-            bytes as f64 / t / 1e9
+            bytes as f64 / t / 1e9,
+            hit.len()
         );
     };
     let t = time_submit(gpu, 5, |rec| {
@@ -528,9 +579,7 @@ fn moe_prefill(gpu: &Gpu, rng: &mut Rng) {
     });
     println!("moe grouping ({entries} entries): {:>9.1} µs", t * 1e6);
     let mut kernels = vec![MatmulKernel::Tiled];
-    if coop_accumulator(gpu, CoopTile::MOE).is_some() {
-        kernels.push(MatmulKernel::Coop(CoopTile::MOE));
-    }
+    kernels.extend(coop_kernels(gpu, &[CoopTile::MOE]));
     let run = |rec: &mut Recorder<'_>, kernel: MatmulKernel| {
         group_experts(gpu, rec, ids_arg, groups).expect("group");
         let gu_y = Columns::packed(&y_gu, 2 * ff);

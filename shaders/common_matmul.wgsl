@@ -4,6 +4,8 @@
 // moe_group.wgsl wrote into GROUPS (one expert's columns, at most TN of them, sorted by expert);
 // its workgroup multiplies that expert's rows, reads X column token·x_col_token + slot·x_col_slot
 // of each (token, slot) entry and writes Y column token·n_used + slot (the mat-vec's layout).
+// Split K (dense only): workgroup z sums K range [z·k_split, (z + 1)·k_split) and writes its partial
+// sums split_stride floats after split z − 1's; matmul_reduce.wgsl adds the splits in order.
 
 struct MatmulParams {
     // Weights per row, rows in this window (per expert with MOE), bytes per row, byte offset of row 0 in W.
@@ -28,6 +30,10 @@ struct MatmulParams {
     offsets_at: u32,
     tiles_at: u32,
     order_at: u32,
+    // K per split (a multiple of every kernel's K step; ≥ k when unsplit) and floats between the
+    // splits' outputs in Y.
+    k_split: u32,
+    split_stride: u32,
 }
 
 var<immediate> P: MatmulParams;
@@ -76,6 +82,17 @@ fn col_tile_read(lid: u32, tile: u32, tn: u32) {
 fn col_tile() -> ColTile {
     let v = workgroupUniformLoad(&col_tile_wg);
     return ColTile(P.w_offset + v.x * P.rows * P.row_bytes, v.y, v.z);
+}
+
+// This workgroup's K range [x, y): its split's.
+fn k_range(split: u32) -> vec2<u32> {
+    let k0 = min(P.k, split * P.k_split);
+    return vec2<u32>(k0, min(P.k, k0 + P.k_split));
+}
+
+// The float index in Y where column j of the tile starts, within split `split`'s outputs.
+fn y_col_start(t: ColTile, j: u32, split: u32) -> u32 {
+    return P.y_offset + split * P.split_stride + y_col(t, j) * P.y_stride;
 }
 
 // The Y column of column j of the tile.

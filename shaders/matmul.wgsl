@@ -5,7 +5,8 @@
 // advances 32 at a time; a K that is not a multiple of 32 is padded with zeros in the tile. TN is
 // 64 for dense products and 16 for the grouped MoE product (MOE 1: a tile is one expert's
 // columns, common_matmul.wgsl), whose experts see about n_used·tokens/experts columns each.
-// Every output is the same sum in the same order whatever tile or grouping it lands in.
+// Every output is the same sum in the same order whatever tile or grouping it lands in; a split-K
+// dispatch (common_matmul.wgsl) sums its workgroup's K range only.
 #include "common.wgsl"
 #include "common_dequant.wgsl"
 #include "common_matmul.wgsl"
@@ -73,7 +74,8 @@ fn main(ids: ComputeIds) {
             x_start[h] = x_col_start(tile, xn);
         }
     }
-    for (var k0 = 0u; k0 < P.k; k0 += 32u) {
+    let kr = k_range(ids.wid.z);
+    for (var k0 = kr.x; k0 < kr.y; k0 += 32u) {
         let g = k0 / 8u + w_grp;
         var w = W8(vec4<f32>(0.0), vec4<f32>(0.0));
         if w_ok && g < groups {
@@ -109,7 +111,7 @@ fn main(ids: ComputeIds) {
     }
 #for j in 0..NJ
     if tx + 16u * {{j}}u < tile.cols {
-        let y0 = P.y_offset + y_col(tile, tx + 16u * {{j}}u) * P.y_stride + m0 + ty;
+        let y0 = y_col_start(tile, tx + 16u * {{j}}u, ids.wid.z) + m0 + ty;
 #for i in 0..4
         if m0 + ty + 16u * {{i}}u < P.rows {
             Y[y0 + 16u * {{i}}u] = acc[{{j}}][{{i}}];

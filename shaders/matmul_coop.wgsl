@@ -2,13 +2,14 @@
 // feature exists): Y[:, n] = W · X[:, n], W in any ggml type, X and Y f32 column-major as in
 // matmul.wgsl, dense or grouped by expert (MOE, common_matmul.wgsl). A workgroup of SGS subgroups
 // (SG lanes each) computes a TM (rows) × TN (columns) tile; subgroup s owns the WM × WN block
-// (s mod TM/WM, s div TM/WM) as AM × AN accumulators of 16×16. Per 32-wide K step the workgroup
-// dequantises its W rows to f16 and converts its X columns to f16 in workgroup memory, then each
-// subgroup runs 2 (K) × AM × AN multiply-adds. Accumulators are ACC (f32 where the device offers
+// (s mod TM/WM, s div TM/WM) as AM × AN accumulators of 16×16. Per TK-wide K step (32 or 64; KK =
+// TK / 16) the workgroup dequantises its W rows to f16 and converts its X columns to f16 in
+// workgroup memory, then each subgroup runs KK × AM × AN multiply-adds. A split-K dispatch
+// (common_matmul.wgsl) walks its workgroup's K range only. Accumulators are ACC (f32 where the device offers
 // f16×f16→f32, else f16). Inputs in f16 lose precision (11-bit mantissa) and range (|x| ≤ 65504):
 // the tests state the tolerance. K not a multiple of 32 is zero-padded in the tile. Each output is
 // the same chain of multiply-adds whatever the tile shape or grouping, so a row's result does not
-// depend on which tile or call computes it.
+// depend on which tile or call computes it, nor on TK (the same 16-wide chain either way).
 //
 // Only 16×16×16 configurations are used: naga's WGSL has square 8×8 and 16×16 matrices, and 16×16
 // f16 is what Vulkan drivers with tensor cores offer. Metal's simdgroup matrices are 8×8, so this
@@ -29,6 +30,8 @@ enable wgpu_cooperative_matrix;
 #define AN 2
 #define SGS 4
 #define MOE 0
+#define TK 32
+#define KK 2
 #variants QTYPE=f32
 #variants QTYPE=f16
 #variants QTYPE=bf16
@@ -42,6 +45,8 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=q6_k TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1
 #variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 ACC=f16
+#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 TK=64 KK=4
+#variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4
 #variants QTYPE=q4_1
 #variants QTYPE=q5_0
 #variants QTYPE=q5_1
@@ -56,16 +61,20 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq3_s
 #variants QTYPE=mxfp4
 
-const TK = 32u;
-// Row pitch of the f16 tiles in halves: 32 + 8 keeps every 16×16 load 16-byte aligned (80-byte
-// rows) while shifting successive rows across memory banks.
-const LD = 40u;
+// Row pitch of the f16 tiles in halves: TK + 8 keeps every 16×16 load 16-byte aligned (80- or
+// 144-byte rows) while shifting successive rows across memory banks.
+const LD = {{TK}}u + 8u;
 const THREADS = {{SGS}}u * {{SG}}u;
 // Subgroup blocks along the rows of the tile.
 const SG_ROWS = {{TM}}u / {{WM}}u;
+// 8-weight groups and X vec4 per row / column and K step.
+const WG8 = {{TK}}u / 8u;
+const XK4 = {{TK}}u / 4u;
+// X vec4 loads per invocation and K step.
+const XH = ({{TN}}u * XK4 + THREADS - 1u) / THREADS;
 
-var<workgroup> w_tile: array<f16, {{TM}} * 40>; // TM × LD, row-major (m, k)
-var<workgroup> x_tile: array<f16, {{TN}} * 40>; // TN × LD, column n holds its k contiguous
+var<workgroup> w_tile: array<f16, {{TM}} * ({{TK}} + 8)>; // TM × LD, row-major (m, k)
+var<workgroup> x_tile: array<f16, {{TN}} * ({{TK}} + 8)>; // TN × LD, column n holds its k contiguous
 // One 16×16 accumulator per subgroup on its way out, column-major, so edge tiles clip per element.
 var<workgroup> c_stage: array<{{ACC}}, {{SGS}} * 256>;
 
@@ -90,16 +99,26 @@ fn main(ids: ComputeIds) {
         let sm = {{WM}}u * (sg % SG_ROWS);
         let sn = {{WN}}u * (sg / SG_ROWS);
         let groups = P.k / 8u;
+        // Where this invocation's X loads start: the same columns every K step, so found once (a
+        // grouped tile's column comes from the sorted entries, a dependent read per step otherwise).
+        var x_start: array<u32, XH>;
+        for (var h = 0u; h < XH; h++) {
+            let xn = (t + THREADS * h) / XK4;
+            if xn < tile.cols {
+                x_start[h] = x_col_start(tile, xn);
+            }
+        }
 #for a in 0..AM
 #for b in 0..AN
         var acc{{a}}{{b}}: coop_mat16x16<{{ACC}}, C>;
 #endfor
 #endfor
-        for (var k0 = 0u; k0 < P.k; k0 += TK) {
-            // W: TM rows × 4 groups of 8 weights; neighbouring invocations take neighbouring groups.
-            for (var e = t; e < {{TM}}u * 4u; e += THREADS) {
-                let row = e / 4u;
-                let grp = e % 4u;
+        let kr = k_range(ids.wid.z);
+        for (var k0 = kr.x; k0 < kr.y; k0 += {{TK}}u) {
+            // W: TM rows × WG8 groups of 8 weights; neighbouring invocations take neighbouring groups.
+            for (var e = t; e < {{TM}}u * WG8; e += THREADS) {
+                let row = e / WG8;
+                let grp = e % WG8;
                 let g = k0 / 8u + grp;
                 var w = W8(vec4<f32>(0.0), vec4<f32>(0.0));
                 if m0 + row < P.rows && g < groups {
@@ -111,21 +130,24 @@ fn main(ids: ComputeIds) {
                 w_tile[at + 4u + {{i}}u] = f16(w.b[{{i}}]);
 #endfor
             }
-            // X: TN columns × 8 vec4 of K.
-            for (var e = t; e < {{TN}}u * 8u; e += THREADS) {
-                let xn = e / 8u;
-                let xk4 = e % 8u;
-                var v = vec4<f32>(0.0);
-                if xn < tile.cols && k0 + 4u * xk4 < P.k {
-                    v = X[(x_col_start(tile, xn) + k0) / 4u + xk4];
-                }
-                let at = xn * LD + 4u * xk4;
+            // X: TN columns × XK4 vec4 of K.
+            for (var h = 0u; h < XH; h++) {
+                let e = t + THREADS * h;
+                let xn = e / XK4;
+                let xk4 = e % XK4;
+                if xn < {{TN}}u {
+                    var v = vec4<f32>(0.0);
+                    if xn < tile.cols && k0 + 4u * xk4 < P.k {
+                        v = X[(x_start[h] + k0) / 4u + xk4];
+                    }
+                    let at = xn * LD + 4u * xk4;
 #for i in 0..4
-                x_tile[at + {{i}}u] = f16(v[{{i}}]);
+                    x_tile[at + {{i}}u] = f16(v[{{i}}]);
 #endfor
+                }
             }
             workgroupBarrier();
-#for kk in 0..2
+#for kk in 0..KK
             {
 #for a in 0..AM
                 let a{{a}} = coopLoadT<coop_mat16x16<f16, A>>(&w_tile[(sm + 16u * {{a}}u) * LD + 16u * {{kk}}u], LD);
@@ -152,7 +174,7 @@ fn main(ids: ComputeIds) {
             let m = m0 + sm + 16u * {{a}}u + e % 16u;
             let n = sn + 16u * {{b}}u + e / 16u;
             if m < P.rows && n < tile.cols {
-                Y[P.y_offset + y_col(tile, n) * P.y_stride + m] = f32(c_stage[stage + e]);
+                Y[y_col_start(tile, n, ids.wid.z) + m] = f32(c_stage[stage + e]);
             }
         }
         workgroupBarrier();

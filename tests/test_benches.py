@@ -64,3 +64,20 @@ def test_engine_bench_with_profile_prints_its_json():
     )
     assert out["decode_ms_per_token"] > 0
     assert "profile" in out
+
+
+def test_engine_bench_warms_every_piece_shape():
+    """The warm-up runs each piece length rust/engine.rs piece_len cuts a prompt into (512-row pieces,
+    then the rest, whose last partial chunk of up to 15 rows may run on its own), so the timed
+    prefill compiles nothing."""
+    sys.path.insert(0, str(ROOT / "benches"))
+    try:
+        from engine_bench import piece_shapes
+    finally:
+        sys.path.pop(0)
+    assert piece_shapes(4096) == [512]
+    assert piece_shapes(600) == [88, 512]
+    assert piece_shapes(520) == [8, 512]
+    assert piece_shapes(100) == [100]
+    assert piece_shapes(70) == [6, 64, 70]
+    assert piece_shapes(32768 + 70) == [6, 64, 70, 512]

@@ -187,6 +187,8 @@ pub struct Scratch {
     pub(crate) sh_act: GpuBuffer,
     pub(crate) sh_down: GpuBuffer,
     pub(crate) sh_gate: GpuBuffer,
+    /// Split-K partial sums of the dense mat-mats (ops/matmul.rs `k_splits`).
+    pub(crate) split: GpuBuffer,
     /// Rows of logits the head computes at once (`logits`, `results` hold that many).
     pub head_rows: u32,
     pub logits: GpuBuffer,
@@ -285,6 +287,7 @@ impl Scratch {
             sh_act: buf("shexp.act", r * sff)?,
             sh_down: buf("shexp.down", r * e)?,
             sh_gate: buf("shexp.gate", r)?,
+            split: buf("matmul.split", r * split_floats_per_col(cfg))?,
             head_rows,
             logits: buf("logits", logit_rows * vocab)?,
             tokens: buf("tokens", r)?,
@@ -299,6 +302,43 @@ impl Scratch {
             bytes,
         })
     }
+}
+
+/// Floats per activation column the largest split-K product of this model writes
+/// (`matmul::k_splits`), over every dense matrix shape a layer or the head can have; from the
+/// configuration alone, so every stage of a split sizes it alike.
+fn split_floats_per_col(cfg: &ModelConfig) -> u64 {
+    let e = cfg.n_embd;
+    let (cd, vd, nv) = (cfg.conv_dim(), cfg.value_dim(), cfg.v_heads);
+    let (qw, kvw) = (2 * cfg.heads * cfg.head_dim, cfg.kv_row());
+    let sff = cfg.shared_ff;
+    let shapes = [
+        (cd, e),
+        (vd, e),
+        (cd + vd, e),
+        (2 * nv, e),
+        (nv, e),
+        (e, vd),
+        (attn_proj_width(cfg), e),
+        (qw, e),
+        (kvw, e),
+        (e, cfg.heads * cfg.head_dim),
+        (cfg.experts + 1, e),
+        (cfg.experts, e),
+        (1, e),
+        (2 * sff, e),
+        (sff, e),
+        (e, sff),
+        (cfg.vocab, e),
+    ];
+    shapes
+        .iter()
+        .map(|&(rows, k)| {
+            let s = matmul::k_splits(u64::from(rows), u64::from(k));
+            if s > 1 { u64::from(s) * u64::from(rows) } else { 0 }
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 pub(crate) fn attn_proj_width(cfg: &ModelConfig) -> u32 {
@@ -434,17 +474,20 @@ fn ew(
 }
 
 impl Model {
-    /// A product over `ncols` activation columns with this model's precision.
+    /// A product over `ncols` activation columns with this model's precision (split over K into
+    /// the scratch's partials where the matrix calls for it).
+    #[allow(clippy::too_many_arguments)]
     fn mul(
         &self,
         gpu: &Gpu,
         rec: &mut Recorder<'_>,
+        s: &Scratch,
         w: &WeightTensor,
         x: Columns<'_>,
         y: Columns<'_>,
         ncols: u32,
     ) -> Result<()> {
-        matmul::mul(gpu, rec, w, x, y, ncols, self.precision)
+        matmul::mul(gpu, rec, w, x, y, ncols, self.precision, Some(&s.split))
     }
 
     /// Token embeddings of `n` ids (already written to `s.tokens`) into x[0].
@@ -559,16 +602,16 @@ impl Model {
         match &w.proj {
             DeltaNetProjection::Split { qkv, gate, .. } => {
                 rec.op("dn.qkv", layer, dense_bytes(qkv));
-                self.mul(gpu, rec, qkv, xn, cols(&s.gproj, 0, gw), t)?;
+                self.mul(gpu, rec, s, qkv, xn, cols(&s.gproj, 0, gw), t)?;
                 rec.op("dn.gate", layer, dense_bytes(gate));
-                self.mul(gpu, rec, gate, xn, Columns::packed(&s.z, vd), t)?;
+                self.mul(gpu, rec, s, gate, xn, Columns::packed(&s.z, vd), t)?;
             }
             DeltaNetProjection::Legacy(qkvz) => {
                 // One projection, then per k-head group four row copies into the q ‖ k ‖ v and z
                 // layouts the conv and gated norm read (4·nk small dispatches: legacy files only).
                 let lw = cd + vd;
                 rec.op("dn.qkvz", layer, dense_bytes(qkvz));
-                self.mul(gpu, rec, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
+                self.mul(gpu, rec, s, qkvz, xn, Columns::packed(&s.legacy, lw), t)?;
                 rec.op("dn.qkvz_regroup", layer, 0);
                 let (dk, key_dim) = (cfg.dk, cfg.k_heads * cfg.dk);
                 let rv = (nv / cfg.k_heads) * cfg.dv;
@@ -599,12 +642,12 @@ impl Model {
         match &w.ba {
             BetaAlpha::Grouped(ba) => {
                 rec.op("dn.ba", layer, dense_bytes(ba));
-                self.mul(gpu, rec, ba, xn, cols(&s.gproj, cd, gw), t)?
+                self.mul(gpu, rec, s, ba, xn, cols(&s.gproj, cd, gw), t)?
             }
             BetaAlpha::Split { beta, alpha } => {
                 rec.op("dn.ba", layer, dense_bytes(beta) + dense_bytes(alpha));
-                self.mul(gpu, rec, beta, xn, cols(&s.gproj, cd, gw), t)?;
-                self.mul(gpu, rec, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
+                self.mul(gpu, rec, s, beta, xn, cols(&s.gproj, cd, gw), t)?;
+                self.mul(gpu, rec, s, alpha, xn, cols(&s.gproj, cd + nv, gw), t)?;
             }
         }
         let dp = delta_params(cfg);
@@ -682,6 +725,7 @@ impl Model {
         self.mul(
             gpu,
             rec,
+            s,
             &w.out,
             Columns::packed(&s.gated, vd),
             Columns::packed(&s.mix, e),
@@ -714,13 +758,13 @@ impl Model {
                     layer,
                     dense_bytes(q) + dense_bytes(k) + dense_bytes(v),
                 );
-                self.mul(gpu, rec, q, xn, cols(&s.aproj, 0, aw), t)?;
-                self.mul(gpu, rec, k, xn, cols(&s.aproj, qw, aw), t)?;
-                self.mul(gpu, rec, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
+                self.mul(gpu, rec, s, q, xn, cols(&s.aproj, 0, aw), t)?;
+                self.mul(gpu, rec, s, k, xn, cols(&s.aproj, qw, aw), t)?;
+                self.mul(gpu, rec, s, v, xn, cols(&s.aproj, qw + kvw, aw), t)?;
             }
             AttnProjection::Fused(qkv) => {
                 rec.op("attn.qkv", layer, dense_bytes(qkv));
-                self.mul(gpu, rec, qkv, xn, cols(&s.aproj, 0, aw), t)?
+                self.mul(gpu, rec, s, qkv, xn, cols(&s.aproj, 0, aw), t)?
             }
         }
         self.record_attention_core(gpu, rec, s, w, states, batch, layer)?;
@@ -729,6 +773,7 @@ impl Model {
         self.mul(
             gpu,
             rec,
+            s,
             &w.out,
             Columns::packed(&s.attn_out, q_rows),
             Columns::packed(&s.mix, e),
@@ -843,7 +888,15 @@ impl Model {
         let (logit_stride, gate_buf, gate_offset, gate_stride) = match &w.router {
             Stacked::One(router) => {
                 let stride = cfg.experts + 1;
-                self.mul(gpu, rec, router, xn, Columns::packed(&s.router_logits, stride), t)?;
+                self.mul(
+                    gpu,
+                    rec,
+                    s,
+                    router,
+                    xn,
+                    Columns::packed(&s.router_logits, stride),
+                    t,
+                )?;
                 (stride, &s.router_logits, cfg.experts, stride)
             }
             Stacked::Parts(parts) => {
@@ -851,8 +904,8 @@ impl Model {
                     return Err(QkError::Engine("router: expected router and shared gate".into()));
                 };
                 let logits = Columns::packed(&s.router_logits, cfg.experts);
-                self.mul(gpu, rec, router, xn, logits, t)?;
-                self.mul(gpu, rec, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
+                self.mul(gpu, rec, s, router, xn, logits, t)?;
+                self.mul(gpu, rec, s, gate_inp, xn, Columns::packed(&s.sh_gate, 1), t)?;
                 (cfg.experts, &s.sh_gate, 0, 1)
             }
         };
@@ -924,13 +977,13 @@ impl Model {
         };
         rec.op("shexp.gate_up", layer, w.shared_gate_up.bytes());
         match &w.shared_gate_up {
-            Stacked::One(gu) => self.mul(gpu, rec, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
+            Stacked::One(gu) => self.mul(gpu, rec, s, gu, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?,
             Stacked::Parts(parts) => {
                 let [gate, up] = parts.as_slice() else {
                     return Err(QkError::Engine("shared expert: expected gate and up".into()));
                 };
-                self.mul(gpu, rec, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
-                self.mul(gpu, rec, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
+                self.mul(gpu, rec, s, gate, xn, cols(sh_gu, sh_gu_offset, 2 * sff), t)?;
+                self.mul(gpu, rec, s, up, xn, cols(sh_gu, sh_gu_offset + sff, 2 * sff), t)?;
             }
         }
         let expert_rows = if joint { t * k + t } else { t * k };
@@ -968,6 +1021,7 @@ impl Model {
         self.mul(
             gpu,
             rec,
+            s,
             &w.shared_down,
             cols(sh_act, sh_act_offset, sff),
             Columns::packed(&s.sh_down, e),
@@ -1064,6 +1118,7 @@ impl Model {
         self.mul(
             gpu,
             rec,
+            s,
             head,
             Columns::packed(&s.xn, e),
             Columns::packed(&s.logits, self.cfg.vocab),

@@ -14,6 +14,7 @@ pub const MATVEC: ShaderFile = crate::shader_file!("matvec");
 pub const MATMUL: ShaderFile = crate::shader_file!("matmul");
 pub const MATMUL_COOP: ShaderFile = crate::shader_file!("matmul_coop");
 pub const MOE_GROUP: ShaderFile = crate::shader_file!("moe_group");
+pub const MATMUL_REDUCE: ShaderFile = crate::shader_file!("matmul_reduce");
 
 /// Most activation columns one mat-vec dispatch takes (the accumulators live in registers).
 pub const MATVEC_MAX_COLS: u32 = 8;
@@ -241,6 +242,8 @@ struct MatmulParams {
     offsets_at: u32,
     tiles_at: u32,
     order_at: u32,
+    k_split: u32,
+    split_stride: u32,
 }
 
 /// Steps (rows × K / weights per step) up to which a mat-vec counts as small (see
@@ -833,41 +836,72 @@ pub struct CoopTile {
     pub cols: u32,
     pub sg_rows: u32,
     pub sg_cols: u32,
+    /// K per step between barriers: 32 or 64 (the outputs are the same either way).
+    pub k_step: u32,
 }
 
 impl CoopTile {
-    const fn new(rows: u32, cols: u32, sg_rows: u32, sg_cols: u32) -> Self {
+    const fn new(rows: u32, cols: u32, sg_rows: u32, sg_cols: u32, k_step: u32) -> Self {
         CoopTile {
             rows,
             cols,
             sg_rows,
             sg_cols,
+            k_step,
         }
     }
 
+    /// This tile with another K step (32 or 64); benches/kernels.rs compares them.
+    pub const fn with_k_step(self, k_step: u32) -> Self {
+        CoopTile { k_step, ..self }
+    }
+
     /// 4 subgroups of 32×32: the first cooperative kernel's shape.
-    pub const SQUARE_64: CoopTile = CoopTile::new(64, 64, 32, 32);
+    pub const SQUARE_64: CoopTile = CoopTile::new(64, 64, 32, 32, DENSE_K_STEP);
     /// 8 subgroups of 64×32: each dequantised weight serves 128 columns, and each shared-memory
     /// fragment feeds 2–4 multiply-adds.
-    pub const SQUARE_128: CoopTile = CoopTile::new(128, 128, 64, 32);
+    pub const SQUARE_128: CoopTile = CoopTile::new(128, 128, 64, 32, DENSE_K_STEP);
     /// 4 subgroups of 64×32: SQUARE_128's subgroup block with half its columns, for products too
     /// narrow to give SQUARE_128 enough workgroups.
-    pub const RECT_128X64: CoopTile = CoopTile::new(128, 64, 64, 32);
+    pub const RECT_128X64: CoopTile = CoopTile::new(128, 64, 64, 32, DENSE_K_STEP);
     /// The grouped MoE product: one 16-wide column of the expert's entries (a few per expert in a
     /// prefill piece), 4 subgroups of 32×16.
-    pub const MOE: CoopTile = CoopTile::new(128, MOE_TILE_COLS, 32, 16);
+    pub const MOE: CoopTile = CoopTile::new(128, MOE_TILE_COLS, 32, 16, MOE_K_STEP);
     /// The dense tiles, largest first.
     pub const DENSE: [CoopTile; 3] = [CoopTile::SQUARE_128, CoopTile::RECT_128X64, CoopTile::SQUARE_64];
+
+    /// One of the DENSE tiles, whatever its K step.
+    fn is_dense(self) -> bool {
+        CoopTile::DENSE.iter().any(|t| t.with_k_step(self.k_step) == self)
+    }
+
+    /// The MOE tile, whatever its K step.
+    fn is_moe(self) -> bool {
+        CoopTile::MOE.with_k_step(self.k_step) == self
+    }
 
     pub fn subgroups(self) -> u32 {
         (self.rows / self.sg_rows) * (self.cols / self.sg_cols)
     }
 
-    /// Workgroup memory: the two f16 tiles (pitch 40) and one 16×16 staging block per subgroup.
+    /// Workgroup memory: the two f16 tiles (pitch k_step + 8) and one 16×16 staging block per
+    /// subgroup.
     fn workgroup_bytes(self, acc_bytes: u32) -> u32 {
-        (self.rows + self.cols) * 40 * 2 + self.subgroups() * 256 * acc_bytes
+        (self.rows + self.cols) * (self.k_step + 8) * 2 + self.subgroups() * 256 * acc_bytes
+    }
+
+    /// Only the K steps the shader is written for.
+    fn valid(self) -> bool {
+        matches!(self.k_step, 32 | 64)
     }
 }
+
+/// K per step of the dense and grouped cooperative tiles (32 or 64): the same outputs either way
+/// (one chain of 16-wide multiply-adds); 64 halves the barriers per weight and doubles each
+/// invocation's loads in flight, at twice the workgroup memory. Not measured yet: benches/kernels.rs
+/// prints both per product (`coop…k64` beside `coop…`); set these from its numbers.
+const DENSE_K_STEP: u32 = 32;
+const MOE_K_STEP: u32 = 32;
 
 /// Which mat-mat kernel runs a prefill product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -899,7 +933,8 @@ const WIDE_MIN_WORKGROUPS: u64 = 256;
 pub fn coop_accumulator(gpu: &Gpu, tile: CoopTile) -> Option<&'static str> {
     use wgpu::CooperativeScalarType as S;
     let caps = &gpu.caps;
-    if !caps.cooperative_matrix
+    if !tile.valid()
+        || !caps.cooperative_matrix
         || !caps.shader_f16
         || caps.subgroup_min_size != caps.subgroup_max_size
         || caps.subgroup_max_size == 0
@@ -963,12 +998,21 @@ fn coop_tile_for(
         .filter(|t| coop_accumulator(gpu, *t).is_some())
 }
 
-/// The kernel [`matmul`] uses for a dense `rows` × `ncols` product of a `ty` matrix: the largest
-/// cooperative tile (128×128, 128×64) that still gives [`WIDE_MIN_WORKGROUPS`] workgroups, else
-/// 64×64; f32 tiles where the class is not Coop. The tile shape does not change any output
-/// (every output is the same chain of 16-wide multiply-adds), so it may follow the piece size.
-pub fn matmul_kernel(gpu: &Gpu, precision: Precision, ty: GgmlType, rows: u64, ncols: u32) -> MatmulKernel {
-    let groups = |t: CoopTile| rows.div_ceil(u64::from(t.rows)) * u64::from(ncols.div_ceil(t.cols));
+/// The kernel [`matmul`] uses for a dense `rows` × K × `ncols` product of a `ty` matrix: the
+/// largest cooperative tile (128×128, 128×64) that still gives [`WIDE_MIN_WORKGROUPS`] workgroups
+/// (K splits included), else 64×64; f32 tiles where the class is not Coop. The tile shape does not
+/// change any output (every output is the same chain of 16-wide multiply-adds), so it may follow
+/// the piece size.
+pub fn matmul_kernel(
+    gpu: &Gpu,
+    precision: Precision,
+    ty: GgmlType,
+    rows: u64,
+    k: u64,
+    ncols: u32,
+) -> MatmulKernel {
+    let splits = u64::from(k_splits(rows, k));
+    let groups = |t: CoopTile| rows.div_ceil(u64::from(t.rows)) * u64::from(ncols.div_ceil(t.cols)) * splits;
     let tile = CoopTile::DENSE
         .into_iter()
         .find(|t| {
@@ -983,7 +1027,45 @@ pub fn matmul_id_kernel(gpu: &Gpu, precision: Precision, ty: GgmlType, n_tokens:
     coop_tile_for(gpu, precision, ty, n_tokens, CoopTile::MOE).map_or(MatmulKernel::Tiled, MatmulKernel::Coop)
 }
 
-/// Mat-mat for prefill: y[:, j] = W · x[:, j] for j < ncols, by the kernel `matmul_kernel` picks.
+/// 64-row units × K splits a dense product aims for: about two workgroups per streaming
+/// multiprocessor of the H200 (132) per 64-column tile, so a product with few rows (the F32 router,
+/// β/α, the shared expert, the out projections) does not leave most of the GPU idle while a few
+/// workgroups walk all of K.
+const SPLIT_TARGET_UNITS: u64 = 256;
+/// Fewest K per split: a split walks at least four 32-wide K steps.
+pub const SPLIT_MIN_K: u64 = 128;
+/// Most K splits of one product.
+pub const MAX_SPLITS: u32 = 16;
+/// A split's K is a multiple of this (every mat-mat K step divides it).
+const SPLIT_ALIGN: u64 = 128;
+/// Most partial floats per activation column a split product writes (splits × rows ≤ this, by
+/// [`k_splits`]): what a scratch for split partials must hold per column.
+pub const SPLIT_MAX_FLOATS_PER_COL: u64 = SPLIT_TARGET_UNITS * 64;
+
+/// How many K splits a dense mat-mat of `rows` × `k` runs (1: unsplit). A function of the matrix
+/// alone, never of the column count, so every row of every piece sums in the same order (docs:
+/// "Determinism"). Splits × 64-row units stay within SPLIT_TARGET_UNITS, each split at least
+/// SPLIT_MIN_K long.
+pub fn k_splits(rows: u64, k: u64) -> u32 {
+    let units = rows.div_ceil(64).max(1);
+    let mut s = 1u64;
+    while s * 2 <= u64::from(MAX_SPLITS) && units * s * 2 <= SPLIT_TARGET_UNITS && k >= s * 2 * SPLIT_MIN_K {
+        s *= 2;
+    }
+    // Splits are rounded up to SPLIT_ALIGN, which may leave trailing splits empty: drop them.
+    let len = split_len(k, s as u32);
+    k.div_ceil(len).max(1) as u32
+}
+
+/// K per split of a `k`-long product cut into `splits`.
+fn split_len(k: u64, splits: u32) -> u64 {
+    k.div_ceil(u64::from(splits.max(1))).div_ceil(SPLIT_ALIGN).max(1) * SPLIT_ALIGN
+}
+
+/// Mat-mat for prefill: y[:, j] = W · x[:, j] for j < ncols, by the kernel `matmul_kernel` picks,
+/// split over K as [`k_splits`] says; `partials` holds the splits' sums (splits × rows × ncols
+/// floats) and may be None for products that are not split.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -992,9 +1074,11 @@ pub fn matmul(
     y: Columns<'_>,
     ncols: u32,
     precision: Precision,
+    partials: Option<&GpuBuffer>,
 ) -> Result<()> {
-    let kernel = matmul_kernel(gpu, precision, w.ty, w.rows, ncols);
-    matmul_with(gpu, rec, w, x, y, ncols, kernel)
+    let kernel = matmul_kernel(gpu, precision, w.ty, w.rows, w.cols, ncols);
+    let splits = k_splits(w.rows, w.cols);
+    matmul_split(gpu, rec, w, x, y, ncols, kernel, splits, partials)
 }
 
 /// The mat-mat pipeline of `kernel` for `ty` weights, dense or grouped (`moe`).
@@ -1040,6 +1124,8 @@ fn matmul_pipeline(
                     ("AM", (tile.sg_rows / 16).to_string()),
                     ("AN", (tile.sg_cols / 16).to_string()),
                     ("SGS", tile.subgroups().to_string()),
+                    ("TK", tile.k_step.to_string()),
+                    ("KK", (tile.k_step / 16).to_string()),
                     ("MOE", moe_flag),
                 ],
                 &[],
@@ -1056,7 +1142,7 @@ fn tile_shape(kernel: MatmulKernel, moe: bool) -> (u32, u32) {
     }
 }
 
-/// `matmul` with an explicit kernel; `Coop` on a device without it is an error.
+/// `matmul` with an explicit kernel, unsplit; `Coop` on a device without it is an error.
 pub fn matmul_with(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -1066,9 +1152,39 @@ pub fn matmul_with(
     ncols: u32,
     kernel: MatmulKernel,
 ) -> Result<()> {
+    matmul_split(gpu, rec, w, x, y, ncols, kernel, 1, None)
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct ReduceParams {
+    rows: u32,
+    n: u32,
+    splits: u32,
+    split_stride: u32,
+    y_offset: u32,
+    y_stride: u32,
+}
+
+/// `matmul` with an explicit kernel and K cut into `splits` (a split count other than
+/// [`k_splits`]' changes the sum order: tests and benches only). With more than one split, every
+/// workgroup writes its K range's sums to `partials` (split z, column n at float
+/// (z · ncols + n) · rows) and a second dispatch adds them in split order into y.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_split(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    kernel: MatmulKernel,
+    splits: u32,
+    partials: Option<&GpuBuffer>,
+) -> Result<()> {
     check_dense("matmul", "", w, &x, &y, ncols)?;
     if let MatmulKernel::Coop(t) = kernel
-        && !CoopTile::DENSE.contains(&t)
+        && !t.is_dense()
     {
         return Err(QkError::Engine(format!("{}: {t:?} is not a dense tile", w.name)));
     }
@@ -1081,25 +1197,74 @@ pub fn matmul_with(
             w.name
         )));
     }
+    let k = as_u32(w.cols, "K")?;
+    let rows = as_u32(w.rows, "rows")?;
+    let splits = splits.clamp(1, MAX_SPLITS);
+    let k_split = as_u32(split_len(w.cols, splits), "K split")?;
+    // Splits whose K range would be empty after rounding are not dispatched.
+    let splits = k.div_ceil(k_split).max(1);
+    let part = if splits > 1 {
+        let need = u64::from(splits) * w.rows * u64::from(ncols) * 4;
+        let buf = partials.ok_or_else(|| {
+            QkError::Engine(format!(
+                "{}: a {splits}-way split-K product needs a partials buffer",
+                w.name
+            ))
+        })?;
+        crate::ensure!(
+            need <= buf.size,
+            QkError::Engine(format!(
+                "{}: split-K partials need {need} bytes, buffer {} has {}",
+                w.name, buf.label, buf.size
+            ))
+        );
+        Some(buf)
+    } else {
+        None
+    };
     for win in &w.windows {
+        let first_row = as_u32(win.first_row, "row")?;
+        let (out, y_offset, y_stride, split_stride) = match part {
+            Some(buf) => (buf, first_row, rows, ncols * rows),
+            None => (y.buf, y.offset + first_row, y.stride, 0),
+        };
         let p = MatmulParams {
-            k: as_u32(w.cols, "K")?,
+            k,
             rows: as_u32(win.n_rows, "rows")?,
             row_bytes: as_u32(w.row_bytes, "row bytes")?,
             w_offset: as_u32(win.offset, "window offset")?,
             n: ncols,
             x_offset: x.offset,
             x_stride: x.stride,
-            y_offset: y.offset + as_u32(win.first_row, "row")?,
-            y_stride: y.stride,
+            y_offset,
+            y_stride,
+            k_split,
+            split_stride,
             ..Default::default()
         };
         let row_tiles = as_u32(win.n_rows.div_ceil(u64::from(tm)), "row tiles")?;
         rec.dispatch(
             &pipe,
-            &[win.buffer.all(), x.buf.all(), y.buf.all()],
+            &[win.buffer.all(), x.buf.all(), out.all()],
             bytemuck::bytes_of(&p),
-            [row_tiles, col_tiles, 1],
+            [row_tiles, col_tiles, splits],
+        )?;
+    }
+    if let Some(buf) = part {
+        let p = ReduceParams {
+            rows,
+            n: ncols,
+            splits,
+            split_stride: ncols * rows,
+            y_offset: y.offset,
+            y_stride: y.stride,
+        };
+        let pipe = gpu.pipeline(&MATMUL_REDUCE, &[], &[])?;
+        rec.dispatch(
+            &pipe,
+            &[buf.all(), y.buf.all()],
+            bytemuck::bytes_of(&p),
+            [rows.div_ceil(256), ncols, 1],
         )?;
     }
     Ok(())
@@ -1252,7 +1417,7 @@ pub fn matmul_id(
     );
     groups.check(&w.name)?;
     if let MatmulKernel::Coop(t) = kernel
-        && t != CoopTile::MOE
+        && !t.is_moe()
     {
         return Err(QkError::Engine(format!(
             "{}: {t:?} is not the grouped tile",
@@ -1285,6 +1450,8 @@ pub fn matmul_id(
             offsets_at: g.offsets_at(),
             tiles_at: g.tiles_at(),
             order_at: g.order_at(),
+            k_split: as_u32(w.cols, "K")?,
+            split_stride: 0,
         };
         let row_tiles = as_u32(w.rows.div_ceil(u64::from(tm)), "row tiles")?;
         rec.dispatch(
@@ -1319,7 +1486,9 @@ pub fn mul_id(
     }
 }
 
-/// Prefill or decode: the mat-vec for up to 8 columns, the mat-mat beyond.
+/// Prefill or decode: the mat-vec for up to 8 columns, the mat-mat beyond (split over K, with
+/// `partials`, as [`matmul`]).
+#[allow(clippy::too_many_arguments)]
 pub fn mul(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -1328,10 +1497,11 @@ pub fn mul(
     y: Columns<'_>,
     ncols: u32,
     precision: Precision,
+    partials: Option<&GpuBuffer>,
 ) -> Result<()> {
     if ncols <= MATVEC_MAX_COLS {
         matvec(gpu, rec, w, x, y, ncols)
     } else {
-        matmul(gpu, rec, w, x, y, ncols, precision)
+        matmul(gpu, rec, w, x, y, ncols, precision, partials)
     }
 }

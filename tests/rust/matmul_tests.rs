@@ -1,7 +1,8 @@
 //! Matrix kernels vs the CPU reference (`gguf::dequant::dequantize`, then f64 dot products) for
 //! every weight type, with subgroups on and off: mat-vec (1..11 columns), tiled mat-mat, MoE
-//! mat-vec by ids, the expert grouping and grouped MoE mat-mat, embedding lookup, binding windows
-//! (forced small, and one real > 128 MiB); the cooperative-matrix kernels where the adapter has them.
+//! mat-vec by ids, the expert grouping and grouped MoE mat-mat, split-K mat-mat, embedding lookup,
+//! binding windows (forced small, and one real > 128 MiB); the cooperative-matrix kernels (both K
+//! steps) where the adapter has them.
 //!
 //! Metric: NMSE = Σ(y − ref)² / Σ ref². The GPU dequantises with the same f32 products as the
 //! reference and only the summation order and precision differ (f32, K ≤ 4096): relative error per
@@ -13,8 +14,9 @@ use qk::gguf::dequant::dequantize;
 use qk::gpu::{Gpu, WeightTensor};
 use qk::ops::embed::embed;
 use qk::ops::matmul::{
-    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MOE_TILE_COLS, MatmulKernel, MoeInput,
-    coop_accumulator, group_experts, matmul_id, matmul_with, matvec, matvec_id,
+    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MAX_SPLITS, MOE_TILE_COLS, MatmulKernel,
+    MoeInput, Precision, SPLIT_MAX_FLOATS_PER_COL, coop_accumulator, group_experts, k_splits, matmul,
+    matmul_id, matmul_split, matmul_with, matvec, matvec_id,
 };
 
 use crate::gpu_tests::test_gpu;
@@ -283,7 +285,7 @@ fn matmul_cooperative_matrix_every_type() {
     // subgroups of 32×32), 128×128 (8 of 64×32) and 128×64 (4 of 64×32).
     for off in [false, true] {
         let Some(gpu) = test_gpu(off) else { return };
-        for tile in CoopTile::DENSE {
+        for tile in CoopTile::DENSE.into_iter().flat_map(|t| [t, t.with_k_step(64)]) {
             let Some(acc) = coop_accumulator(gpu, tile) else {
                 coop_not_exercised(
                     gpu,
@@ -326,6 +328,208 @@ fn matmul_cooperative_matrix_every_type() {
             );
         }
     }
+}
+
+/// `kernel` over `cols` columns with K cut into `splits` (partials in their own buffer): NMSE
+/// against the reference and the output bytes. Output columns have a stride of m + 3 whose extra
+/// rows must stay untouched.
+fn run_split(
+    gpu: &Gpu,
+    case: &Case,
+    m: usize,
+    k: usize,
+    cols: usize,
+    kernel: MatmulKernel,
+    splits: u32,
+) -> (f64, Vec<f32>) {
+    let mut rng = Rng(31 + cols as u64);
+    let x: Vec<f32> = (0..k * cols).map(|_| rng.f32()).collect();
+    let xb = gpu.buffer_from_f32("x", &x).unwrap();
+    let stride = m + 3;
+    let yb = gpu.buffer_from_f32("y", &vec![7.0; stride * cols]).unwrap();
+    let part = gpu
+        .buffer_zeroed("partials", u64::from(MAX_SPLITS) * (m * cols * 4) as u64)
+        .unwrap();
+    let mut rec = gpu.recorder();
+    let (xc, yc) = (
+        Columns::packed(&xb, k as u32),
+        Columns::packed(&yb, stride as u32),
+    );
+    matmul_split(
+        gpu,
+        &mut rec,
+        &case.w,
+        xc,
+        yc,
+        cols as u32,
+        kernel,
+        splits,
+        Some(&part),
+    )
+    .unwrap();
+    let t = rec.read(&yb, 0, (stride * cols * 4) as u64).unwrap();
+    let y: Vec<f32> = bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t]);
+    let mut got = Vec::new();
+    for c in 0..cols {
+        got.extend_from_slice(&y[c * stride..c * stride + m]);
+        assert!(
+            y[c * stride + m..(c + 1) * stride].iter().all(|v| *v == 7.0),
+            "rows past m written"
+        );
+    }
+    (nmse(&got, &reference(&case.dense, &x, m, k, cols)), got)
+}
+
+#[test]
+fn matmul_split_k_matches_reference() {
+    // Splits of 128-aligned K ranges: K = 512 in 2 and 4, K = 200 in 2 (a ragged last split whose
+    // last 32-wide step is zero-padded), a windowed Q6_K tensor (every window writes its rows of
+    // the partials); 67 rows × 70 columns are partial tiles both ways.
+    let Some(gpu) = test_gpu(false) else { return };
+    let mut cases = vec![];
+    for (i, ty) in [
+        GgmlType::F32,
+        GgmlType::Q8_0,
+        GgmlType::IQ4XS,
+        GgmlType::Q4K,
+        GgmlType::F16,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        cases.push((ty, 67, 512, u64::MAX, 300 + i as u64));
+    }
+    cases.push((GgmlType::F16, 65, 200, u64::MAX, 9));
+    cases.push((GgmlType::Q6K, 37, 512, 2000, 5));
+    let mut kernels = vec![(MatmulKernel::Tiled, NMSE_MAX)];
+    for tile in [CoopTile::SQUARE_64, CoopTile::SQUARE_128.with_k_step(64)] {
+        match coop_accumulator(gpu, tile) {
+            Some(acc) => kernels.push((MatmulKernel::Coop(tile), coop_nmse_max(acc))),
+            None => coop_not_exercised(gpu, &format!("split-K cooperative-matrix mat-mat {tile:?}")),
+        }
+    }
+    for (ty, m, k, window, seed) in cases {
+        let case = make(gpu, ty, m, k, 1, window, seed);
+        if window != u64::MAX {
+            assert!(case.w.windows.len() > 3, "{ty}: expected several windows");
+        }
+        for &(kernel, tol) in &kernels {
+            let (_, unsplit) = run_split(gpu, &case, m, k, 70, kernel, 1);
+            for splits in [2, 4] {
+                let (e, got) = run_split(gpu, &case, m, k, 70, kernel, splits);
+                assert!(e < tol, "{kernel:?} {ty} K={k} split {splits}: NMSE {e:e}");
+                // A different sum order: close to the unsplit result, and the same bytes every run.
+                assert!(got != vec![0.0; got.len()]);
+                let (_, again) = run_split(gpu, &case, m, k, 70, kernel, splits);
+                assert_eq!(got, again, "{kernel:?} {ty} split {splits}: not deterministic");
+                let diff = nmse(&got, &unsplit.iter().map(|&v| f64::from(v)).collect::<Vec<_>>());
+                assert!(diff < tol, "{kernel:?} {ty} split {splits} vs unsplit: {diff:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn split_count_follows_the_matrix_not_the_columns() {
+    // The Qwen3-Next-80B products: few-row matrices split most, wide ones not at all.
+    assert_eq!(k_splits(64, 2048), 16, "β/α");
+    assert_eq!(k_splits(513, 2048), 16, "router + shared gate");
+    assert_eq!(k_splits(1024, 2048), 16, "shared expert gate+up");
+    assert_eq!(k_splits(2048, 512), 4, "shared expert down");
+    assert_eq!(k_splits(2048, 4096), 8, "out projections");
+    assert_eq!(k_splits(4096, 2048), 4, "DeltaNet z");
+    assert_eq!(k_splits(8192, 2048), 2, "DeltaNet qkv");
+    assert_eq!(k_splits(9216, 2048), 1, "attention q‖k‖v");
+    assert_eq!(k_splits(151936, 2048), 1, "LM head");
+    // Short K: no split below two 128-long ranges; trailing empty ranges are dropped.
+    assert_eq!(k_splits(64, 200), 1);
+    assert_eq!(k_splits(64, 256), 2);
+    assert_eq!(k_splits(64, 300), 2);
+    for rows in [1u64, 63, 64, 65, 700, 5000, 20000] {
+        for k in [128u64, 256, 520, 2048, 4096, 16384] {
+            let s = u64::from(k_splits(rows, k));
+            assert!((1..=u64::from(MAX_SPLITS)).contains(&s));
+            assert!(
+                s == 1 || s * rows <= SPLIT_MAX_FLOATS_PER_COL,
+                "{rows}×{k}: {s} splits"
+            );
+        }
+    }
+}
+
+#[test]
+fn matmul_splits_as_the_matrix_says() {
+    // `matmul` (what the engine calls) splits a 64 × 512 matrix 4 ways: without a partials buffer it
+    // refuses, with one it gives the bytes of the explicit 4-way split, for any column count.
+    let Some(gpu) = test_gpu(false) else { return };
+    let (m, k) = (64, 512);
+    assert_eq!(k_splits(m as u64, k as u64), 4);
+    let case = make(gpu, GgmlType::Q8_0, m, k, 1, u64::MAX, 17);
+    let mut rng = Rng(23);
+    let x: Vec<f32> = (0..k * 40).map(|_| rng.f32()).collect();
+    let xb = gpu.buffer_from_f32("x", &x).unwrap();
+    let yb = gpu.buffer_zeroed("y", (m * 40 * 4) as u64).unwrap();
+    let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
+    let mut rec = gpu.recorder();
+    let err = matmul(gpu, &mut rec, &case.w, xc, yc, 40, Precision::Precise, None).unwrap_err();
+    assert!(err.to_string().contains("partials"), "{err}");
+    let small = gpu.buffer_zeroed("small", 4 * (m * 40 * 4) as u64 - 4).unwrap();
+    let mut rec = gpu.recorder();
+    let err = matmul(
+        gpu,
+        &mut rec,
+        &case.w,
+        xc,
+        yc,
+        40,
+        Precision::Precise,
+        Some(&small),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("partials need"), "{err}");
+    let read = |cols: usize, explicit: bool| -> Vec<f32> {
+        let part = gpu.buffer_zeroed("partials", 4 * (m * cols * 4) as u64).unwrap();
+        let mut rec = gpu.recorder();
+        if explicit {
+            matmul_split(
+                gpu,
+                &mut rec,
+                &case.w,
+                xc,
+                yc,
+                cols as u32,
+                MatmulKernel::Tiled,
+                4,
+                Some(&part),
+            )
+        } else {
+            matmul(
+                gpu,
+                &mut rec,
+                &case.w,
+                xc,
+                yc,
+                cols as u32,
+                Precision::Precise,
+                Some(&part),
+            )
+        }
+        .unwrap();
+        let t = rec.read(&yb, 0, (m * cols * 4) as u64).unwrap();
+        bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t])
+    };
+    let wide = read(40, false);
+    assert_eq!(
+        wide,
+        read(40, true),
+        "matmul differs from the explicit 4-way split"
+    );
+    // The first 9 columns of a 9-column product are the bytes of the 40-column one's.
+    assert_eq!(
+        read(9, false),
+        wide[..m * 9],
+        "a row's sums depend on the column count"
+    );
 }
 
 /// Top-`n_used` distinct experts per token from a fixed stream, skewed so one expert gets many
@@ -507,25 +711,29 @@ fn moe_matmul_grouped_by_expert() {
 fn moe_matmul_grouped_cooperative_matrix() {
     for off in [false, true] {
         let Some(gpu) = test_gpu(off) else { return };
-        let Some(acc) = coop_accumulator(gpu, CoopTile::MOE) else {
-            coop_not_exercised(
-                gpu,
-                &format!("grouped cooperative-matrix mat-mat (subgroups_off={off})"),
-            );
-            continue;
-        };
-        let tol = coop_nmse_max(acc);
-        for (ty, window) in [
-            (GgmlType::IQ4XS, u64::MAX),
-            (GgmlType::Q8_0, 3 * 72 * 272),
-            (GgmlType::Q4K, u64::MAX),
-        ] {
-            for e in run_matmul_id(gpu, ty, window, MatmulKernel::Coop(CoopTile::MOE)) {
-                println!("grouped coop {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e}");
-                assert!(
-                    e < tol,
-                    "grouped coop {ty} subgroups_off={off}: NMSE {e:e} ≥ {tol:e}"
+        for tile in [CoopTile::MOE, CoopTile::MOE.with_k_step(64)] {
+            let Some(acc) = coop_accumulator(gpu, tile) else {
+                coop_not_exercised(
+                    gpu,
+                    &format!("grouped cooperative-matrix mat-mat {tile:?} (subgroups_off={off})"),
                 );
+                continue;
+            };
+            let tol = coop_nmse_max(acc);
+            for (ty, window) in [
+                (GgmlType::IQ4XS, u64::MAX),
+                (GgmlType::Q8_0, 3 * 72 * 272),
+                (GgmlType::Q4K, u64::MAX),
+            ] {
+                for e in run_matmul_id(gpu, ty, window, MatmulKernel::Coop(tile)) {
+                    println!(
+                        "grouped coop {tile:?} {ty} ({acc} accumulators, subgroups_off={off}): NMSE {e:e}"
+                    );
+                    assert!(
+                        e < tol,
+                        "grouped coop {tile:?} {ty} subgroups_off={off}: NMSE {e:e} ≥ {tol:e}"
+                    );
+                }
             }
         }
     }
