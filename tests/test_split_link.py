@@ -111,6 +111,9 @@ class DoubleStage:
             return out
         return [self._id(r) for r in out], [self._topk(r, topk) for r in out]
 
+    def position(self, slot):
+        return self.slots.get(slot, (0, None))[0]
+
     def save(self, slot, idx):
         self.snapshots[idx] = self.slots[slot]
 

@@ -24,21 +24,6 @@ use crate::transport::messages::{HiddenRows, Rows, RunOut, StepEntry, StepOut};
 use crate::transport::split_head::{ChainStatus, Pending, SplitConfig, SplitHead};
 use crate::transport::stage::{Stage, StageInfo};
 
-fn info_dict<'py>(py: Python<'py>, i: &StageInfo) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("layer_first", i.layer_first)?;
-    d.set_item("layer_end", i.layer_end)?;
-    d.set_item("n_layer", i.n_layer)?;
-    d.set_item("n_embd", i.n_embd)?;
-    d.set_item("slots", i.slots)?;
-    d.set_item("ctx", i.ctx)?;
-    d.set_item("snap_entries", i.snap_entries)?;
-    d.set_item("snap_bytes", i.snap_bytes)?;
-    d.set_item("fingerprint", &i.fingerprint)?;
-    d.set_item("adapter", &i.adapter)?;
-    Ok(d)
-}
-
 /// A ``qk.Engine`` as a pipeline stage: what ``qk._qk.Worker`` serves and a ``SplitHead`` runs
 /// its own layers on, with no Python between the socket and the GPU. ``fingerprint`` is the model
 /// file's (``qk.Gguf(path, header_only=True).fingerprint``); ``snapshots`` the state snapshot
@@ -73,7 +58,11 @@ impl PyEngineStage {
             let engine = lock_engine(&self.engine)?;
             engine_info(&engine, &self.fingerprint, self.snapshots)
         };
-        info_dict(py, &info)
+        // A hello's stage description less what the worker adds (its name, the process's boot id).
+        let d = stage_dict(py, &info.describe_as("", 0))?;
+        d.del_item("name")?;
+        d.del_item("boot_id")?;
+        Ok(d)
     }
 }
 
