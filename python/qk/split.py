@@ -135,7 +135,7 @@ class SplitDriver:
 
     def _note_session(self) -> None:
         """A new session since the last look: every stage lost its slots and snapshots."""
-        sessions = int(self.head.status()["sessions"])
+        sessions = int(self.head.sessions)
         with self._session_lock:
             previous, self._sessions = self._sessions, sessions
         # The first session (from none) loses nothing.

@@ -398,6 +398,12 @@ impl PySplitHead {
         status_dict(py, &self.head.status())
     }
 
+    /// Sessions established so far; never waits for a call.
+    #[getter]
+    fn sessions(&self) -> u64 {
+        self.head.sessions()
+    }
+
     /// Names of the stages that restarted (changed boot id) at a reconnect since the last call.
     fn take_restarted(&self) -> Vec<String> {
         self.head.take_restarted()

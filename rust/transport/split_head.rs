@@ -304,6 +304,11 @@ impl SplitHead {
         lock(&self.status).clone()
     }
 
+    /// Sessions established so far (cheaper than `status` when that is all a caller needs).
+    pub fn sessions(&self) -> u64 {
+        lock(&self.status).sessions
+    }
+
     /// Names of the stages that restarted at a reconnect since the last call.
     pub fn take_restarted(&self) -> Vec<String> {
         std::mem::take(&mut lock(&self.status).restarted)
