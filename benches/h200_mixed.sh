@@ -2,13 +2,16 @@
 # A split chain over two vendors' adapters on the H200 machine: the head on the H200 through NVIDIA's
 # Vulkan driver, the worker on Mesa's lavapipe (the CPU), both ICDs visible to both processes and
 # --device choosing per process (README "Splitting a model across machines"). Two phases:
-#   bash benches/h200_mixed.sh fetch        HERE: download the Vulkan loader and the Mesa driver debs
-#                                            and pack lavapipe with the libraries it needs into .mesa/
-#   bash benches/h200_mixed.sh run [LAYERS] ON the H200, carrying .mesa, .device/qk-*.whl and
-#                                            .device/gguf-py (benches/device_prepare.sh builds those)
-# `run` prints the adapters, then benches/split_bench.py's JSON for the tiny fixture (tokens against
-# unsplit on each adapter, fast and --precise) and for a random 80B-shaped model cut to LAYERS layers
-# (default 4; ms/token), each followed by a one-line verdict. Results land in $OUT.
+#   bash benches/h200_mixed.sh fetch          HERE: download the Vulkan loader and the Mesa driver debs
+#                                              and pack lavapipe with the libraries it needs into .mesa/
+#   bash benches/h200_mixed.sh fixture        ON the H200: the tiny fixture, fast and --precise
+#   bash benches/h200_mixed.sh model [LAYERS] ON the H200: a random 80B-shaped model cut to LAYERS
+#                                              layers (default 4), written there
+# The H200 phases carry .mesa, .device/qk-*.whl and .device/gguf-py (benches/device_prepare.sh builds
+# the last two); each fits one device call, and on a warm machine the second reuses the first's
+# set-up and Mesa's shader cache. Each prints the adapters, then benches/split_bench.py's JSON (tokens
+# against unsplit on each adapter; ms/token unsplit on the H200 and split across the two) and a
+# one-line verdict. Results land in $OUT.
 #
 # Why a packed subset and not the debs themselves: the debs (driver, LLVM 15, Z3, ICU, X and
 # compression libraries) come to 51 MB, which with the 19 MB tree and the 3.5 MB wheel passes the
@@ -51,7 +54,7 @@ fetch() {
   rm -rf .mesa && mkdir -p .mesa
   cp "$tmp"/debs/libvulkan1_*.deb .mesa/
   tar -C "$tmp/pack" -cf - lib | xz -9e -T2 > .mesa/lavapipe.tar.xz
-  for f in "$tmp"/debs/*.deb; do dpkg-deb -f "$f" Package Version | paste -sd= ; done > .mesa/SOURCES
+  for f in "$tmp"/debs/*.deb; do dpkg-deb -W --showformat='${Package}=${Version}\n' "$f"; done > .mesa/SOURCES
   ls "$tmp/pack/lib" > .mesa/LIBS
   rm -rf "$tmp"
   du -sh .mesa/*
@@ -94,38 +97,55 @@ for adapter, diffs in r.get("differences", {}).items():
 EOF
 }
 
-run() {
-  local layers="${1:-4}" out="${OUT:-/tmp/qk-mixed-out}" nv=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-  mkdir -p "$out"
+setup() {
+  local nv=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+  OUTDIR="${OUT:-/tmp/qk-mixed-out}"
+  mkdir -p "$OUTDIR"
   if [ -d .gl ]; then for f in .gl/*.deb; do dpkg -x "$f" /; done; else dpkg -x .mesa/libvulkan1_*.deb /; fi
   ldconfig
   install_lavapipe || { echo "lavapipe could not be installed"; return 1; }
   [ -f $nv ] || nv=$(ls /usr/share/vulkan/icd.d/nvidia_icd*.json /etc/vulkan/icd.d/nvidia_icd*.json 2>/dev/null | head -1)
   export VK_DRIVER_FILES="$nv:$LVP_ICD" VK_ICD_FILENAMES="$nv:$LVP_ICD"
   mkdir -p /tmp/site
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/qk-*.whl || return 1
+  [ -f /tmp/site/qk/__init__.py ] \
+    || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/qk-*.whl || return 1
   cp /tmp/site/qk/_qk*.so python/qk/
   export PYTHONPATH=$ROOT/python:/tmp/site:$ROOT/.device/gguf-py PYTHONUNBUFFERED=1
-  date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc
-  python3 -c 'from qk import _qk; [print("adapter", a) for a in _qk.adapters()]' | tee "$out/adapters.txt"
+  date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; echo "cpus: $(nproc)"
+  python3 -c 'from qk import _qk; [print("adapter", a) for a in _qk.adapters()]' | tee "$OUTDIR/adapters.txt"
+}
+
+# split_bench.py with the head on the H200 and the worker on lavapipe; NAME.json, NAME.err in $OUTDIR.
+mixed() {
+  local name=$1 limit=$2 model=$3; shift 3
+  timeout "$limit" python3 benches/split_bench.py "$model" --device nvidia --worker-device llvmpipe \
+    --lanes 1 "$@" > "$OUTDIR/$name.json" 2> "$OUTDIR/$name.err"
+  echo "rc=$? ($name)"
+  grep -v "^qk: layer" "$OUTDIR/$name.err" | tail -12
+  cat "$OUTDIR/$name.json"
+  verdict "$OUTDIR/$name.json"
+}
+
+fixture() {
+  setup || return 1
   local fx=tests/fixtures/tiny-qwen3next-f32.gguf
-  for mode in "" --precise; do
-    local name="fixture${mode:+-precise}"
-    timeout 240 python3 benches/split_bench.py $fx --device nvidia --worker-device llvmpipe --prompt 80 \
-      --decode 24 --ctx 512 --lanes 1 $mode > "$out/$name.json" 2> "$out/$name.err"
-    echo "rc=$? ($name)"; cat "$out/$name.json"; verdict "$out/$name.json"
-  done
-  local model=/tmp/next80b-$layers.gguf
-  [ -f $model ] || timeout 240 python3 benches/make_model.py $model --vocab $fx --layers "$layers" > /tmp/make_model.log 2>&1
+  mixed fixture 270 $fx --prompt 80 --decode 16 --ctx 512
+  mixed fixture-precise 270 $fx --prompt 80 --decode 16 --ctx 512 --precise
+}
+
+model() {
+  setup || return 1
+  local layers="$1" model=/tmp/next80b-$1.gguf
+  # The fixture's 465-token vocabulary: the layers are the real model's, the LM head is small.
+  [ -f "$model" ] || timeout 120 python3 benches/make_model.py "$model" --vocab tests/fixtures/tiny-qwen3next-f32.gguf \
+    --layers "$layers" > /tmp/make_model.log 2>&1
   echo "model: $(tail -1 /tmp/make_model.log 2>/dev/null)"
-  timeout 420 python3 benches/split_bench.py $model --device nvidia --worker-device llvmpipe --prompt 64 \
-    --decode 16 --ctx 512 --lanes 1 > "$out/next80b-$layers.json" 2> "$out/next80b-$layers.err"
-  echo "rc=$? (next80b-$layers)"; cat "$out/next80b-$layers.json"; verdict "$out/next80b-$layers.json"
-  grep -v "^qk: layer" "$out/next80b-$layers.err" | tail -20
+  mixed "next80b-$layers" 480 "$model" --prompt 80 --decode 12 --ctx 512
 }
 
 case "${1:-}" in
 fetch) fetch ;;
-run) run "${2:-4}" ;;
-*) echo "usage: $0 fetch | run [LAYERS]"; exit 2 ;;
+fixture) fixture ;;
+model) model "${2:-4}" ;;
+*) echo "usage: $0 fetch | fixture | model [LAYERS]"; exit 2 ;;
 esac
