@@ -311,7 +311,7 @@ def test_engine_stages_over_the_link_equal_the_unsplit_engine():
     # 64-aligned chunking at absolute positions), so ids, top-k ids and logits are compared exactly.
     from conftest import require_gpu
     from qk.gguf import Gguf
-    from qk.worker import EngineStage
+    from qk._qk import EngineStage
 
     if not hasattr(_qk, "Engine"):
         pytest.skip("this build has no qk.Engine")
@@ -352,7 +352,7 @@ def test_engine_stages_over_the_link_equal_the_unsplit_engine():
 def test_the_worker_command_serves_a_head():
     from conftest import free_port, require_gpu
     from qk.gguf import Gguf
-    from qk.worker import EngineStage
+    from qk._qk import EngineStage
 
     if not hasattr(_qk, "Engine"):
         pytest.skip("this build has no qk.Engine")
