@@ -14,7 +14,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use super::engine::PyEngine;
 use super::errors::detach;
 use super::transport::{
-    Fields, PyHeadLink, STAGE_INFO_KEYS, TopK, hidden_array, lock, stage_dict, stage_info_from,
+    Fields, PyHeadLink, STAGE_INFO_KEYS, TopK, hidden_array, lock, seconds, stage_dict, stage_info_from,
 };
 use crate::engine::Engine;
 use crate::error::{QkError, Result};
@@ -331,10 +331,6 @@ impl PySplitHead {
                 )?)
             }
             Err(_) => stage_of(stage)?,
-        };
-        let seconds = |what: &str, s: f64| {
-            Duration::try_from_secs_f64(s)
-                .map_err(|_| PyValueError::new_err(format!("{what}: {s} is not a duration in seconds")))
         };
         let cfg = SplitConfig {
             piece,

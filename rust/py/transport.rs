@@ -457,7 +457,7 @@ fn secret_bytes(secret: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> 
     Ok(Some(secret.extract::<Vec<u8>>()?))
 }
 
-fn seconds(what: &str, s: f64) -> PyResult<Duration> {
+pub(super) fn seconds(what: &str, s: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(s)
         .map_err(|_| PyValueError::new_err(format!("{what}: {s} is not a duration in seconds")))
 }
