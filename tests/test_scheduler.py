@@ -1,14 +1,18 @@
 """Scheduler with the fake engine, no HTTP: FIFO admission beyond the slot count, multi-slot decode
 steps, interleaved sequences equal their single-sequence references, cancellation frees the slot
-within a step, queue limit, prompt-too-long, engine errors end every job exactly once, drain."""
+within a step, queue limit, prompt-too-long, engine errors end every job exactly once, drain. The
+scheduler uses a driver only through the ``Driver`` contract, and keeps a pipelined driver's lanes
+in flight."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Sequence
 
 import pytest
 from fake_engine import FakeDeviceLost, FakeEngine
-from qk.driver import LocalDriver
+from qk.driver import Driver, LocalDriver, Next
 from qk.sampler import SamplingParams
 from qk.scheduler import (
     PREFILL_CHUNK,
@@ -233,3 +237,113 @@ def test_sampled_request_logs_slot_temperature_top_p_seed(caplog):
     assert len(lines) == 1 and all(
         s in lines[0] for s in ("slot 0", "temperature 0.7", "top_p 0.9", "seed 1234")
     )
+
+
+#: Every name of the driver contract (qk.driver.Driver): all the scheduler may touch.
+CONTRACT = {name for name in dir(Driver) if not name.startswith("_") or name in Driver.__annotations__} | set(
+    Driver.__annotations__
+)
+
+
+class Recording(LocalDriver):
+    """A local driver that records every attribute the scheduler reads of it."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.read: set[str] = set()
+        self.closed = 0
+
+    def __getattribute__(self, name: str):
+        if not name.startswith("__") and name not in ("read", "closed", "engine"):
+            object.__getattribute__(self, "read").add(name)
+        return object.__getattribute__(self, name)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_the_scheduler_uses_a_driver_only_through_its_contract():
+    async def main():
+        engine = FakeEngine(VOCAB, slots=2)
+        engine.state_save = lambda slot, idx: None
+        engine.state_load = lambda slot, idx: None
+        engine.state_drop = lambda idx: None
+        driver = Recording(engine)
+        from qk.scheduler import ReuseSettings
+
+        scheduler = Scheduler(lambda: driver, slots=2, ctx=512, reuse=ReuseSettings(max_entries=2))
+        scheduler.start()
+        await ready(scheduler)
+        prompts = [[1] * 70, [2, 3]]
+        results = await asyncio.gather(
+            *(run_job(scheduler.submit(GenerationRequest(p, 4, history=len(p)))) for p in prompts)
+        )
+        assert [r[0] for r in results] == [reference(p, 4) for p in prompts]
+        scheduler.invalidate_reuse()
+        await run_job(scheduler.submit(request([4], 2)))
+        assert scheduler.drain(5)
+        # Read: what serving needs (prefill, decode_async, lanes, snapshots, close, ...); nothing
+        # outside the contract, so no capability is probed.
+        assert driver.read <= CONTRACT, driver.read - CONTRACT
+        assert {"prefill", "decode_async", "lanes", "supports_snapshots", "on_state_lost"} <= driver.read
+        assert driver.closed == 1
+
+    asyncio.run(main())
+
+
+class Pipelined(LocalDriver):
+    """Steps that finish only when collected, on another thread, as a split chain's do: at most
+    ``lanes`` of them may be in flight, and each group's tokens must come back in order."""
+
+    def __init__(self, engine, lanes: int) -> None:
+        super().__init__(engine)
+        self.lanes = lanes
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.lost: list = []
+
+    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int):
+        driver = self
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        done = threading.Event()
+        out: list[list[Next]] = []
+
+        def run() -> None:
+            out.append(LocalDriver.decode(driver, slots, tokens, topk))
+            done.set()
+
+        threading.Thread(target=run).start()
+
+        class Step:
+            def done(self) -> bool:
+                return False  # never collected before the scheduler has nothing else to do
+
+            def result(self) -> list[Next]:
+                done.wait(5)
+                driver.in_flight -= 1
+                return out[0]
+
+        return Step()
+
+    def on_state_lost(self, callback) -> None:
+        self.lost.append(callback)
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_pipelined_driver_keeps_its_lanes_in_flight(lanes):
+    async def main():
+        engine = FakeEngine(VOCAB, slots=3)
+        driver = Pipelined(engine, lanes)
+        scheduler = Scheduler(lambda: driver, slots=3, ctx=512)
+        scheduler.start()
+        await ready(scheduler)
+        prompts = [[1, 2], [3, 4, 5], [6]]
+        results = await asyncio.gather(*(run_job(scheduler.submit(request(p, 10))) for p in prompts))
+        assert [r[0] for r in results] == [reference(p, 10) for p in prompts]
+        assert driver.most_in_flight == lanes
+        # A lost chain session voids the reuse table: the scheduler asked to be told.
+        assert driver.lost == [scheduler.invalidate_reuse]
+        assert scheduler.drain(5)
+
+    asyncio.run(main())

@@ -15,7 +15,7 @@ import pytest
 
 _qk = pytest.importorskip("qk._qk")
 from qk.scheduler import Finished, GenerationRequest, ReuseSettings, Scheduler, Token  # noqa: E402
-from qk.split import SplitDriver, head_stage, pieces  # noqa: E402
+from qk.split import SplitDriver, pieces  # noqa: E402
 from test_split_link import N_EMBD, N_LAYER, DoubleStage, Serving  # noqa: E402
 
 
@@ -45,11 +45,22 @@ class Damped(DoubleStage):
 
 
 class HeadEngine:
-    """DoubleStage layers [0, k) behind qk.Engine's methods, recording when each call ran."""
+    """A test-double stage as a split head's engine: its stage methods (the head's pipeline calls
+    them, through the bindings) plus the ``info()`` a driver reads, recording when each run ran."""
 
     def __init__(self, stage: DoubleStage) -> None:
         self.stage = stage
         self.calls: list[tuple[str, float, float]] = []
+
+    def __getattr__(self, name: str):
+        # describe, step, position, save, load, drop, reset: the stage's own.
+        return getattr(self.stage, name)
+
+    def run(self, slot, base, tokens, hidden, topk):
+        start = time.monotonic()
+        out = self.stage.run(slot, base, tokens, hidden, topk)
+        self.calls.append(("run", start, time.monotonic()))
+        return out
 
     def info(self) -> dict:
         i = self.stage.info
@@ -63,26 +74,9 @@ class HeadEngine:
             "memory": {"kv_per_slot": 1000, "deltanet_per_slot": 24},
         }
 
-    def stage_run(self, slot, tokens, base, topk=0):
-        start = time.monotonic()
-        out = self.stage.run(slot, base, list(tokens), None, 0)
-        self.calls.append(("run", start, time.monotonic()))
-        return out
-
-    def step(self, slots, tokens, topk=0):
-        return [self.stage.run(s, self.position(s), [t], None, 0) for s, t in zip(slots, tokens, strict=True)]
-
-    def position(self, slot):
-        return self.stage.slots[slot][0]
-
-    def state_save(self, slot, idx):
-        self.stage.save(slot, idx)
-
-    def state_load(self, slot, idx):
-        self.stage.load(slot, idx)
-
-    def state_drop(self, idx):
-        self.stage.drop(idx)
+    def own(self, name: str, boot_id: int) -> dict:
+        """The head's stage description for its link."""
+        return {**self.stage.desc(name), "boot_id": boot_id}
 
 
 class RecordingStage(Damped):
@@ -123,9 +117,7 @@ def chain():
     tail = Serving(RecordingStage(4, N_LAYER), "tail")
     mid = Serving(RecordingStage(2, 4), "mid", next=tail.addr)
     head = HeadEngine(Damped(0, 2))
-    own = head_stage(head, "python-test-double", 4, "head", 7)
-    own["snap_bytes"] = 1 << 20
-    link = _qk.HeadLink(mid.addr, own, connect_timeout=2.0, hello_timeout=10.0)
+    link = _qk.HeadLink(mid.addr, head.own("head", 7), connect_timeout=2.0, hello_timeout=10.0)
     driver = SplitDriver(head, link, target=mid.addr, piece=64, ticker=False)
     yield driver, head, mid, tail
     driver.close()
@@ -203,7 +195,7 @@ def test_scheduler_lanes_and_a_restarted_worker_voids_reuse():
     tail_stage = RecordingStage(3, N_LAYER)
     tail = Serving(tail_stage, "tail")
     head = HeadEngine(Damped(0, 3))
-    own = head_stage(head, "python-test-double", 4, "head", 7)
+    own = head.own("head", 7)
     link = _qk.HeadLink(tail.addr, own, connect_timeout=2.0, hello_timeout=10.0, backoff_min=0.05)
     driver = SplitDriver(head, link, target=tail.addr, piece=64, ticker=False, lanes=2)
     scheduler = Scheduler(lambda: driver, slots=2, ctx=256, reuse=ReuseSettings(max_entries=4))
@@ -222,13 +214,7 @@ def test_scheduler_lanes_and_a_restarted_worker_voids_reuse():
         tail.stop()
         tail = Serving(RecordingStage(3, N_LAYER), "tail", port=int(tail.addr.rsplit(":", 1)[1]))
         invalidated = threading.Event()
-        original = scheduler.invalidate_reuse
-
-        def spy():
-            invalidated.set()
-            original()
-
-        driver.on_new_session = spy
+        driver.on_state_lost(invalidated.set)
         again = run_jobs(scheduler, [GenerationRequest([7] * 70 + [1], max_tokens=3)])
         # The first call after the restart may fail on the dead connection; what matters is that
         # no wrong answer is given and the table is voided.

@@ -111,6 +111,9 @@ class DoubleStage:
             return out
         return [self._id(r) for r in out], [self._topk(r, topk) for r in out]
 
+    def position(self, slot):
+        return self.slots.get(slot, (0, None))[0]
+
     def save(self, slot, idx):
         self.snapshots[idx] = self.slots[slot]
 
@@ -308,7 +311,7 @@ def test_engine_stages_over_the_link_equal_the_unsplit_engine():
     # 64-aligned chunking at absolute positions), so ids, top-k ids and logits are compared exactly.
     from conftest import require_gpu
     from qk.gguf import Gguf
-    from qk.worker import EngineStage
+    from qk._qk import EngineStage
 
     if not hasattr(_qk, "Engine"):
         pytest.skip("this build has no qk.Engine")
@@ -349,7 +352,7 @@ def test_engine_stages_over_the_link_equal_the_unsplit_engine():
 def test_the_worker_command_serves_a_head():
     from conftest import free_port, require_gpu
     from qk.gguf import Gguf
-    from qk.worker import EngineStage
+    from qk._qk import EngineStage
 
     if not hasattr(_qk, "Engine"):
         pytest.skip("this build has no qk.Engine")

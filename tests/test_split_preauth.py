@@ -88,6 +88,12 @@ def threads() -> int:
 def test_idle_sockets_cost_few_threads_and_little_time():
     w = Serving(DoubleStage(2, N_LAYER), "w1", secret=SECRET, pre_auth_timeout=0.5, max_pending=8)
     try:
+        # Counted once the worker serves: its acceptor thread starts only after the stage has
+        # described itself, which waits for this thread to let go of the GIL.
+        link = link_to(w.addr, DoubleStage(0, 2), secret=SECRET)
+        assert link.ping() > 0
+        link.close()
+        time.sleep(0.3)
         before = threads()
         idle = [socket.create_connection(("127.0.0.1", w.worker.port)) for _ in range(200)]
         time.sleep(0.3)

@@ -4,7 +4,8 @@ server on the same fixture. (1) split ≡ unsplit response bodies for 2 and 3 st
 boundaries; (2) streamed ≡ non-streamed through the split; (3) kill -9 of the worker mid-stream gives
 the tokens already sent plus a clean error, the head stays up and serves again once the worker is
 back; (4) two concurrent sequences each match the unsplit reference; (5) a mismatched worker is
-refused at connect with its reason, shown on /health."""
+refused at connect with its reason, shown on /health; (6) each process on the adapter its --device
+names (in CI both lavapipe; where two adapter kinds are visible, head and worker on different ones)."""
 
 from __future__ import annotations
 
@@ -109,14 +110,14 @@ def wait_health(url: str, procs: list[Proc], status: int = 200, timeout: float =
 class Split:
     """Head + workers for the given cut points (e.g. [2] → 0:2 head, 2:4 worker)."""
 
-    def __init__(self, cuts: list[int], *head_args: str) -> None:
+    def __init__(self, cuts: list[int], *head_args: str, worker_args: tuple[str, ...] = ()) -> None:
         bounds = [0, *cuts, N_LAYER]
         self.ports = [free_port() for _ in cuts]
         self.workers: list[Proc] = []
         # Start-up order does not matter: workers come up last-first here, the head reconnects anyway.
         for i in reversed(range(len(cuts))):
             nxt = ["--next", f"127.0.0.1:{self.ports[i + 1]}"] if i + 1 < len(cuts) else []
-            self.workers.insert(0, worker((bounds[i + 1], bounds[i + 2]), self.ports[i], *nxt))
+            self.workers.insert(0, worker((bounds[i + 1], bounds[i + 2]), self.ports[i], *nxt, *worker_args))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.head = head(cuts[0], self.ports[0], self.port, *head_args)
@@ -313,3 +314,30 @@ def test_a_worker_of_another_model_is_refused():
     finally:
         h.stop()
         w.stop()
+
+
+def test_each_stage_runs_on_the_adapter_its_device_names(unsplit):
+    # The head picks its adapter by index, the worker by name: the first and the last adapter
+    # listed, one adapter twice in CI (lavapipe), two kinds where a GPU and lavapipe are both there.
+    _qk = native()
+    adapters = _qk.adapters()
+    head_adapter, worker_adapter = adapters[0], adapters[-1]
+    split = Split(
+        [2], "--device", str(head_adapter["index"]), worker_args=("--device", worker_adapter["name"])
+    )
+    try:
+        stages = split.health["stages"]
+        assert [s["adapter"] for s in stages] == [head_adapter["name"], worker_adapter["name"]]
+        body = {"prompt": "Once upon a time " * 20, "n_predict": 12}
+        got = split.http.post("/completion", json=body)
+        assert got.status_code == 200, got.text
+        if head_adapter["name"] == worker_adapter["name"] == _qk.selected_adapter()["name"]:
+            # One adapter kind: byte for byte what the unsplit server answers.
+            want = unsplit.http.post("/completion", json=body).json()
+            assert normalise(got.json()) == normalise(want)
+        else:
+            # Two kinds round differently: equal tokens up to near-ties, which
+            # benches/split_bench.py --worker-device certifies; here the chain must serve.
+            assert len(got.json()["tokens"]) == 12
+    finally:
+        split.close()

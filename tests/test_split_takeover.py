@@ -17,7 +17,7 @@ import pytest
 _qk = pytest.importorskip("qk._qk")
 from fake_engine import LiveServer, tiny_tokenizer  # noqa: E402
 from qk.server import Loaded, create_app  # noqa: E402
-from qk.split import SplitDriver, head_stage  # noqa: E402
+from qk.split import SplitDriver  # noqa: E402
 from test_split_driver import Damped, HeadEngine  # noqa: E402
 from test_split_link import N_LAYER, Serving  # noqa: E402
 
@@ -51,8 +51,7 @@ class SmallVocab(Damped):
 def head_server(addr: str, name: str, *, takeover: bool) -> tuple[LiveServer, SplitDriver]:
     tok = tiny_tokenizer()
     engine = HeadEngine(SmallVocab(0, 2))
-    own = head_stage(engine, "python-test-double", 4, name, abs(hash(name)) % 1000 + 1)
-    own["snap_bytes"] = 1 << 20
+    own = engine.own(name, abs(hash(name)) % 1000 + 1)
     link = _qk.HeadLink(
         addr, own, secret=SECRET, takeover=takeover, connect_timeout=2.0, hello_timeout=10.0, backoff_max=0.5
     )

@@ -27,6 +27,7 @@ __all__ = [
     "InternalError",
     "Engine",
     "GgufFile",
+    "supported_types",
     "adapters",
     "selected_adapter",
     "supported_types",
@@ -35,6 +36,9 @@ __all__ = [
     "qkp_decode_header",
     "HeadLink",
     "Worker",
+    "EngineStage",
+    "SplitHead",
+    "PendingStep",
     "QKP_VERSION",
     "QKP_HEADER_LEN",
     "QKP_MAX_ROWS",
@@ -66,6 +70,7 @@ class TransportError(QkError): ...
 class InternalError(QkError): ...
 
 def adapters() -> list[dict[str, Any]]: ...
+def supported_types() -> list[str]: ...
 def selected_adapter(device: str | None = None) -> dict[str, Any]: ...
 def supported_types() -> list[str]: ...
 def qkp_encode(message: dict[str, Any]) -> bytes: ...
@@ -185,8 +190,49 @@ class HeadLink:
     def retry_in(self) -> float | None: ...
 
 @final
+class EngineStage:
+    """A ``qk.Engine`` as the native stage a ``Worker`` serves or a ``SplitHead`` runs its layers on."""
+
+    def __new__(cls, engine: Engine, fingerprint: str, snapshots: int) -> EngineStage: ...
+    def describe(self) -> dict[str, Any]: ...
+
+@final
+class PendingStep:
+    """A decode step handed to the chain by a ``SplitHead``."""
+
+    def done(self) -> bool: ...
+    def result(self) -> tuple[list[int], list[_TopK]]: ...
+
+@final
+class SplitHead:
+    """The head of a split: its own layers, then one link thread carrying every call to the chain."""
+
+    def __new__(
+        cls,
+        stage: Any,
+        link: HeadLink,
+        *,
+        piece: int = 128,
+        tick: float | None = ...,
+        ping_idle: float = 5.0,
+    ) -> SplitHead: ...
+    def connect(self) -> list[dict[str, Any]]: ...
+    def prefill(
+        self, slot: int, tokens: Sequence[int], base: int, topk: int = 0
+    ) -> tuple[list[int], _TopK]: ...
+    def step(self, slots: Sequence[int], tokens: Sequence[int], topk: int = 0) -> PendingStep: ...
+    def save(self, slot: int, idx: int) -> None: ...
+    def load(self, slot: int, idx: int) -> None: ...
+    def drop(self, idx: int) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+    def take_restarted(self) -> list[str]: ...
+    def close(self) -> None: ...
+    @property
+    def sessions(self) -> int: ...
+
+@final
 class Worker:
-    """One pipeline stage serving a head over qkp; ``stage`` is a Python object (qk.worker)."""
+    """One pipeline stage serving a head over qkp; ``stage`` is an ``EngineStage`` or a Python stage."""
 
     def __new__(
         cls,

@@ -1,9 +1,10 @@
-"""The scheduler's view of a forward pass: ``Driver`` (what it calls) and ``LocalDriver`` (one
-whole-model engine on this box, docs/architecture.md "Engine contract").
+"""The scheduler's view of a forward pass: ``Driver``, everything the scheduler, the server and the
+metrics use of one (docs/architecture.md "Driver contract"), and ``LocalDriver``, one whole-model
+engine on this box. The split head's driver is ``qk.split.SplitDriver``.
 
-``EngineLike`` states exactly what the driver uses of ``qk.Engine``, so the native engine and the
-test suite's fake plug in unchanged. Results come back normalised to ``Next``: the greedy id of the
-last position plus its top-k ``(id, logit)`` pairs (empty unless asked for).
+``EngineLike`` states exactly what the local driver uses of ``qk.Engine``, so the native engine and
+the test suite's fake plug in unchanged. Results come back normalised to ``Next``: the greedy id of
+the last position plus its top-k ``(id, logit)`` pairs (empty unless asked for).
 
 Example::
 
@@ -14,11 +15,11 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Driver", "EngineLike", "LocalDriver", "Next"]
+__all__ = ["Done", "Driver", "EngineLike", "Health", "LocalDriver", "Next", "Pending"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,79 @@ class Next:
 
     token: int
     candidates: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Pending(Protocol):
+    """A decode step handed to a driver: ``result()`` waits for its ``Next`` per slot (once)."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> list[Next]: ...
+
+
+class Done:
+    """A decode step that already ran."""
+
+    def __init__(self, nexts: list[Next]) -> None:
+        self._nexts = nexts
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> list[Next]:
+        return self._nexts
+
+
+@dataclass(frozen=True)
+class Health:
+    """What ``/health`` and ``/metrics`` show of a driver; reading it never waits for the engine."""
+
+    #: Why the driver cannot serve right now; None while it can.
+    problem: str | None = None
+    #: A split head's stages, the head first: {name, layers: [a, b] | None, adapter, up}. Empty on
+    #: one box.
+    stages: tuple[Mapping[str, Any], ...] = ()
+    #: A split head's chain: {up, sessions, rtt_seconds, step_rtt_seconds, last_error, retry_in,
+    #: taken_over}. None on one box.
+    chain: Mapping[str, Any] | None = None
+
+
+class Driver(Protocol):
+    """What the scheduler drives, and all the server and the metrics read of it."""
+
+    #: Groups of slots the scheduler keeps in flight at once: 1 batches every decoding slot into
+    #: each step; 2 keeps one group on the head while the other is on the rest of a split chain.
+    lanes: int
+
+    #: Whether ``save_state``/``load_state``/``drop_state`` work (cross-turn reuse needs them).
+    supports_snapshots: bool
+
+    def prefill(self, slot: int, tokens: Sequence[int], base: int, topk: int) -> Next: ...
+
+    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> Pending:
+        """Start one decode step of several slots; its result is collected later."""
+        ...
+
+    def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]: ...
+
+    def info(self) -> Mapping[str, Any]: ...
+
+    def save_state(self, slot: int, idx: int) -> None: ...
+
+    def load_state(self, slot: int, idx: int) -> None: ...
+
+    def drop_state(self, idx: int) -> None: ...
+
+    def on_state_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from any thread) whenever every saved state was lost at once, as when
+        a split chain starts a new session."""
+        ...
+
+    def health(self) -> Health: ...
+
+    def close(self) -> None:
+        """End what the driver holds open (a split head's chain session)."""
+        ...
 
 
 @runtime_checkable
@@ -49,25 +123,6 @@ class EngineLike(Protocol):
     def step(self, slots: Sequence[int], tokens: Sequence[int], topk: int = 0) -> Any: ...
 
     def info(self) -> Mapping[str, Any]: ...
-
-
-class Driver(Protocol):
-    """What the scheduler drives: prefill one slot, decode many at once."""
-
-    def prefill(self, slot: int, tokens: Sequence[int], base: int, topk: int) -> Next: ...
-
-    def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]: ...
-
-    def info(self) -> Mapping[str, Any]: ...
-
-    #: Whether ``save_state``/``load_state``/``drop_state`` work (cross-turn reuse needs them).
-    supports_snapshots: bool
-
-    def save_state(self, slot: int, idx: int) -> None: ...
-
-    def load_state(self, slot: int, idx: int) -> None: ...
-
-    def drop_state(self, idx: int) -> None: ...
 
 
 def _pairs(topk: Any) -> list[tuple[int, float]]:
@@ -98,7 +153,10 @@ def _last_id(ids: Any) -> int:
 
 
 class LocalDriver:
-    """One engine holding every layer: prefill is ``stage_run``, decode is ``step``."""
+    """One engine holding every layer: prefill is ``stage_run``, decode is ``step``; one lane (there
+    is no second stage to overlap with), nothing held open, no state lost but by the caller."""
+
+    lanes = 1
 
     def __init__(self, engine: EngineLike) -> None:
         self.engine = engine
@@ -112,6 +170,9 @@ class LocalDriver:
         if len(ids) != len(tokens):
             raise RuntimeError(f"stage_run returned {len(ids)} ids for {len(tokens)} positions")
         return Next(int(ids[-1]), _pairs(top) if topk else [])
+
+    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> Pending:
+        return Done(self.decode(slots, tokens, topk))
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]:
         results = list(self.engine.step(list(slots), list(tokens), topk=topk))
@@ -130,3 +191,14 @@ class LocalDriver:
 
     def drop_state(self, idx: int) -> None:
         self.engine.state_drop(idx)  # type: ignore[attr-defined]
+
+    def on_state_lost(self, callback: Callable[[], None]) -> None:
+        # The engine's snapshots go only when the scheduler drops them.
+        pass
+
+    def health(self) -> Health:
+        return Health()
+
+    def close(self) -> None:
+        # The engine holds nothing open; its memory goes with the last reference.
+        pass

@@ -32,9 +32,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-from qk.driver import Driver
+from qk.driver import Driver, Next, Pending
 from qk.reuse import ReuseTable, snapshot_position, state_bytes_from_info
 from qk.sampler import Sampler, SamplingParams
 
@@ -59,10 +58,6 @@ log = logging.getLogger("qk.scheduler")
 #: chunked DeltaNet puts its own (docs/numerics.md "Chunk alignment"); small enough that decode steps of other
 #: slots and SSE keep-alives interleave with a long prompt.
 PREFILL_CHUNK = 512
-
-#: Groups of slots a pipelined driver (one with ``decode_async``) keeps in flight by default: one on
-#: the head's layers while the other is on the rest of the chain. A driver's ``lanes`` overrides it.
-LANES = 2
 
 
 class QueueFullError(Exception):
@@ -148,7 +143,7 @@ class Job:
         self.position = 0
         self.generated = 0
         self.pending: int | None = None
-        #: A decode step of this job is in flight on a pipelined driver.
+        #: A decode step of this job is in flight (handed to the driver, not yet collected).
         self.in_flight = False
         #: Prompt tokens restored from a snapshot rather than prefilled.
         self.cached = 0
@@ -234,8 +229,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._slots: list[Job | None] = [None] * slots
-        #: Decode steps submitted to a pipelined driver, oldest first: (future, jobs, submit time).
-        self._lanes: collections.deque[tuple[Any, list[Job], float]] = collections.deque()
+        #: Decode steps handed to the driver, oldest first: (pending, jobs, submit time).
+        self._lanes: collections.deque[tuple[Pending, list[Job], float]] = collections.deque()
         self._draining = False
         self._thread = threading.Thread(target=self._run, name="qk-engine", daemon=True)
 
@@ -323,11 +318,10 @@ class Scheduler:
             self.load_error = exc
             self.state = "failed"
             return
-        if hasattr(self.driver, "on_new_session") and self.driver.on_new_session is None:
-            # A split chain that reconnected lost every snapshot its stages held.
-            self.driver.on_new_session = self.invalidate_reuse
+        # A split chain that reconnected lost every snapshot its stages held.
+        self.driver.on_state_lost(self.invalidate_reuse)
         settings = self._reuse_settings
-        if settings is not None and getattr(self.driver, "supports_snapshots", False):
+        if settings is not None and self.driver.supports_snapshots:
             info = self.driver.info()
             self.reuse = ReuseTable(
                 # A split chain holds as many snapshot entries as its smallest stage offers.
@@ -371,12 +365,10 @@ class Scheduler:
         self.state = "stopped"
         # A split driver ends its session with the chain cleanly (the workers log a close, not a
         # dead peer, and are free for the next head at once).
-        close = getattr(self.driver, "close", None)
-        if callable(close):
-            try:
-                close()
-            except Exception as exc:
-                log.warning("closing the driver: %s", exc)
+        try:
+            self.driver.close()
+        except Exception as exc:
+            log.warning("closing the driver: %s", exc)
 
     def _admit(self) -> None:
         for slot, occupant in enumerate(self._slots):
@@ -414,10 +406,7 @@ class Scheduler:
         if prefilling:
             self._prefill_chunk(driver, min(prefilling, key=lambda j: j.id))
         decoding = [j for j in self._slots if j is not None and j.pending is not None and not j.done]
-        if hasattr(driver, "decode_async"):
-            self._decode_lanes(driver, decoding)
-        elif decoding:
-            self._decode_step(driver, decoding)
+        self._decode_lanes(driver, decoding)
 
     def _void_reuse(self) -> None:
         self._invalidate.clear()
@@ -515,14 +504,7 @@ class Scheduler:
             return
         self._accept(job, job.sampler.pick(nxt.token, nxt.candidates))
 
-    def _decode_step(self, driver: Driver, jobs: list[Job]) -> None:
-        topk = max(j.request.params.candidates_needed for j in jobs)
-        started = time.perf_counter()
-        results = driver.decode([j.slot or 0 for j in jobs], [j.pending or 0 for j in jobs], topk)
-        self.stats.decode_seconds += time.perf_counter() - started
-        self._advance(jobs, results)
-
-    def _advance(self, jobs: list[Job], results: list[Any]) -> None:
+    def _advance(self, jobs: list[Job], results: list[Next]) -> None:
         """One decode step's results: sample each job's next token (a job that ended while its
         step was in flight is skipped)."""
         self.stats.decode_steps += 1
@@ -538,29 +520,30 @@ class Scheduler:
                 continue
             self._accept(job, token)
 
-    def _decode_lanes(self, driver: Any, decoding: list[Job]) -> None:
-        """Pipelined decode: submit one group of ready jobs per turn while fewer than the driver's
-        lanes are in flight (with two lanes, half of them the first time, so two groups alternate),
-        else collect the oldest."""
-        lanes = int(getattr(driver, "lanes", LANES))
+    def _decode_lanes(self, driver: Driver, decoding: list[Job]) -> None:
+        """Decode in lanes: submit one group of ready jobs per turn while fewer than the driver's
+        lanes are in flight (with two lanes, half of them the first time, so two groups alternate);
+        collect the oldest step when nothing could be submitted, or as soon as it is done (a local
+        driver's step is done when submitted, so its tokens go out in the same turn)."""
+        submitted = False
         ready = [j for j in decoding if not j.in_flight]
-        if ready and len(self._lanes) < lanes:
-            if lanes > 1 and not self._lanes and len(ready) > 1:
+        if ready and len(self._lanes) < driver.lanes:
+            if driver.lanes > 1 and not self._lanes and len(ready) > 1:
                 ready = ready[: (len(ready) + 1) // 2]
             topk = max(j.request.params.candidates_needed for j in ready)
             started = time.perf_counter()
-            future = driver.decode_async([j.slot or 0 for j in ready], [j.pending or 0 for j in ready], topk)
+            pending = driver.decode_async([j.slot or 0 for j in ready], [j.pending or 0 for j in ready], topk)
             self.stats.decode_seconds += time.perf_counter() - started
             for job in ready:
                 job.in_flight = True
-            self._lanes.append((future, ready, started))
+            self._lanes.append((pending, ready, started))
+            submitted = True
+        if not self._lanes or (submitted and not self._lanes[0][0].done()):
             return
-        if not self._lanes:
-            return
-        future, jobs, _ = self._lanes.popleft()
+        pending, jobs, _ = self._lanes.popleft()
         started = time.perf_counter()
         try:
-            results = future.result()
+            results = pending.result()
         except Exception:
             if all(job.done for job in jobs):
                 # Every job of this step already ended (cancelled): its failure concerns no one.

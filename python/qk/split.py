@@ -1,24 +1,20 @@
-"""The head of a split model (docs/architecture.md "Split serving"): ``SplitDriver`` runs layers ``[0, A)`` on the
-local engine and the rest through a ``qk._qk.HeadLink`` to the worker chain, behind the scheduler's
-``Driver`` interface.
+"""The head of a split model (docs/architecture.md "Split serving"): ``SplitDriver`` is the scheduler's
+``Driver`` over a ``qk._qk.SplitHead``, which runs layers ``[0, A)`` on the local engine and carries
+their hidden rows to the worker chain behind a ``qk._qk.HeadLink`` without passing them through
+Python: prompt pieces go down the chain while the head computes the next, and a decode step's
+rows go from the head's readback into the qkp frame on the pipeline's link thread.
 
-Two threads share the work so the pipeline is not idle half the time: the engine thread runs the
-head's layers, and one link thread carries every call to the chain in order (qkp is strictly
-request → reply per session, so one FIFO keeps each slot's positions in order on every stage). A
-prompt is cut into pieces at absolute multiples of ``PIECE`` positions; each piece's hidden rows go
-to the chain while the head computes the next one. ``decode_async`` returns a future, so the
-scheduler can keep two groups of slots in flight (``lanes=2``): one on the head while the other is on
-the chain.
+``decode_async`` returns as soon as the head's layers have run, so the scheduler can keep two groups
+of slots in flight (``lanes=2``): one on the head while the other is on the chain.
 
 A new link session (a reconnect) means every stage reset its slots and dropped its snapshots; the
-driver then calls ``on_new_session`` (the scheduler voids its reuse table). A ticker thread pings the
-chain while idle (round-trip time for /health and /metrics), looks each second for what the chain
-sent unasked (another head taking the chain over: ``chain_status()["taken_over"]``, "taken over by
-head X at T"), and reconnects a down link with backoff.
+driver then calls back whoever asked ``on_state_lost`` (the scheduler voids its reuse table). The
+link thread looks after an idle link (reconnects with backoff, takes in a takeover notice, pings);
+a watcher thread here logs what changed and notices new sessions between requests.
 
 Example::
 
-    link = _qk.HeadLink("10.0.0.2:18100", own_stage, secret=b"...")
+    link = _qk.HeadLink("10.0.0.2:18100", head_stage(engine, fingerprint, 16, "head", boot_id))
     driver = SplitDriver(_qk.Engine("M.gguf", layers=(0, 24), slots=4), link)
     first = driver.prefill(0, prompt_ids, 0, topk=0)
 """
@@ -27,14 +23,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
-from qk.driver import Next, _pairs
+from qk.driver import Health, Next, Pending, _pairs
 
 __all__ = ["PIECE", "SplitDriver", "head_stage"]
 
@@ -44,21 +36,23 @@ log = logging.getLogger("qk.split")
 #: where the pieces are cut changes no result, and small enough that the next stage starts early.
 PIECE = 128
 
-#: Seconds between the ticker's looks at the link; a ping goes out only after this long idle.
+#: Seconds of idle after which the link thread looks after the link (and the watcher looks at it);
+#: a ping goes out only after PING_IDLE_S idle.
 TICK_S = 1.0
 PING_IDLE_S = 5.0
 
 
 def head_stage(engine: Any, fingerprint: str, snap_entries: int, name: str, boot_id: int) -> dict:
-    """The head's own stage description for the hello (docs/protocol.md "Stage description"): the chain is checked
-    against it (contiguous layers, same model, n_embd, enough slots and context)."""
-    from qk.worker import stage_info
+    """The head's own stage description for the hello (docs/protocol.md "Stage description"): the
+    chain is checked against it (contiguous layers, same model, n_embd, enough slots and context)."""
+    from qk._qk import EngineStage
 
-    return {"name": name, "boot_id": boot_id, **stage_info(engine, fingerprint, snap_entries)}
+    return {"name": name, "boot_id": boot_id, **EngineStage(engine, fingerprint, snap_entries).describe()}
 
 
 def pieces(base: int, n: int, piece: int = PIECE) -> list[tuple[int, int]]:
-    """``[base, base + n)`` cut at absolute multiples of ``piece``: (start offset, length) pairs."""
+    """``[base, base + n)`` cut at absolute multiples of ``piece``: (start offset, length) pairs —
+    how the head cuts a prompt (the cut itself is made in Rust, ``split_head.rs``)."""
     out = []
     pos, end = base, base + n
     while pos < end:
@@ -68,8 +62,38 @@ def pieces(base: int, n: int, piece: int = PIECE) -> list[tuple[int, int]]:
     return out
 
 
+class _Step:
+    """A decode step on the chain: ``result()`` gives each slot's ``Next`` once the chain answered."""
+
+    def __init__(self, driver: SplitDriver, pending: Any, n: int, topk: int) -> None:
+        self._driver, self._pending, self._n, self._topk = driver, pending, n, topk
+        self._result: list[Next] | None = None
+
+    def done(self) -> bool:
+        return self._result is not None or bool(self._pending.done())
+
+    def result(self) -> list[Next]:
+        if self._result is None:
+            try:
+                ids, tops = self._pending.result()
+            finally:
+                self._driver._note_session()
+            if len(ids) != self._n:
+                raise RuntimeError(f"the chain answered {len(ids)} ids for {self._n} slots")
+            self._result = [
+                Next(int(i), _pairs(t) if self._topk else []) for i, t in zip(ids, tops, strict=True)
+            ]
+        return self._result
+
+
 class SplitDriver:
-    """Layers ``[0, A)`` here, the rest on the chain behind ``link``."""
+    """Layers ``[0, A)`` here, the rest on the chain behind ``link``.
+
+    ``engine`` is a ``qk.Engine`` (served natively, described by ``link``'s own stage) or, in tests,
+    a Python stage object with an ``info()``. ``lanes``: groups of slots in flight at once. One
+    batches every slot into each step: the better choice when the stages share a device (measured
+    on lavapipe: 1.40× single-stream for 2 slots against 0.74× with two lanes, benches/RESULTS.md).
+    Two keep both ends busy when each stage has its own GPU."""
 
     supports_snapshots = True
 
@@ -81,207 +105,134 @@ class SplitDriver:
         target: str = "next stage",
         piece: int = PIECE,
         lanes: int = 1,
-        on_new_session: Callable[[], None] | None = None,
         ticker: bool = True,
     ) -> None:
         if piece % 64:
             raise ValueError(f"piece {piece} is not a multiple of 64")
-        self.engine = engine
-        self.link = link
-        self.piece = piece
         if lanes < 1:
             raise ValueError("lanes must be at least 1")
-        #: Groups of slots in flight at once (the scheduler reads it). One batches every slot into
-        #: each step: the better choice when the stages share a device (measured on lavapipe: 1.40×
-        #: single-stream for 2 slots against 0.74× with two lanes, benches/RESULTS.md). Two keep
-        #: both ends busy when each stage has its own GPU.
+        from qk._qk import SplitHead
+
+        self.engine = engine
+        self.link = link
         self.lanes = lanes
         self.target = target
-        self.on_new_session = on_new_session
-        from qk._qk import TransportError
-
-        self._transport_error = TransportError
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qk-link")
-        self._sessions: int | None = None
-        self._session_lock = threading.Lock()
-        self._last_activity = time.monotonic()
-        #: Seconds of the latest ping through the whole chain (None until one succeeded).
-        self.rtt: float | None = None
-        #: Seconds of the latest decode step's round trip through the chain (head excluded).
-        self.step_rtt: float | None = None
+        self.head = SplitHead(
+            engine, link, piece=piece, tick=TICK_S if ticker else None, ping_idle=PING_IDLE_S
+        )
         # Layers and adapter never change; the engine's info() would wait for a step in progress.
         self._head_info = dict(engine.info())
-        self._status: dict[str, Any] = {}
-        self._refresh()
+        self._listeners: list[Callable[[], None]] = []
+        self._sessions: int | None = None
+        self._session_lock = threading.Lock()
+        self._seen: tuple[bool, str | None] = (False, None)
         self._closed = threading.Event()
-        self._ticker = threading.Thread(target=self._tick, name="qk-link-ticker", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name="qk-link-watch", daemon=True)
         if ticker:
-            self._ticker.start()
+            self._watcher.start()
 
     # -- the chain ---------------------------------------------------------------------------------
 
-    def _refresh(self) -> None:
-        """Copy the link's state into plain Python values for /health and /metrics: the link's own
-        getters wait for an in-flight call, which must never stall the event loop."""
-        self._status = {
-            "up": bool(self.link.is_up),
-            "sessions": int(self.link.sessions),
-            "chain": [dict(s) for s in self.link.chain],
-            "last_error": self.link.last_error,
-            "retry_in": self.link.retry_in,
-            "taken_over": self.link.taken_over,
-        }
-
     def _note_session(self) -> None:
-        self._refresh()
-        sessions = self._status["sessions"]
+        """A new session since the last look: every stage lost its slots and snapshots."""
+        sessions = int(self.head.sessions)
         with self._session_lock:
             previous, self._sessions = self._sessions, sessions
-        if previous is not None and sessions != previous:
-            restarted = list(self.link.take_restarted())
+        # The first session (from none) loses nothing.
+        if previous and sessions != previous:
+            restarted = list(self.head.take_restarted())
             log.warning(
                 "new session with the chain%s: every stage reset its slots and snapshots",
                 f" (restarted: {', '.join(restarted)})" if restarted else "",
             )
-            if self.on_new_session is not None:
-                self.on_new_session()
+            for callback in list(self._listeners):
+                callback()
 
-    def _submit(self, fn: Callable[..., Any], *args: Any, retry: bool = False, **kwargs: Any) -> Future:
-        """Run a link call on the link thread. ``retry``: the call is safe to repeat on a new session
-        (it starts a sequence at base 0, or restores a snapshot, which then fails cleanly), so a
-        connection that died while idle (a restarted worker) costs no request."""
-
-        def call() -> Any:
-            self._last_activity = time.monotonic()
-            try:
-                try:
-                    return fn(*args, **kwargs)
-                except self._transport_error as first:
-                    if not retry:
-                        raise
-                    log.info("retrying on a new session after: %s", first)
-                    return fn(*args, **kwargs)
-            except self._transport_error as exc:
-                # The client sees this message (HTTP 503 / SSE error): say which part failed.
-                raise self._transport_error(f"pipeline stage failed: {exc}") from exc
-            finally:
-                self._note_session()
-                self._last_activity = time.monotonic()
-
-        if self._closed.is_set():
-            raise RuntimeError("this split driver is closed: make a new one for a new session")
-        return self._pool.submit(call)
-
-    def _tick(self) -> None:
+    def _watch(self) -> None:
+        """Log what the link thread found while idle, and notice a session it opened."""
         while not self._closed.wait(TICK_S):
             try:
-                if not self.link.is_up:
-                    if self.link.reconnect_if_due():
-                        log.info("reconnected to the chain")
-                        self._note_session()
-                elif not self._pool.submit(self.link.poll).result():
-                    # Through the link thread (between calls) and not counted as activity.
-                    taken = self.link.taken_over
-                    log.warning("the chain ended this head's session: %s", taken or self.link.last_error)
-                elif time.monotonic() - self._last_activity > PING_IDLE_S:
-                    # Through the link thread, so a ping never interleaves with a slot's calls.
-                    self.rtt = self._submit(self.link.ping).result()
+                status = self.head.status()
+                seen = (bool(status["up"]), status["taken_over"])
+                if seen != self._seen:
+                    up, taken = seen
+                    if taken and taken != self._seen[1]:
+                        log.warning("the chain ended this head's session: %s", taken)
+                    elif up and not self._seen[0]:
+                        log.info("connected to the chain")
+                    elif not up and self._seen[0]:
+                        log.warning("the chain is unreachable: %s", status["last_error"])
+                    self._seen = seen
+                self._note_session()
             except Exception as exc:
-                log.debug("link ticker: %s", exc)
-            self._refresh()
+                log.debug("link watcher: %s", exc)
 
     def connect(self) -> bool:
         """Try the chain now (start-up); False with a logged reason when it is not reachable yet."""
         try:
-            self._submit(self.link.connect).result()
+            self.head.connect()
         except Exception as exc:
             log.warning("the chain is not reachable yet (%s); retrying in the background", exc)
             return False
+        finally:
+            self._note_session()
         return True
 
     def close(self) -> None:
         self._closed.set()
-        self._pool.shutdown(wait=True)
-        self.link.close()
+        self.head.close()
 
     # -- Driver -----------------------------------------------------------------------------------
 
     def prefill(self, slot: int, tokens: Sequence[int], base: int, topk: int) -> Next:
-        tokens = list(tokens)
-        futures: list[Future] = []
         try:
-            for offset, n in pieces(base, len(tokens), self.piece):
-                hidden = self.engine.stage_run(slot, tokens[offset : offset + n], base + offset)
-                last = offset + n == len(tokens)
-                start = base + offset
-                futures.append(
-                    self._submit(
-                        self.link.run, slot, start, hidden=hidden, topk=topk if last else 0, retry=start == 0
-                    )
-                )
+            ids, top = self.head.prefill(slot, list(tokens), base, topk)
         finally:
-            # Every piece sent is answered before this returns (or raises), so no reply is left
-            # to land on a later request.
-            results = []
-            error: BaseException | None = None
-            for future in futures:
-                try:
-                    results.append(future.result())
-                except BaseException as exc:
-                    error = error or exc
-            if error is not None:
-                raise error
-        ids, top = results[-1]
+            self._note_session()
         return Next(int(ids[-1]), _pairs(top) if topk else [])
 
-    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> Future:
-        """Run the head's layers for one position of each slot now; the returned future resolves
-        to their ``Next`` once the chain has answered."""
-        slots = [int(s) for s in slots]
-        entries = [(s, int(self.engine.position(s))) for s in slots]
-        rows = self.engine.step(slots, list(tokens))
-        hidden = np.ascontiguousarray(np.concatenate(rows), dtype=np.float32)
-        started = time.perf_counter()
-
-        def step() -> list[Next]:
-            ids, tops = self.link.step(entries, hidden=hidden, topk=topk)
-            self.step_rtt = time.perf_counter() - started
-            if len(ids) != len(slots):
-                raise RuntimeError(f"the chain answered {len(ids)} ids for {len(slots)} slots")
-            return [Next(int(i), _pairs(t) if topk else []) for i, t in zip(ids, tops, strict=True)]
-
-        return self._submit(step)
+    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> Pending:
+        """Run the head's layers for one position of each slot now; the result resolves to their
+        ``Next`` once the chain has answered."""
+        pending = self.head.step([int(s) for s in slots], [int(t) for t in tokens], topk)
+        return _Step(self, pending, len(slots), topk)
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]:
         return self.decode_async(slots, tokens, topk).result()
 
     def save_state(self, slot: int, idx: int) -> None:
-        self.engine.state_save(slot, idx)
-        self._submit(self.link.save, slot, idx).result()
+        try:
+            self.head.save(slot, idx)
+        finally:
+            self._note_session()
 
     def load_state(self, slot: int, idx: int) -> None:
-        self.engine.state_load(slot, idx)
-        self._submit(self.link.load, slot, idx, retry=True).result()
+        try:
+            self.head.load(slot, idx)
+        finally:
+            self._note_session()
 
     def drop_state(self, idx: int) -> None:
-        self.engine.state_drop(idx)
-        # A down link needs no drop: the next session starts with every snapshot gone.
-        if self._status["up"]:
-            self._submit(self.link.drop, idx).result()
+        try:
+            self.head.drop(idx)
+        finally:
+            self._note_session()
+
+    def on_state_lost(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
 
     def info(self) -> Mapping[str, Any]:
-        info = dict(self.engine.info())
-        chain = [dict(s) for s in self.link.chain]
-        if chain:
-            info["layers"] = (info["layers"][0], chain[-1]["layer_end"])
-            info["snapshot_entries"] = int(self.link.snapshot_entries)
+        info = dict(self._head_info)
+        status = self.head.status()
+        if status["chain"]:
+            info["layers"] = (info["layers"][0], status["chain"][-1]["layer_end"])
+            info["snapshot_entries"] = int(status["snapshot_entries"])
         return info
 
-    def stages(self) -> list[dict[str, Any]]:
-        """Each stage's state for /health and /metrics: the head first, then the chain (as of the
-        latest link call; never waits for one in flight)."""
+    def stages(self, status: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Each stage's state, the head first, then the chain as of the latest session."""
+        status = self.head.status() if status is None else status
         head = self._head_info
-        status = self._status
         out = [{"name": "head", "layers": list(head["layers"]), "adapter": str(head["adapter"]), "up": True}]
         for stage in status["chain"]:
             out.append(
@@ -296,14 +247,25 @@ class SplitDriver:
             out.append({"name": self.target, "layers": None, "adapter": None, "up": False})
         return out
 
-    def chain_status(self) -> dict[str, Any]:
-        status = self._status
-        return {
+    def health(self) -> Health:
+        status = self.head.status()
+        chain = {
             "up": status["up"],
             "sessions": status["sessions"],
-            "rtt_seconds": self.rtt,
-            "step_rtt_seconds": self.step_rtt,
+            "rtt_seconds": status["ping_seconds"],
+            "step_rtt_seconds": status["step_rtt_seconds"],
             "last_error": status["last_error"],
             "retry_in": status["retry_in"],
             "taken_over": status["taken_over"],
         }
+        problem = None
+        if status["taken_over"]:
+            problem = f"this head lost the pipeline chain: {status['taken_over']}"
+        elif not status["up"]:
+            problem = f"a pipeline stage is unreachable: {status['last_error'] or 'not connected yet'}"
+        return Health(problem=problem, stages=tuple(self.stages(status)), chain=chain)
+
+    def step_times(self) -> dict[str, Any]:
+        """Decode steps so far, summed: steps, rows, and the seconds spent on the head's layers,
+        waiting for the link thread, and on the chain's round trip (benches/split_bench.py)."""
+        return dict(self.head.status()["steps"])

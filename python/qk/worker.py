@@ -1,6 +1,8 @@
 """``python -m qk.worker``: one pipeline stage of a split model — the engine for layers ``[A, B)`` behind
 the qkp transport (docs/protocol.md), no HTTP. It answers one head session at a time, forwards hidden
 rows to ``--next`` unless it runs the model's last layers, and keeps serving when a peer misbehaves.
+This module only parses flags, loads the engine and reports: the serve loop, and every request from
+socket to GPU and back, runs in Rust (``qk._qk.Worker`` around a ``qk._qk.EngineStage``).
 
 Listens on loopback by default; any other address needs a shared secret (``--secret`` or
 ``QK_SECRET``) or an explicit ``--insecure``, so an open port is not an open door.
@@ -16,8 +18,6 @@ import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 DEFAULT_PORT = 18100
 
@@ -42,75 +42,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def stage_info(engine: Any, fingerprint: str, snap_entries: int) -> dict:
-    """What a hello says of a stage running ``engine`` (docs/protocol.md "Stage description"): its layers, the model's
-    shape, slots and context, snapshot capacity, model fingerprint and adapter."""
-    info = engine.info()
-    first, end = info["layers"]
-    memory = info["memory"]
-    return {
-        "layer_first": int(first),
-        "layer_end": int(end),
-        "n_layer": int(info["n_layer"]),
-        "n_embd": int(info["n_embd"]),
-        "slots": int(info["slots"]),
-        "ctx": int(info["ctx"]),
-        "snap_entries": snap_entries,
-        "snap_bytes": snap_entries * int(memory["kv_per_slot"] + memory["deltanet_per_slot"]),
-        "fingerprint": fingerprint,
-        "adapter": str(info["adapter"]),
-    }
-
-
-class EngineStage:
-    """A ``qk.Engine`` as the stage ``qk._qk.Worker`` serves (the methods in STAGE_METHODS), through the
-    engine's public API; the engine releases the GIL while the GPU works. The engine has no snapshot
-    cap, so the worker advertises ``snap_entries`` and refuses indices past it; ``snap_bytes`` is what
-    that many whole slot states (KV + DeltaNet) may hold."""
-
-    def __init__(self, engine: Any, fingerprint: str, snap_entries: int) -> None:
-        self.engine = engine
-        self.info = stage_info(engine, fingerprint, snap_entries)
-        self.last = self.info["layer_end"] == self.info["n_layer"]
-        self.saved: set[int] = set()
-
-    def describe(self) -> dict:
-        return dict(self.info)
-
-    def run(self, slot: int, base: int, tokens: Any, hidden: Any, topk: int) -> Any:
-        return self.engine.stage_run(slot, tokens if tokens is not None else hidden, base, topk)
-
-    def step(self, entries: list[tuple[int, int]], tokens: Any, hidden: Any, topk: int) -> Any:
-        for slot, base in entries:
-            position = self.engine.position(slot)
-            if base != position:
-                raise ValueError(f"step: base {base} for slot {slot}, which is at position {position}")
-        outs = self.engine.step([slot for slot, _ in entries], tokens if tokens is not None else hidden, topk)
-        if not self.last:
-            return np.concatenate(outs)
-        return [ids[0] for ids, _ in outs], [pairs for _, pairs in outs]
-
-    def save(self, slot: int, idx: int) -> None:
-        if idx >= self.info["snap_entries"]:
-            raise ValueError(f"snapshot {idx} past this worker's {self.info['snap_entries']} entries")
-        self.engine.state_save(slot, idx)
-        self.saved.add(idx)
-
-    def load(self, slot: int, idx: int) -> None:
-        self.engine.state_load(slot, idx)
-
-    def drop(self, idx: int) -> None:
-        if idx in self.saved:
-            self.engine.state_drop(idx)
-            self.saved.discard(idx)
-
-    def reset(self) -> None:
-        # Slots reset themselves on their next base-0 run; snapshots must go now.
-        for idx in sorted(self.saved):
-            self.engine.state_drop(idx)
-        self.saved.clear()
 
 
 def add_cache_type_args(p: argparse.ArgumentParser) -> None:
@@ -171,22 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_engine(args: argparse.Namespace) -> Any:
+def load_stage(args: argparse.Namespace) -> Any:
+    """The engine for ``--layers`` as the native stage the worker serves."""
     try:
         from qk import _qk
     except ImportError as e:
         sys.exit(f"qk.worker: the native module qk._qk is not installed ({e})")
-    engine_class = getattr(_qk, "Engine", None)
-    if engine_class is None:
-        sys.exit(
-            "qk.worker: this build of qk has no qk.Engine yet (the native engine is not part of it), "
-            "so there is nothing to serve"
-        )
     from qk.gguf import Gguf
 
     a, b = args.layers
     fingerprint = Gguf(args.model, header_only=True).fingerprint
-    engine = engine_class(
+    engine = _qk.Engine(
         args.model,
         layers=(a, b),
         slots=args.slots,
@@ -195,7 +121,16 @@ def load_engine(args: argparse.Namespace) -> Any:
         precise=args.precise,
         **cache_types(args),
     )
-    return EngineStage(engine, fingerprint, args.snapshots)
+    return _qk.EngineStage(engine, fingerprint, args.snapshots)
+
+
+def __getattr__(name: str) -> Any:
+    # ``qk.worker.EngineStage`` is the native stage, imported on first use like the rest of qk._qk.
+    if name == "EngineStage":
+        from qk._qk import EngineStage
+
+        return EngineStage
+    raise AttributeError(f"module 'qk.worker' has no attribute {name!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--port {args.port} is not a TCP port")
     if args.pre_auth_timeout <= 0 or args.max_pending < 1:
         parser.error("--pre-auth-timeout must be > 0 and --max-pending ≥ 1")
-    stage = load_engine(args)
+    stage = load_stage(args)
 
     from qk import _qk
 

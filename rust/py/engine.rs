@@ -1,7 +1,7 @@
 //! Python bindings of the engine: `_qk.Engine` (NumPy in and out; the GIL is released while the
 //! GPU works).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2};
 use pyo3::exceptions::PyTypeError;
@@ -9,9 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::errors::detach;
-use crate::QkError;
 use crate::engine::{Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepProfile, StepTiming};
 use crate::ops::attention::KvType;
+use crate::transport::engine_stage::lock_engine;
 
 /// A model (or a layer range of it) loaded on one GPU, with `slots` independent sequences of up to
 /// `ctx` positions each. `precise=True` keeps every product in f32 and the KV cache in f32 (the
@@ -23,7 +23,9 @@ use crate::ops::attention::KvType;
 /// >>> eng.generate([1, 2, 3], max_new=8)
 #[pyclass(name = "Engine", module = "qk._qk", frozen)]
 pub struct PyEngine {
-    inner: Mutex<Engine>,
+    /// Shared with the native stage that serves it (a worker's, or a split head's own layers), so
+    /// no Python sits between the socket and the GPU while this handle still answers `info()`.
+    inner: Arc<Mutex<Engine>>,
     n_embd: usize,
 }
 
@@ -58,9 +60,12 @@ impl PyEngine {
     fn lock(&self) -> crate::Result<std::sync::MutexGuard<'_, Engine>> {
         // Poisoned: a call panicked while holding the engine (answered as qk.InternalError); its
         // GPU state is unknown, so every later call refuses.
-        self.inner.lock().map_err(|_| {
-            QkError::Engine("the engine failed in an earlier call (an internal error): load it again".into())
-        })
+        lock_engine(&self.inner)
+    }
+
+    /// The engine itself, for a native stage to serve.
+    pub(crate) fn shared(&self) -> Arc<Mutex<Engine>> {
+        Arc::clone(&self.inner)
     }
 
     /// Run `f` on the engine with the GIL released (the lock is taken without the GIL, so a
@@ -130,7 +135,7 @@ impl PyEngine {
         })?;
         let n_embd = engine.config().n_embd as usize;
         Ok(PyEngine {
-            inner: Mutex::new(engine),
+            inner: Arc::new(Mutex::new(engine)),
             n_embd,
         })
     }

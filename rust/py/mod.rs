@@ -6,6 +6,7 @@ mod engine;
 mod errors;
 mod gguf;
 mod gpu;
+mod stage;
 mod transport;
 
 #[pymodule]
@@ -17,5 +18,6 @@ fn qk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     gguf::register(m)?;
     gpu::register(m)?;
     transport::register(m)?;
+    stage::register(m)?;
     Ok(())
 }

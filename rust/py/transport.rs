@@ -3,17 +3,17 @@
 //! Codec failures raise `qk.TransportError`. Messages are plain dicts keyed by field name with an
 //! `"op"` naming the message (`frame::Op::name`); the keys per op are listed on `qkp_encode`.
 //! Also the split-serving classes: `HeadLink` (the head's link to the chain) and `Worker` (a stage's
-//! serve loop around a Stage object), both releasing the GIL while they wait on sockets.
+//! serve loop around a stage, `stage.rs`), both releasing the GIL while they wait on sockets.
 
 use std::net::{SocketAddr, TcpListener};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::conversion::FromPyObjectOwned;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use super::errors::{detach, guard};
 use crate::error::{QkError, Result};
@@ -32,13 +32,17 @@ fn transport(msg: String) -> PyErr {
 }
 
 /// The fields of one message dict: every key must be known to the op and every required key present.
-struct Fields<'py> {
+pub(super) struct Fields<'py> {
     dict: Bound<'py, PyDict>,
     op: &'static str,
 }
 
 impl<'py> Fields<'py> {
-    fn new(dict: &Bound<'py, PyDict>, op: &'static str, allowed: &[&str]) -> PyResult<Fields<'py>> {
+    pub(super) fn new(
+        dict: &Bound<'py, PyDict>,
+        op: &'static str,
+        allowed: &[&str],
+    ) -> PyResult<Fields<'py>> {
         for key in dict.keys().iter() {
             let key: String = key.extract()?;
             if key != "op" && !allowed.contains(&key.as_str()) {
@@ -108,7 +112,7 @@ impl<'py> Fields<'py> {
 
 /// The keys of a stage's fixed facts (`StageInfo`), as `describe()` returns them; a hello's stage
 /// description adds "name" and "boot_id".
-const STAGE_INFO_KEYS: [&str; 10] = [
+pub(super) const STAGE_INFO_KEYS: [&str; 10] = [
     "layer_first",
     "layer_end",
     "n_layer",
@@ -121,7 +125,7 @@ const STAGE_INFO_KEYS: [&str; 10] = [
     "adapter",
 ];
 
-fn stage_info_from(f: &Fields<'_>) -> PyResult<StageInfo> {
+pub(super) fn stage_info_from(f: &Fields<'_>) -> PyResult<StageInfo> {
     Ok(StageInfo {
         layer_first: f.get("layer_first")?,
         layer_end: f.get("layer_end")?,
@@ -292,7 +296,7 @@ fn put_entries(d: &Bound<'_, PyDict>, entries: &[StepEntry]) -> PyResult<()> {
     )
 }
 
-fn stage_dict<'py>(py: Python<'py>, s: &StageDesc) -> PyResult<Bound<'py, PyDict>> {
+pub(super) fn stage_dict<'py>(py: Python<'py>, s: &StageDesc) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("name", &s.name)?;
     d.set_item("boot_id", s.boot_id)?;
@@ -440,7 +444,7 @@ fn qkp_decode_header<'py>(py: Python<'py>, header: &[u8]) -> PyResult<Bound<'py,
 }
 
 /// (id, logit) pairs of one position, best first.
-type TopK = Vec<(u32, f32)>;
+pub(super) type TopK = Vec<(u32, f32)>;
 
 /// A shared secret given as str (UTF-8) or bytes.
 fn secret_bytes(secret: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> {
@@ -453,7 +457,7 @@ fn secret_bytes(secret: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Vec<u8>>> 
     Ok(Some(secret.extract::<Vec<u8>>()?))
 }
 
-fn seconds(what: &str, s: f64) -> PyResult<Duration> {
+pub(super) fn seconds(what: &str, s: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(s)
         .map_err(|_| PyValueError::new_err(format!("{what}: {s} is not a duration in seconds")))
 }
@@ -485,14 +489,14 @@ fn rows_arg(tokens: Option<Vec<u32>>, hidden: Option<PyReadonlyArray2<'_, f32>>)
     }
 }
 
-fn hidden_array<'py>(py: Python<'py>, h: &HiddenRows) -> PyResult<Bound<'py, PyAny>> {
+pub(super) fn hidden_array<'py>(py: Python<'py>, h: &HiddenRows) -> PyResult<Bound<'py, PyAny>> {
     let rows = h.data.len() / h.width.max(1) as usize;
     Ok(PyArray1::from_vec(py, h.data.clone())
         .reshape([rows, h.width as usize])?
         .into_any())
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic in a call leaves the link or worker state as plain data; later calls report on it.
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -510,11 +514,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// ``own`` is the head's stage description (the dict keys of a hello_reply stage). One call runs at
 /// a time; the others (getters included) wait for it without holding the GIL.
 #[pyclass(name = "HeadLink", module = "qk._qk", frozen)]
-struct PyHeadLink {
-    link: Mutex<HeadLink>,
+pub(super) struct PyHeadLink {
+    /// Shared with the `SplitHead` built on this link, whose link thread makes the calls.
+    link: Arc<Mutex<HeadLink>>,
 }
 
 impl PyHeadLink {
+    pub(super) fn shared(&self) -> Arc<Mutex<HeadLink>> {
+        Arc::clone(&self.link)
+    }
+
     /// Run `f` on the link with the GIL released; a panic is answered as qk.InternalError.
     fn call<T: Send>(
         &self,
@@ -558,7 +567,7 @@ impl PyHeadLink {
         cfg.backoff_min = seconds("backoff_min", backoff_min)?;
         cfg.backoff_max = seconds("backoff_max", backoff_max)?;
         Ok(PyHeadLink {
-            link: Mutex::new(HeadLink::new(cfg)),
+            link: Arc::new(Mutex::new(HeadLink::new(cfg))),
         })
     }
 
@@ -691,154 +700,10 @@ impl PyHeadLink {
     }
 }
 
-/// A Python object serving as a worker's stage: ``describe() -> dict`` (the StageInfo fields:
-/// layer_first, layer_end, n_layer, n_embd, slots, ctx, snap_entries, snap_bytes, fingerprint,
-/// adapter); ``run(slot, base, tokens, hidden, topk)`` and ``step(entries, tokens, hidden, topk)``
-/// (``tokens`` a list of ids or None, ``hidden`` a 2-D float32 array or None) returning a 2-D float32
-/// array of hidden rows, or (ids, top-k) where run's top-k is [(id, logit)] and step's one such list
-/// per entry; ``save(slot, idx)``, ``load(slot, idx)``, ``drop(idx)``, ``reset()``. Each call takes the
-/// GIL for its own length only; a Python exception becomes the stage's error, sent to the head.
-struct PyStage {
-    obj: Py<PyAny>,
-}
-
-fn stage_error(py: Python<'_>, method: &str, e: PyErr) -> QkError {
-    let detail = e
-        .value(py)
-        .str()
-        .map_or_else(|_| "an exception".to_string(), |s| s.to_string());
-    QkError::Engine(format!(
-        "{method}: {}: {detail}",
-        e.get_type(py)
-            .name()
-            .map_or_else(|_| "?".into(), |n| n.to_string())
-    ))
-}
-
-impl PyStage {
-    fn call<T>(
-        &self,
-        method: &str,
-        build: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, PyTuple>>,
-        read: impl for<'py> FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
-    ) -> Result<T> {
-        Python::attach(|py| {
-            let args = build(py).map_err(|e| stage_error(py, method, e))?;
-            let out = self
-                .obj
-                .bind(py)
-                .call_method1(method, args)
-                .map_err(|e| stage_error(py, method, e))?;
-            read(&out).map_err(|e| stage_error(py, method, e))
-        })
-    }
-}
-
-fn input_args<'py>(py: Python<'py>, input: &Rows) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
-    match input {
-        Rows::Tokens(ids) => Ok((PyList::new(py, ids)?.into_any(), py.None().into_bound(py))),
-        Rows::Hidden(h) => Ok((py.None().into_bound(py), hidden_array(py, h)?)),
-    }
-}
-
-fn hidden_out(out: &Bound<'_, PyAny>) -> PyResult<Option<HiddenRows>> {
-    let Ok(array) = out.extract::<PyReadonlyArray2<'_, f32>>() else {
-        return Ok(None);
-    };
-    let width = u32::try_from(array.shape()[1])
-        .map_err(|_| PyValueError::new_err(format!("hidden rows of width {}", array.shape()[1])))?;
-    Ok(Some(HiddenRows {
-        width,
-        data: array.as_array().iter().copied().collect(),
-    }))
-}
-
-impl Stage for PyStage {
-    fn describe(&self) -> Result<StageInfo> {
-        self.call(
-            "describe",
-            |py| Ok(PyTuple::empty(py)),
-            |out| {
-                let d = out.cast::<PyDict>()?;
-                stage_info_from(&Fields::new(d, "describe", &STAGE_INFO_KEYS)?)
-            },
-        )
-    }
-
-    fn run(&mut self, slot: u32, base: u32, input: &Rows, topk: u32) -> Result<RunOut> {
-        self.call(
-            "run",
-            |py| {
-                let (tokens, hidden) = input_args(py, input)?;
-                (slot, base, tokens, hidden, topk).into_pyobject(py)
-            },
-            |out| {
-                if let Some(h) = hidden_out(out)? {
-                    return Ok(RunOut::Hidden(h));
-                }
-                let (ids, topk): (Vec<u32>, Vec<(u32, f32)>) = out.extract()?;
-                Ok(RunOut::Ids { ids, topk })
-            },
-        )
-    }
-
-    fn step(&mut self, entries: &[StepEntry], input: &Rows, topk: u32) -> Result<StepOut> {
-        self.call(
-            "step",
-            |py| {
-                let pairs: Vec<(u32, u32)> = entries.iter().map(|e| (e.slot, e.base)).collect();
-                let (tokens, hidden) = input_args(py, input)?;
-                (pairs, tokens, hidden, topk).into_pyobject(py)
-            },
-            |out| {
-                if let Some(h) = hidden_out(out)? {
-                    return Ok(StepOut::Hidden(h));
-                }
-                let (ids, topk): (Vec<u32>, Vec<Vec<(u32, f32)>>) = out.extract()?;
-                Ok(StepOut::Ids { ids, topk })
-            },
-        )
-    }
-
-    fn save(&mut self, slot: u32, idx: u32) -> Result<()> {
-        self.call("save", |py| (slot, idx).into_pyobject(py), |_| Ok(()))
-    }
-
-    fn load(&mut self, slot: u32, idx: u32) -> Result<()> {
-        self.call("load", |py| (slot, idx).into_pyobject(py), |_| Ok(()))
-    }
-
-    fn drop_snapshot(&mut self, idx: u32) -> Result<()> {
-        self.call("drop", |py| (idx,).into_pyobject(py), |_| Ok(()))
-    }
-
-    fn reset(&mut self) -> Result<()> {
-        self.call("reset", |py| Ok(PyTuple::empty(py)), |_| Ok(()))
-    }
-}
-
-/// The stage a worker serves, from the object given to ``Worker``: a Python object with the Stage
-/// methods (``qk.worker.EngineStage`` wraps a ``qk.Engine`` so; the engine releases the GIL while it
-/// computes). A native path (a ``qk.Engine`` recognised here and served by a Rust `impl Stage`, no
-/// Python per call) would slot in before this check.
-fn stage_of(obj: &Bound<'_, PyAny>) -> PyResult<Box<dyn Stage + Send>> {
-    for m in ["describe", "run", "step", "save", "load", "drop", "reset"] {
-        if !obj.hasattr(m)? {
-            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                "a worker's stage needs a {m}() method; {} has none",
-                obj.get_type().name()?
-            )));
-        }
-    }
-    Ok(Box::new(PyStage {
-        obj: obj.clone().unbind(),
-    }))
-}
-
 // The signature's default must be a literal for Python to show it: keep it the core's default.
 const _: () = assert!(crate::transport::worker::MAX_PENDING == 16);
 
-/// A stage's qkp server (``python -m qk.worker`` runs one): binds ``host:port`` at once (``port=0``
+/// A stage's qkp server (``python -m qk.worker`` runs one around an ``EngineStage``): binds ``host:port`` at once (``port=0``
 /// picks a free port, see ``.port``), and ``serve()`` blocks, with the GIL released, answering one head
 /// session at a time until ``stop()`` is called from another thread. ``next`` is host:port of the
 /// next stage (None for the last stage); ``secret`` (str or bytes) is proved on both of its hops.
@@ -876,7 +741,7 @@ impl PyWorker {
         per_row_timeout: f64,
         max_pending: usize,
     ) -> PyResult<PyWorker> {
-        let stage = stage_of(stage)?;
+        let stage = super::stage::stage_of(stage)?;
         let listener = TcpListener::bind((host, port))
             .map_err(|e| QkError::Transport(format!("cannot listen on {host}:{port}: {e}")))?;
         let address = listener

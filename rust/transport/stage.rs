@@ -1,7 +1,8 @@
-//! What a worker needs from its local engine (`Stage`): the facts its hello describes, the forward
-//! pass over its layers for one slot (`run`) or one position of several slots (`step`), and the
-//! snapshot operations. The serve loop (`worker.rs`) is written against this trait only, so the
-//! native engine and test doubles (Rust, or a Python object through the bindings) serve alike.
+//! What a stage needs from its local engine (`Stage`): the facts its hello describes, the forward
+//! pass over its layers for one slot (`run`) or one position of several slots (`step`), slot
+//! positions and the snapshot operations. The worker's serve loop (`worker.rs`) and the head's
+//! pipeline (`split_head.rs`) are written against this trait only, so the native engine
+//! (`engine_stage.rs`) and test doubles (Rust, or a Python object through the bindings) serve alike.
 
 use crate::error::Result;
 use crate::transport::hello::StageDesc;
@@ -53,7 +54,7 @@ impl StageInfo {
     }
 }
 
-/// A worker's local engine. Errors are returned, never panicked: the worker sends them to the head as
+/// A stage's local engine. Errors are returned, never panicked: the worker sends them to the head as
 /// an ERROR with this stage's name, and the session goes on.
 pub trait Stage {
     /// The stage's fixed facts; called once when the worker starts.
@@ -68,6 +69,9 @@ pub trait Stage {
     /// One decode position for each entry (`input` has one row per entry, in entry order), in one pass.
     /// A non-last stage answers one hidden row per entry; the last one id and its top-k per entry.
     fn step(&mut self, entries: &[StepEntry], input: &Rows, topk: u32) -> Result<StepOut>;
+
+    /// Positions `slot` has run (the base its next STEP entry must carry).
+    fn position(&self, slot: u32) -> Result<u32>;
 
     /// Snapshot `slot`'s whole state into entry `idx`, restore it, or free entry `idx`.
     fn save(&mut self, slot: u32, idx: u32) -> Result<()>;

@@ -3,19 +3,24 @@
 //! LOAD through the chain; hello refusals reaching the head with their reason; a stage killed and
 //! restarted mid-session; malformed frames closing only their own connection; takeover only when
 //! asked, and the head that lost the chain told who took it and when; before the proof, nothing but
-//! a hello-sized frame read, few connections pending and none for long.
+//! a hello-sized frame read, few connections pending and none for long. The head's pipeline
+//! (`SplitHead`): prompts cut into pieces, steps in flight two at a time, snapshots, a chain
+//! restarted while idle, the idle link looked after; and on a GPU, native engine stages at both ends
+//! equal to the unsplit engine.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use qk::error::{QkError, Result};
 use qk::transport::frame::{self, ErrorCode, HEADER_LEN, Header, Op, VERSION};
 use qk::transport::{
-    ClientHello, HeadConfig, HeadLink, HiddenRows, Message, Proof, Rows, RunOut, Stage, StageDesc, StageInfo,
-    StepEntry, StepOut, Timeouts, WorkerConfig, WorkerControl, decode, encode, serve_worker,
+    ClientHello, HeadConfig, HeadLink, HiddenRows, Message, Proof, Rows, RunOut, SplitConfig, SplitHead,
+    Stage, StageDesc, StageInfo, StepEntry, StepOut, Timeouts, WorkerConfig, WorkerControl, decode, encode,
+    serve_worker,
 };
 
 const N_LAYER: u32 = 6;
@@ -31,6 +36,8 @@ struct Double {
     /// Per slot: the position, and the running sum of the rows this stage saw.
     slots: Vec<Option<(u32, Vec<f32>)>>,
     snapshots: HashMap<u32, (u32, Vec<f32>)>,
+    /// Keep values bounded (a decaying sum, tanh), so prompts of hundreds of positions stay finite.
+    damped: bool,
 }
 
 impl Double {
@@ -56,6 +63,14 @@ impl Double {
             slots: vec![None; info.slots as usize],
             snapshots: HashMap::new(),
             info,
+            damped: false,
+        }
+    }
+
+    fn damped(first: u32, end: u32) -> Double {
+        Double {
+            damped: true,
+            ..Double::new(first, end)
         }
     }
 
@@ -100,8 +115,13 @@ impl Double {
         for mut row in rows {
             for layer in self.info.layer_first..self.info.layer_end {
                 for (j, x) in row.iter_mut().enumerate() {
-                    acc[j] += *x;
-                    *x = *x * 0.5 + layer as f32 + acc[j] * 0.25;
+                    if self.damped {
+                        acc[j] = acc[j] * 0.5 + *x;
+                        *x = (*x * 0.5 + layer as f32 / 10.0 + acc[j] * 0.25).tanh();
+                    } else {
+                        acc[j] += *x;
+                        *x = *x * 0.5 + layer as f32 + acc[j] * 0.25;
+                    }
                 }
             }
             out.push(row);
@@ -165,6 +185,13 @@ impl Stage for Double {
         })
     }
 
+    fn position(&self, slot: u32) -> Result<u32> {
+        match self.slots.get(slot as usize) {
+            Some(state) => Ok(state.as_ref().map_or(0, |(pos, _)| *pos)),
+            None => Err(Double::fail(format!("slot {slot} out of range"))),
+        }
+    }
+
     fn save(&mut self, slot: u32, idx: u32) -> Result<()> {
         if idx >= self.info.snap_entries {
             return Err(Double::fail(format!("snapshot {idx} out of range")));
@@ -207,6 +234,12 @@ impl Composed {
     fn new(bounds: &[u32]) -> Composed {
         Composed {
             stages: bounds.windows(2).map(|w| Double::new(w[0], w[1])).collect(),
+        }
+    }
+
+    fn damped(bounds: &[u32]) -> Composed {
+        Composed {
+            stages: bounds.windows(2).map(|w| Double::damped(w[0], w[1])).collect(),
         }
     }
 
@@ -876,4 +909,298 @@ fn read_frame(stream: &mut TcpStream) -> Message {
     bytes.resize(HEADER_LEN + h.len as usize, 0);
     stream.read_exact(&mut bytes[HEADER_LEN..]).expect("the payload");
     decode(&bytes).expect("a valid frame")
+}
+
+fn split_head(own: Double, addr: &str, tick: Option<Duration>) -> SplitHead {
+    let link = Arc::new(Mutex::new(head(addr, &own)));
+    let cfg = SplitConfig {
+        piece: 64,
+        tick,
+        ping_idle: Duration::from_millis(50),
+    };
+    SplitHead::new(Box::new(own), link, cfg).expect("a split head")
+}
+
+fn tokens(n: u32, seed: u32) -> Vec<u32> {
+    (0..n).map(|i| (i * 37 + seed * 11) % 900).collect()
+}
+
+fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ok() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_split_head_equals_the_composition_in_pieces_and_in_lanes() {
+    let bounds = [0, 2, 4, N_LAYER];
+    let workers = chain(vec![
+        ("w1", Double::damped(2, 4)),
+        ("w2", Double::damped(4, N_LAYER)),
+    ]);
+    let head = split_head(Double::damped(0, 2), &workers[0].addr, None);
+    let mut reference = Composed::damped(&bounds);
+    assert_eq!(head.connect().expect("hello").len(), 2);
+
+    // Slot 0: 150 positions in pieces of 64, 64 and 22. Slot 1: 10 positions, then 60 more from 10
+    // (pieces of 54 and 6): a piece starts wherever the call starts and ends at a multiple of 64.
+    let long = tokens(150, 1);
+    let got = head.prefill(0, &long, 0, 3).expect("prefill of slot 0");
+    let (ids, top) = reference.run(0, 0, &long, 3);
+    assert_eq!(got.ids, ids[128..].to_vec(), "the final piece's ids");
+    assert_eq!(got.topk, top);
+    let (short, more) = (tokens(10, 2), tokens(60, 3));
+    head.prefill(1, &short, 0, 0).expect("prefill of slot 1");
+    reference.run(1, 0, &short, 0);
+    let got = head
+        .prefill(1, &more, 10, 2)
+        .expect("continued prefill of slot 1");
+    let (ids, top) = reference.run(1, 10, &more, 2);
+    assert_eq!((got.ids, got.topk), (ids[54..].to_vec(), top));
+
+    // Two steps in flight at once (one group on the head, the other on the chain), then one
+    // step of both slots: each equals stepping the composition.
+    let mut next = [7u32, 8u32];
+    let mut bases = [150u32, 70u32];
+    for round in 0..4 {
+        let groups: Vec<Vec<usize>> = if round % 2 == 0 {
+            vec![vec![0], vec![1]]
+        } else {
+            vec![vec![0, 1]]
+        };
+        let pending: Vec<_> = groups
+            .iter()
+            .map(|g| {
+                let slots: Vec<u32> = g.iter().map(|&i| i as u32).collect();
+                let toks: Vec<u32> = g.iter().map(|&i| next[i]).collect();
+                head.step(&slots, &toks, 2).expect("step handed to the chain")
+            })
+            .collect();
+        for (g, p) in groups.iter().zip(pending) {
+            let got = p.wait().expect("step through the chain");
+            let entries: Vec<StepEntry> = g
+                .iter()
+                .map(|&i| StepEntry {
+                    slot: i as u32,
+                    base: bases[i],
+                })
+                .collect();
+            let toks: Vec<u32> = g.iter().map(|&i| next[i]).collect();
+            let (ids, top) = reference.step(&entries, &toks, 2);
+            assert_eq!((got.ids.clone(), got.topk), (ids, top), "round {round}");
+            for (k, &i) in g.iter().enumerate() {
+                next[i] = got.ids[k];
+                bases[i] += 1;
+            }
+        }
+    }
+    let st = head.status();
+    assert!(st.up && st.sessions == 1);
+    assert_eq!(
+        st.chain.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(),
+        ["w1", "w2"]
+    );
+    assert_eq!((st.totals.steps, st.totals.rows), (6, 8));
+    assert!(st.step_rtt.is_some() && st.totals.chain > Duration::ZERO);
+
+    // A snapshot on every stage: resuming from it equals never having gone on.
+    head.save(1, 2).expect("save on every stage");
+    let cont = head.prefill(1, &[5], bases[1], 2).expect("one more position");
+    head.prefill(1, &[6, 6, 6], bases[1] + 1, 0).expect("and more");
+    head.load(1, 2).expect("load on every stage");
+    assert_eq!(head.prefill(1, &[5], bases[1], 2).expect("resumed"), cont);
+    head.drop_snapshot(2).expect("drop on every stage");
+    assert!(head.load(1, 2).is_err(), "a dropped snapshot is gone on the head");
+
+    // The head's own failure is its stage's, not the chain's.
+    let err = head.prefill(9, &[1], 0, 0).expect_err("slot 9 does not exist");
+    assert!(
+        matches!(err, QkError::Engine(_)) && err.to_string().contains("slot 9"),
+        "{err}"
+    );
+    head.close();
+    let err = head.prefill(0, &[1], 0, 0).expect_err("closed");
+    assert!(err.to_string().contains("closed"), "{err}");
+    stop_all(workers);
+}
+
+#[test]
+fn a_split_head_survives_a_restarted_chain() {
+    let last = listener();
+    let addr = addr_of(&last);
+    let w1 = spawn_on(last, Double::damped(2, N_LAYER), worker_cfg("w1", None));
+    let head = split_head(Double::damped(0, 2), &addr, None);
+    let prompt = tokens(5, 4);
+    let first = head.prefill(0, &prompt, 0, 2).expect("prefill");
+
+    // Restarted while the head was idle: the prompt from base 0 goes through on the new session.
+    w1.stop().expect("w1 stops");
+    let w1 = spawn_on(
+        TcpListener::bind(&addr).expect("rebind"),
+        Double::damped(2, N_LAYER),
+        worker_cfg("w1", None),
+    );
+    assert_eq!(
+        head.prefill(0, &prompt, 0, 2).expect("retried on a new session"),
+        first
+    );
+    assert_eq!(head.status().sessions, 2);
+    assert_eq!(head.take_restarted(), vec!["w1".to_string()]);
+
+    // A step (it continues a sequence, so it is never repeated) fails, saying where.
+    w1.stop().expect("w1 stops again");
+    let err = head
+        .step(&[0], &[3], 0)
+        .expect("the head's layers ran")
+        .wait()
+        .expect_err("the chain is gone");
+    assert!(matches!(err, QkError::Transport(_)), "{err}");
+    assert!(err.to_string().starts_with("pipeline stage failed"), "{err}");
+    assert!(!head.status().up && head.status().last_error.is_some());
+    head.close();
+}
+
+#[test]
+fn an_idle_split_head_pings_and_reconnects_by_itself() {
+    let last = listener();
+    let addr = addr_of(&last);
+    let w1 = spawn_on(last, Double::damped(2, N_LAYER), worker_cfg("w1", None));
+    let head = split_head(Double::damped(0, 2), &addr, Some(Duration::from_millis(20)));
+    head.connect().expect("hello");
+    wait_until("an idle ping", || head.status().ping.is_some());
+    w1.stop().expect("w1 stops");
+    wait_until("the link is seen down", || !head.status().up);
+    let w1 = spawn_on(
+        TcpListener::bind(&addr).expect("rebind"),
+        Double::damped(2, N_LAYER),
+        worker_cfg("w1", None),
+    );
+    wait_until("the link reconnected", || {
+        let st = head.status();
+        st.up && st.sessions == 2
+    });
+    head.close();
+    w1.stop().expect("w1 stops");
+}
+
+/// The tiny fixture's layers [a, b) on the adapter the tests use; None (and a note) without one.
+fn fixture_engine(layers: Option<(u32, u32)>) -> Option<qk::engine::Engine> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/tiny-qwen3next-f32.gguf"
+    );
+    let opts = qk::engine::EngineOptions {
+        layers,
+        slots: 2,
+        ctx: 256,
+        device: None,
+        precise: true,
+        cache_type_k: None,
+        cache_type_v: None,
+    };
+    match qk::engine::Engine::load(path, &opts, &mut |_| {}) {
+        Ok(e) => Some(e),
+        Err(e @ QkError::Device(_)) => {
+            assert!(
+                std::env::var("QK_REQUIRE_GPU").as_deref() != Ok("1"),
+                "QK_REQUIRE_GPU=1 but no device: {e}"
+            );
+            eprintln!("note: skipping native stage test, no device: {e}");
+            None
+        }
+        Err(e) => panic!("load failed: {e}"),
+    }
+}
+
+#[test]
+fn native_stages_at_both_ends_equal_the_unsplit_engine() {
+    use qk::engine::{StageInput, StageOutput};
+    use qk::transport::EngineStage;
+    let Some(mut whole) = fixture_engine(None) else {
+        return;
+    };
+    let n_layer = whole.config().n_layer;
+    let cut = n_layer / 2;
+    let shared = |layers| {
+        Arc::new(Mutex::new(
+            fixture_engine(Some(layers)).expect("a stage's engine"),
+        ))
+    };
+    let tail = EngineStage::new(shared((cut, n_layer)), "fixture", 4).expect("tail stage");
+    let listener = listener();
+    let addr = addr_of(&listener);
+    let control = WorkerControl::new();
+    let c = control.clone();
+    let cfg = worker_cfg("tail", None);
+    let served = thread::spawn(move || {
+        let mut tail = tail;
+        serve_worker(&listener, &mut tail, &cfg, &c)
+    });
+    let own = EngineStage::new(shared((0, cut)), "fixture", 4).expect("head stage");
+    let mut link_cfg = HeadConfig::new(&addr, own.describe().expect("describe").describe_as("head", 1));
+    link_cfg.timeouts = Timeouts {
+        base: Duration::from_secs(60),
+        ..timeouts()
+    };
+    let head = SplitHead::new(
+        Box::new(own),
+        Arc::new(Mutex::new(HeadLink::new(link_cfg))),
+        SplitConfig {
+            piece: 64,
+            tick: None,
+            ping_idle: Duration::from_secs(5),
+        },
+    )
+    .expect("split head");
+
+    // 70 positions (pieces of 64 and 6), then decode steps of both slots: ids and top-k identical.
+    let prompt: Vec<u32> = (0..70).map(|i| (i * 13 + 5) % 200).collect();
+    let got = head.prefill(0, &prompt, 0, 4).expect("split prefill");
+    let StageOutput::Ids { ids, topk } = whole
+        .stage_run(0, StageInput::Tokens(&prompt), 0, 4)
+        .expect("unsplit prefill")
+    else {
+        panic!("the whole model answered hidden rows");
+    };
+    assert_eq!(got.topk, topk);
+    assert_eq!(got.ids, ids[64..].to_vec());
+    let second = [9u32, 10, 11];
+    head.prefill(1, &second, 0, 0).expect("slot 1");
+    whole
+        .stage_run(1, StageInput::Tokens(&second), 0, 0)
+        .expect("slot 1 unsplit");
+    let mut next = [ids[69], 4u32];
+    for round in 0..4 {
+        // Engines of one process share one device, and so its counters.
+        let before = whole.counters();
+        let got = head
+            .step(&[0, 1], &next, 3)
+            .expect("step")
+            .wait()
+            .expect("chain step");
+        let after = whole.counters();
+        if round > 0 {
+            // Past warm-up a step through the chain is one submit and one readback per stage,
+            // and creates nothing: the Rust stage loop adds no GPU work of its own.
+            let syncs = (after.submits - before.submits, after.readbacks - before.readbacks);
+            assert_eq!(syncs, (2, 2));
+            let created = (after.pipelines, after.bind_groups, after.buffers);
+            assert_eq!(created, (before.pipelines, before.bind_groups, before.buffers));
+        }
+        let want = whole
+            .step(&[0, 1], StageInput::Tokens(&next), 3)
+            .expect("unsplit step");
+        for (i, w) in want.into_iter().enumerate() {
+            let StageOutput::Ids { ids, topk } = w else {
+                panic!("hidden rows from the whole model");
+            };
+            assert_eq!((got.ids[i], &got.topk[i]), (ids[0], &topk));
+        }
+        next = [got.ids[0], got.ids[1]];
+    }
+    head.close();
+    control.stop();
+    served.join().expect("worker thread").expect("worker");
 }

@@ -93,15 +93,15 @@ class Metrics(Collector):
     def _stages(self):
         """A split head's view of each pipeline stage."""
         driver = self.scheduler.driver
-        stages = getattr(driver, "stages", None)
-        if stages is None:
+        health = driver.health() if driver is not None else None
+        if health is None or health.chain is None:
             return
         up = GaugeMetricFamily("qk_stage_up", "1 while the stage is reachable", labels=["stage", "layers"])
-        for st in stages():
+        for st in health.stages:
             layers = "" if st["layers"] is None else f"{st['layers'][0]}:{st['layers'][1]}"
             up.add_metric([st["name"], layers], 1.0 if st["up"] else 0.0)
         yield up
-        chain = driver.chain_status()  # type: ignore[union-attr]
+        chain = health.chain
         yield CounterMetricFamily(
             "qk_chain_sessions", "Sessions established with the chain", value=chain["sessions"]
         )

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from qk.driver import Health
 from qk.scheduler import DeviceUnavailableError, Scheduler, ShuttingDownError
 from qk.server import anthropic, llamacpp, openai
 from qk.server.errors import ApiStyle, NotFoundError, error_body
@@ -154,19 +155,16 @@ class Introspection:
     async def health(self, request: Request) -> Response:
         # A split head also reports each stage: healthy only while the whole chain is reachable.
         scheduler = self.s.scheduler
-        stages = getattr(scheduler.driver, "stages", None)
+        health = scheduler.driver.health() if scheduler.driver is not None else Health()
         extra: dict[str, Any] = {}
-        if stages is not None:
-            extra = {"stages": stages(), "chain": scheduler.driver.chain_status()}  # type: ignore[union-attr]
-        if scheduler.ready and (not extra or extra["chain"]["up"]):
+        if health.chain is not None:
+            extra = {"stages": [dict(s) for s in health.stages], "chain": dict(health.chain)}
+        if scheduler.ready and health.problem is None:
             return JSONResponse({"status": "ok", **extra})
         if scheduler.state == "loading":
             message = "Loading model"
-        elif scheduler.ready and extra["chain"].get("taken_over"):
-            message = f"this head lost the pipeline chain: {extra['chain']['taken_over']}"
         elif scheduler.ready:
-            why = extra["chain"]["last_error"] or "not connected yet"
-            message = f"a pipeline stage is unreachable: {why}"
+            message = health.problem or "the driver cannot serve"
         else:
             message = scheduler.unavailable_reason() if scheduler.state != "ready" else "Shutting down"
         body = {"error": {"code": 503, "message": message, "type": "unavailable_error"}, **extra}
