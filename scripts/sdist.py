@@ -50,7 +50,15 @@ def tarball() -> Path:
     for old in part.iterdir():
         old.unlink()
     # Only this package from source: its build tools (cmake, ninja) may come as wheels.
-    _pip("download", "--no-deps", "--no-binary", "llama-cpp-python", "-d", str(part), f"llama-cpp-python=={VERSION}")
+    _pip(
+        "download",
+        "--no-deps",
+        "--no-binary",
+        "llama-cpp-python",
+        "-d",
+        str(part),
+        f"llama-cpp-python=={VERSION}",
+    )
     got_path = part / path.name
     got = _sha256(got_path)
     if got != SHA256:

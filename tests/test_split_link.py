@@ -310,8 +310,8 @@ def test_engine_stages_over_the_link_equal_the_unsplit_engine():
     # Split ≡ unsplit is byte-exact by design (docs/numerics.md "Determinism": fixed reduction order,
     # 64-aligned chunking at absolute positions), so ids, top-k ids and logits are compared exactly.
     from conftest import require_gpu
-    from qk.gguf import Gguf
     from qk._qk import EngineStage
+    from qk.gguf import Gguf
 
     if not hasattr(_qk, "Engine"):
         pytest.skip("this build has no qk.Engine")
@@ -351,8 +351,8 @@ def test_engine_stages_over_the_link_equal_the_unsplit_engine():
 @pytest.mark.timeout(120)
 def test_the_worker_command_serves_a_head():
     from conftest import free_port, require_gpu
-    from qk.gguf import Gguf
     from qk._qk import EngineStage
+    from qk.gguf import Gguf
 
     if not hasattr(_qk, "Engine"):
         pytest.skip("this build has no qk.Engine")
