@@ -30,7 +30,6 @@ __all__ = [
     "supported_types",
     "adapters",
     "selected_adapter",
-    "supported_types",
     "qkp_encode",
     "qkp_decode",
     "qkp_decode_header",
