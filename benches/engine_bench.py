@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument(
         "--depths", default="", help="comma list: one-stream decode after a prompt of each length"
     )
-    ap.add_argument("--long", type=int, default=0, help="also time a prefill of this many tokens")
+    ap.add_argument("--long", default="", help="comma list: also time a prefill of each of these lengths")
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--device", default=None)
@@ -154,14 +154,15 @@ def main() -> None:
     info = eng.info()
     vocab = int(info.get("vocab", 1000))
     rng = np.random.default_rng(0)
-    longest = max([a.prompt, a.long] + [int(d) for d in a.depths.split(",") if d])
+    longs = [int(n) for n in a.long.split(",") if n]
+    longest = max([a.prompt, *longs] + [int(d) for d in a.depths.split(",") if d])
     tokens = [int(t) for t in rng.integers(0, vocab, longest)]
     prompt = tokens[: a.prompt]
 
     # Warm-up compiles every pipeline the timed runs use: kernels and tiles follow the piece's
     # column count, so each piece shape of each timed prefill runs once (a full piece, the last
     # partial one), then a decode step.
-    for n in sorted({a.prompt, a.long} - {0}):
+    for n in sorted({a.prompt, *longs} - {0}):
         warm_up_prefill(eng, tokens, n)
     warm = prompt[:64]
     ids, _ = eng.stage_run(0, warm, 0)
@@ -178,11 +179,12 @@ def main() -> None:
         ids, _ = eng.stage_run(0, tokens[:d], 0)
         s, _ = decode_rate(eng, [0], [ids[-1]], a.decode)
         depth[d] = {"ms_per_token": round(1000 * s, 3), "tok_s": round(1 / s, 1)}
-    long = None
-    if a.long:
+    long = {}
+    for n in longs:
         t0 = time.perf_counter()
-        eng.stage_run(0, tokens[: a.long], 0)
-        long = {"tokens": a.long, "tok_s": round(a.long / (time.perf_counter() - t0), 1)}
+        eng.stage_run(0, tokens[:n], 0)
+        dt = time.perf_counter() - t0
+        long[n] = {"s": round(dt, 3), "tok_s": round(n / dt, 1)}
 
     slots = list(range(a.slots))
     for s in slots:
