@@ -218,7 +218,7 @@ def test_facts_of_the_tiny_model(tiny) -> None:
 def test_stage_memory_hand_computed(tiny) -> None:
     path, tensors = tiny
     f = qp.ModelFacts.from_gguf(path)
-    sizing = qp.Sizing(ctx=1000, slots=3, snapshots=2, reserve_gib=0.25)
+    sizing = qp.Sizing(ctx=1000, slots=3, kv_type="f32", snapshots=2, reserve_gib=0.25)
     m = qp.stage_memory(f, sizing, 2, 8)  # layers 2..7: DeltaNet 2, 4, 5, 6; attention 3, 7; last stage
     kv_slot_layer = 1000 * 2 * 2 * 64 * 4  # ctx · Hkv · (k + v head dims) · f32
     dn_slot_layer = 3 * 512 * 4 + 4 * 64 * 64 * 4
@@ -243,10 +243,13 @@ def test_stage_memory_hand_computed(tiny) -> None:
     deltanet_chunk = 4 * 4 * 64 * (64 + 64 + 64)
     assert m.scratch == 4 * rows * activation + deltanet_chunk + 4 * rows * 512
     assert m.total == m.weights + m.kv + m.deltanet + m.snapshots + m.scratch + m.reserve
-    # A middle stage has no embedding, no LM head, no logits; f16 KV halves the KV.
+    # A middle stage has no embedding, no LM head, no logits; f16 KV halves the KV, q8_0 K + f16 V
+    # takes 34/32 + 2 bytes per K/V element pair.
     mid = qp.stage_memory(f, qp.Sizing(ctx=1000, slots=3, kv_type="f16", snapshot_gib=1.5), 1, 4)
     assert mid.weights == sum(layer_bytes(tensors, i) for i in range(1, 4))
     assert mid.kv == 3 * kv_slot_layer // 2
+    q8 = qp.stage_memory(f, qp.Sizing(ctx=1000, slots=3, kv_type="q8_0", snapshot_gib=1.5), 1, 4)
+    assert q8.kv == 3 * 1000 * 2 * 64 * (34 / 32 + 2)
     assert mid.snapshots == 3 * GIB // 2
     assert mid.scratch == 4 * rows * activation + deltanet_chunk
     head = qp.stage_memory(f, sizing, 0, 1)
@@ -418,9 +421,10 @@ def test_full_size_header(big) -> None:
     total = sum(f.layer_weight_bytes) + f.head_weight_bytes + f.tail_weight_bytes
     assert total == sum(nbytes(ne, q) for _, ne, q in tensors)
     assert 42e9 < total < 44e9  # the real IQ4_XS repack is 42.8 GB
-    # Per slot at ctx 32768: 128 MiB of f32 KV per attention layer; 2 MiB S + 96 KiB conv per DeltaNet layer.
+    # Per slot at ctx 32768: 64 MiB of f16 KV per attention layer (the engine's default cache);
+    # 2 MiB S + 96 KiB conv per DeltaNet layer.
     state = qp.layer_state_bytes(f, qp.Sizing(ctx=32768, slots=1))
-    assert state[3] == 32768 * 2 * 2 * 256 * 4 == 128 << 20
+    assert state[3] == 32768 * 2 * 2 * 256 * 2 == 64 << 20
     assert state[0] == 2 << 20 | 3 * 8192 * 4
 
     result = qp.plan(f, ["tron:20", "midnight:48:0.6"], ctx=32768, slots=2)
@@ -493,7 +497,7 @@ def test_main_prints_plan_and_commands(big, capsys) -> None:
     )
     out = capsys.readouterr().out
     assert rc == 0
-    assert "KV f32" in out and "memory per device" in out and "python -m qk.worker" in out
+    assert "KV f16" in out and "memory per device" in out and "python -m qk.worker" in out
     assert "--split-next midnight:18100" in out and "--port 18100" in out
     lines = [line for line in out.splitlines() if line.startswith(("head ", "w1 "))]
     shares = [float(re.search(r"([\d.]+)%", line).group(1)) for line in lines]

@@ -14,7 +14,8 @@ Memory of a stage (all formulas per device; ``GiB`` = 2**30 bytes):
 * weights: exact ``nbytes`` of every ``blk.N.*`` tensor of its layers, plus ``token_embd`` on the
   head and ``output_norm`` + ``output`` on the last stage (``token_embd`` again if the LM head is tied).
 * KV: per full-attention layer ``slots · ctx · Hkv · (key_length + value_length) · B_kv`` with
-  ``B_kv`` the bytes of one KV element (``--kv-type``, default f32 = 4: the engine stores f32 K/V).
+  ``B_kv`` the bytes of one KV element (``--kv-type``, as the engine stores them: f16 = 2 by default,
+  f32 = 4 for ``--precise``, q8_0 = K in 34-byte blocks of 32 with V f16).
 * DeltaNet state: per Gated DeltaNet layer per slot, conv ``(K−1) · conv_dim · 4`` plus
   S ``nv · dk · dv · 4`` (conv_dim = 2·nk·dk + nv·dv).
 * snapshots (cross-turn reuse, mirrored on every stage): ``--snapshots N`` entries (default: one per
@@ -65,8 +66,9 @@ GIB = 1 << 30
 DEFAULT_BASE_PORT = 18100
 DEFAULT_CHUNK = 64  # the DeltaNet prefill chunk; the head cuts prefill frames at its multiples
 DEFAULT_RESERVE_GIB = 0.5
-# Bytes per KV element, by --kv-type (q8_0: 34-byte blocks of 32 values).
-KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
+# Bytes per (K, V) element, by --kv-type, as the engine's cache types are: q8_0 is K in 34-byte
+# blocks of 32 values beside an f16 V (--cache-type-k q8_0).
+KV_TYPE_BYTES = {"f32": (4.0, 4.0), "f16": (2.0, 2.0), "q8_0": (34 / 32, 2.0)}
 # Relative tolerance when comparing stage times with the optimal bottleneck: the times are sums of
 # floats in different orders, so an exact tie can differ in the last bits.
 TIME_RTOL = 1e-9
@@ -131,6 +133,8 @@ class ModelFacts:
     tail_read_bytes: float
     tied_lm_head: bool  # no output.weight: the last stage holds token_embd as its LM head
     kv_elements_per_position: int  # Hkv · (key_length + value_length) per attention layer
+    k_elements_per_position: int  # Hkv · key_length
+    v_elements_per_position: int  # Hkv · value_length
     deltanet_state_bytes: int  # conv + S per DeltaNet layer per slot
     conv_state_bytes: int
     ssm_state_bytes: int
@@ -244,6 +248,8 @@ class ModelFacts:
             tail_read_bytes=float(sum(t.nbytes for t in tail)),
             tied_lm_head="output.weight" not in g,
             kv_elements_per_position=n_head_kv * (key_len + value_len),
+            k_elements_per_position=n_head_kv * key_len,
+            v_elements_per_position=n_head_kv * value_len,
             deltanet_state_bytes=conv_bytes + ssm_bytes,
             conv_state_bytes=conv_bytes,
             ssm_state_bytes=ssm_bytes,
@@ -261,7 +267,7 @@ class Sizing:
 
     ctx: int
     slots: int
-    kv_type: str = "f32"
+    kv_type: str = "f16"
     snapshots: int | None = None  # entries per stage; None with snapshot_gib None: one per slot
     snapshot_gib: float | None = None
     chunk: int = DEFAULT_CHUNK
@@ -301,7 +307,8 @@ class Memory:
 
 def layer_state_bytes(facts: ModelFacts, sizing: Sizing) -> list[int]:
     """Per main layer: one slot's state at full ctx (KV for attention, conv + S for DeltaNet)."""
-    kv_position = facts.kv_elements_per_position * KV_TYPE_BYTES[sizing.kv_type]
+    k_bytes, v_bytes = KV_TYPE_BYTES[sizing.kv_type]
+    kv_position = facts.k_elements_per_position * k_bytes + facts.v_elements_per_position * v_bytes
     return [
         math.ceil(sizing.ctx * kv_position)
         if k == "attention"
@@ -552,7 +559,7 @@ def plan(
     *,
     snapshots: int | None = None,
     snapshot_gib: float | None = None,
-    kv_type: str = "f32",
+    kv_type: str = "f16",
     reserve_gib: float = DEFAULT_RESERVE_GIB,
     chunk: int = DEFAULT_CHUNK,
     base_port: int = DEFAULT_BASE_PORT,
@@ -645,7 +652,7 @@ def _named_refusal(facts: ModelFacts, sizing: Sizing, devs: Sequence[Device], e:
     ]
     for name, gib in short.items():
         lines.append(f"    {name}: {'short by ' + format(gib, '.2f') + ' GiB' if gib > 0 else 'fits'}")
-    lines.append("  add memory or devices, or lower --ctx / --slots / --snapshots (or use --kv-type f16).")
+    lines.append("  add memory or devices, or lower --ctx / --slots / --snapshots (or use --kv-type q8_0).")
     return PlanError("\n".join(lines), short)
 
 
@@ -769,8 +776,8 @@ def format_plan(p: Plan) -> str:
         f"model: {p.model} ({f.arch}, {f.n_layer} layers: {n_attn} attention, {n_dn} DeltaNet"
         + (f"; {f.n_mtp} MTP skipped" if f.n_mtp else "")
         + ")",
-        f"sizing: ctx {s.ctx} per slot × {s.slots} slot(s); KV {s.kv_type} ({KV_TYPE_BYTES[s.kv_type]:g} B per "
-        f"element; the default f32 is what the engine stores); snapshots {snaps}; reserve {s.reserve_gib:g} GiB per device",
+        f"sizing: ctx {s.ctx} per slot × {s.slots} slot(s); KV {s.kv_type} (K {KV_TYPE_BYTES[s.kv_type][0]:g} B, "
+        f"V {KV_TYPE_BYTES[s.kv_type][1]:g} B per element); snapshots {snaps}; reserve {s.reserve_gib:g} GiB per device",
         f"cost model: {unit}; stage time = cost / REL_SPEED",
         "",
         f"{'stage':<7}{'device':<18}{'speed':>6}  {'layers':<8}{'attn/DN':>8}{cost_head:>12}  {'time share':>10}",
@@ -849,9 +856,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     snap.add_argument("--snapshot-gib", type=float, help="snapshot budget per stage in GiB")
     ap.add_argument(
         "--kv-type",
-        default="f32",
+        default="f16",
         choices=sorted(KV_TYPE_BYTES),
-        help="KV element type (default f32, what the engine stores)",
+        help="KV cache type as the stages will run (default f16, the engine's; f32 with --precise; "
+        "q8_0 = --cache-type-k q8_0)",
     )
     ap.add_argument(
         "--reserve-gib",
