@@ -57,12 +57,6 @@ struct KernelParams {
     gate_stride: u32,
 }
 
-/// Lanes of the one-subgroup fast path on this device, if it has one (see
-/// [`crate::ops::matmul::route_lanes`]).
-fn subgroup_lanes(gpu: &Gpu, experts: u32) -> Option<u32> {
-    crate::ops::matmul::route_lanes(gpu, experts)
-}
-
 /// Record routing of `p.tokens` tokens: `ids` (u32) and `weights` (f32) get k entries per token.
 pub fn record(
     gpu: &Gpu,
@@ -99,7 +93,7 @@ pub fn record_with(
     require_len("router ids", ids, p.tokens as u64 * ids_stride as u64)?;
     require_len("router weights", weights, p.tokens as u64 * ids_stride as u64)?;
     let mut defines = vec![("SHARED", u32::from(shared.is_some()).to_string())];
-    if let Some(sg) = subgroup_lanes(gpu, p.experts) {
+    if let Some(sg) = crate::ops::matmul::route_lanes(gpu, p.experts) {
         defines.push(("SG", sg.to_string()));
         defines.push(("RSG", sg.to_string()));
         defines.push(("WG", sg.to_string()));
