@@ -38,7 +38,7 @@ def nbytes(ne, q) -> int:
 
 
 def tensor_plan(s: dict) -> list[tuple[str, tuple[int, ...], Q]]:
-    """(name, ne, type) of every tensor, as in the project's make_big tool: IQ4_XS matrices, Q8_0
+    """(name, ne, type) of every tensor, as benches/make_model.py writes them: IQ4_XS matrices, Q8_0
     embedding and LM head, F32 small tensors; layer i is full attention iff (i + 1) % 4 == 0."""
     E, key_dim, value_dim = s["E"], s["st"] * s["kh"], s["st"] * s["vh"]
     conv_dim = 2 * key_dim + value_dim
