@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Engine throughput on one adapter: prefill tokens/s, single-stream decode ms/token and the
 aggregate decode rate of several slots stepped together. Host overhead (Python, one readback per
-step) is included, as a server sees it.
+step) is included, as a server sees it. Decode is measured three ways: host-fed steps
+(``Engine.step``: each step's tokens go through the host), chained steps (``step_submit`` with the
+next step queued behind the running one, fed on the GPU: what the scheduler does for greedy
+requests), and through the scheduler itself (``qk.scheduler`` over a ``LocalDriver``: 1, 2, 4 and
+8 concurrent greedy streams, the server's path without HTTP).
 
 --profile adds a profiled decode step of 1 slot and of all slots (Engine.profile_step) and profiled
 prefill pieces of 512 and 64 tokens (Engine.profile_stage_run): per op family
@@ -118,15 +122,75 @@ def warm_up_prefill(eng, tokens: list[int], n: int) -> None:
         eng.stage_run(0, tokens[:length], 0)
 
 
-def decode_rate(eng, slots: list[int], toks: list[int], n: int) -> tuple[float, list[int]]:
-    """Seconds per step of `n` steps of `slots` through Engine.step (the server's path, where the
-    next step is recorded while the GPU runs this one), and the tokens it ended on."""
-    eng.step(slots, toks)  # the first step of a shape records both it and its successor
+def decode_rate(eng, slots: list[int], toks: list[int], n: int) -> tuple[float, list[list[int]]]:
+    """Seconds per step of `n` steps of `slots` through Engine.step (each step's tokens fed by the
+    host; the next step is recorded while the GPU runs this one), and every step's tokens."""
+    # The first step of a shape records both it and its successor.
+    toks = [o[0][-1] for o in eng.step(slots, toks)]
     t0 = time.perf_counter()
+    seen = []
     for _ in range(n):
         outs = eng.step(slots, toks)
         toks = [o[0][-1] for o in outs]
-    return (time.perf_counter() - t0) / n, toks
+        seen.append(toks)
+    return (time.perf_counter() - t0) / n, seen
+
+
+def chained_rate(eng, slots: list[int], toks: list[int], n: int) -> tuple[float, list[list[int]]]:
+    """Seconds per step of `n` chained steps of `slots` after one host-fed step of `toks`, each
+    submitted (fed on the GPU) before its predecessor is collected, and every step's tokens."""
+    outs = eng.step_collect(eng.step_submit(slots, toks, chain_next=True))
+    seen = []
+    t0 = time.perf_counter()
+    prev = eng.step_submit(slots, None, chain_next=True)
+    for _ in range(n - 1):
+        nxt = eng.step_submit(slots, None, chain_next=True)
+        outs = eng.step_collect(prev)
+        seen.append([o[0][-1] for o in outs])
+        prev = nxt
+    seen.append([o[0][-1] for o in eng.step_collect(prev)])
+    return (time.perf_counter() - t0) / n, seen
+
+
+def scheduler_rates(eng, slots: int, ctx: int, streams: list[int], prompt: list[int], n: int) -> dict:
+    """Aggregate greedy decode tok/s of k concurrent streams through the scheduler (prefill
+    excluded: tokens counted from the moment every stream decodes until the first one ends)."""
+    import asyncio
+
+    from qk.driver import LocalDriver
+    from qk.scheduler import Finished, GenerationRequest, Scheduler, Token
+
+    sched = Scheduler(lambda: LocalDriver(eng), slots=slots, ctx=ctx)
+    sched.start()
+    while sched.state == "loading":
+        time.sleep(0.01)
+
+    async def one(p: list[int]) -> list[float]:
+        job = sched.submit(GenerationRequest(p, max_tokens=n))
+        times = []
+        while True:
+            ev = await job.next_event()
+            if isinstance(ev, Token):
+                times.append(time.perf_counter())
+            elif isinstance(ev, Finished):
+                return times
+            else:
+                raise RuntimeError(f"stream failed: {ev}")
+
+    async def run(k: int) -> list[list[float]]:
+        return await asyncio.gather(*(one(prompt[i : i + 64]) for i in range(k)))
+
+    out = {}
+    asyncio.run(run(1))  # warm-up
+    for k in streams:
+        if k > slots:
+            continue
+        times = asyncio.run(run(k))
+        first, last = max(t[0] for t in times), min(t[-1] for t in times)
+        window = sum(sum(first <= x <= last for x in t) for t in times)
+        out[k] = round(window / (last - first), 1) if last > first else None
+    sched.drain(30)
+    return out
 
 
 def main() -> None:
@@ -171,14 +235,23 @@ def main() -> None:
     t0 = time.perf_counter()
     ids, _ = eng.stage_run(0, prompt, 0)
     prefill_s = time.perf_counter() - t0
-    step_s, _ = decode_rate(eng, [0], [ids[-1]], a.decode)
+    step_s, fed = decode_rate(eng, [0], [ids[-1]], a.decode)
     timing = eng.last_step_timing()
+    ids, _ = eng.stage_run(0, prompt, 0)
+    chained_s, chained = chained_rate(eng, [0], [ids[-1]], a.decode)
 
     depth = {}
     for d in [int(d) for d in a.depths.split(",") if d]:
         ids, _ = eng.stage_run(0, tokens[:d], 0)
         s, _ = decode_rate(eng, [0], [ids[-1]], a.decode)
-        depth[d] = {"ms_per_token": round(1000 * s, 3), "tok_s": round(1 / s, 1)}
+        ids, _ = eng.stage_run(0, tokens[:d], 0)
+        c, _ = chained_rate(eng, [0], [ids[-1]], a.decode)
+        depth[d] = {
+            "ms_per_token": round(1000 * s, 3),
+            "tok_s": round(1 / s, 1),
+            "chained_ms_per_token": round(1000 * c, 3),
+            "chained_tok_s": round(1 / c, 1),
+        }
     long = {}
     for n in longs:
         t0 = time.perf_counter()
@@ -190,9 +263,13 @@ def main() -> None:
     for s in slots:
         eng.stage_run(s, prompt[:64], 0)
     multi_s, toks = decode_rate(eng, slots, [1] * a.slots, a.decode)
+    for s in slots:
+        eng.stage_run(s, prompt[:64], 0)
+    multi_chained_s, _ = chained_rate(eng, slots, [1] * a.slots, a.decode)
+    through_scheduler = scheduler_rates(eng, a.slots, a.ctx, [1, 2, 4, 8], tokens, a.decode)
     profiles = []
     if a.profile:
-        for n in sorted({1, a.slots}):
+        for n in sorted({1, min(2, a.slots), a.slots}):
             profiles.append(profile_report(eng, slots[:n], toks[:n], a.top))
 
     res = {
@@ -206,10 +283,15 @@ def main() -> None:
         "decode_ms_per_token": round(1000 * step_s, 3),
         "decode_tok_s": round(1 / step_s, 1),
         "decode_host": timing,
+        "decode_chained_ms_per_token": round(1000 * chained_s, 3),
+        "decode_chained_tok_s": round(1 / chained_s, 1),
+        "chained_tokens_identical": chained == fed,
         "decode_at_depth": depth,
         "long_prefill": long,
         "slots": a.slots,
         "multi_slot_aggregate_tok_s": round(a.slots / multi_s, 1),
+        "multi_slot_chained_tok_s": round(a.slots / multi_chained_s, 1),
+        "scheduler_aggregate_tok_s": through_scheduler,
         "counters": eng.counters(),
     }
     if a.profile:

@@ -6,13 +6,13 @@
 //! DeltaNet chunk; `piece_len`), so a prompt gives the same bytes however it is cut into calls at
 //! multiples of 64; each piece is one recorded command sequence, one submit and one readback.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
-use crate::gpu::record::{Encoded, OpLabel, SubmitProfile};
+use crate::gpu::record::{Encoded, OpLabel, SubmitProfile, Submitted};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
 use crate::model::forward::{Batch, Model, Scratch, SlotState, write_step_rows};
 use crate::model::kv::attn_shape;
@@ -20,6 +20,7 @@ use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
 use crate::ops::attention::KvType;
 use crate::ops::deltanet::CHUNK;
+use crate::ops::embed::Ids;
 use crate::ops::matmul::{ColumnClass, Precision, column_class};
 use crate::ops::rope::freq_table;
 use crate::ops::topk::{IdLogit, MAX_K};
@@ -286,25 +287,68 @@ pub struct Engine {
     snapshots: HashMap<u64, Snapshot>,
     last_step: Option<StepTiming>,
     kv_types: (KvType, KvType),
-    /// The decode step recorded while the previous one ran (see `step_inner`).
+    /// The decode step recorded while the previous one ran (see `submit_inner`).
     ahead: Option<Ahead>,
+    /// Decode steps submitted and not yet collected, oldest first.
+    in_flight: VecDeque<InFlight>,
+    next_step_id: u64,
+    /// Slots and top-k of the last decode step whose top-k rows still sit in `scratch.results`
+    /// (nothing has written them since): what a chained step may take its tokens from.
+    chain_from: Option<(Vec<usize>, u32)>,
 }
 
-/// What a recorded decode step is for: its rows' slots and positions, the top-k, and whether its
-/// rows are token ids (first stage) or hidden rows.
+/// Where a decode step's input rows come from.
+pub enum StepFeed<'a> {
+    /// Token ids or hidden rows from the caller.
+    Rows(StageInput<'a>),
+    /// The greedy ids of the previous step over the same slots, read on the GPU from its top-k
+    /// rows: the step can be submitted before that one's results reach the host.
+    Chained,
+}
+
+/// The most steps in flight; older uncollected ones are dropped (their results unread).
+const MAX_IN_FLIGHT: usize = 8;
+
+/// How a recorded step gets its input rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Feed {
+    Tokens,
+    Hidden,
+    /// Ids from `scratch.results` at a stride of `stride` words (2k for top-k rows of k pairs).
+    Chained {
+        stride: u32,
+    },
+}
+
+/// A decode step submitted and not yet collected.
+struct InFlight {
+    id: u64,
+    shape: StepShape,
+    /// The caller's top-k (0: the greedy id alone).
+    topk: u32,
+    tickets: Vec<usize>,
+    submitted: Submitted,
+    started: Instant,
+    submit_begin: Instant,
+    submitted_at: Instant,
+}
+
+/// What a recorded decode step is for: its rows' slots and positions, the top-k, and where its
+/// rows come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct StepShape {
     slots: Vec<usize>,
     positions: Vec<u32>,
     k: u32,
-    tokens: bool,
+    feed: Feed,
 }
 
 impl StepShape {
-    /// The same slots one position on: what the next call most likely asks for.
-    fn advanced(&self) -> StepShape {
+    /// The same slots one position on, fed as `feed`: what the next call most likely asks for.
+    fn advanced(&self, feed: Feed) -> StepShape {
         StepShape {
             positions: self.positions.iter().map(|p| p + 1).collect(),
+            feed,
             ..self.clone()
         }
     }
@@ -384,6 +428,9 @@ impl Engine {
             snapshots: HashMap::new(),
             last_step: None,
             ahead: None,
+            in_flight: VecDeque::new(),
+            next_step_id: 0,
+            chain_from: None,
         };
         let m = engine.memory();
         progress(&format!(
@@ -625,6 +672,8 @@ impl Engine {
             QkError::Engine(format!("top-k of {topk} exceeds {MAX_K}"))
         );
         self.begin(slot, base, n)?;
+        // A prefill writes the top-k rows a chained step would read its tokens from.
+        self.chain_from = None;
         let e = self.model.cfg.n_embd as usize;
         let vocab = self.model.cfg.vocab as usize;
         let last = self.is_last();
@@ -652,7 +701,7 @@ impl Engine {
                 gpu.recorder()
             };
             if matches!(input, StageInput::Tokens(_)) {
-                model.record_embed(gpu, &mut rec, s, t)?;
+                model.record_embed(gpu, &mut rec, s, Ids::packed(&s.tokens), t)?;
             }
             let cur = if len == 1 {
                 gpu.write(&s.slots, 0, bytemuck::bytes_of(&(slot as u32)))?;
@@ -729,7 +778,51 @@ impl Engine {
     /// One decode position for each of `slots` (distinct) in one recorded pass: token i (or hidden
     /// row i) goes to slots[i] at its current position. Returns one output per slot.
     pub fn step(&mut self, slots: &[usize], input: StageInput<'_>, topk: u32) -> Result<Vec<StageOutput>> {
-        Ok(self.step_inner(slots, input, topk, false)?.0)
+        let id = self.step_submit(slots, StepFeed::Rows(input), topk, false)?;
+        self.step_collect(id)
+    }
+
+    /// Submit one decode step of `slots` without waiting for it; [`Engine::step_collect`] returns
+    /// its results. `StepFeed::Chained` takes each slot's token from the previous step over the
+    /// same slots (its greedy id, on the GPU), so it can be submitted while that step still runs
+    /// (first and last stage only). `chain_next`: the caller means to chain the next step, so that
+    /// is the one recorded ahead. Slot positions advance at the submit.
+    pub fn step_submit(
+        &mut self,
+        slots: &[usize],
+        feed: StepFeed<'_>,
+        topk: u32,
+        chain_next: bool,
+    ) -> Result<u64> {
+        let f = self.submit_inner(slots, feed, topk, false, chain_next)?;
+        let id = f.id;
+        if self.in_flight.len() >= MAX_IN_FLIGHT {
+            self.in_flight.pop_front();
+        }
+        self.in_flight.push_back(f);
+        Ok(id)
+    }
+
+    /// Wait for step `id` (from [`Engine::step_submit`]) and return its results. Steps submitted
+    /// before it and not collected are dropped unread.
+    pub fn step_collect(&mut self, id: u64) -> Result<Vec<StageOutput>> {
+        while let Some(f) = self.in_flight.pop_front() {
+            if f.id == id {
+                return Ok(self.collect_inner(f)?.0);
+            }
+            if f.id > id {
+                self.in_flight.push_front(f);
+                break;
+            }
+        }
+        Err(QkError::Engine(format!(
+            "decode step {id} is not in flight (never submitted, or already collected)"
+        )))
+    }
+
+    /// Decode steps submitted and not collected.
+    pub fn steps_in_flight(&self) -> usize {
+        self.in_flight.len()
     }
 
     /// Host timing of the last [`Engine::step`] (None before the first).
@@ -748,7 +841,8 @@ impl Engine {
     ) -> Result<(Vec<StageOutput>, StepProfile)> {
         let normal = self.last_step;
         let before = self.gpu.counters();
-        let (out, submit, timing) = self.step_inner(slots, input, topk, true)?;
+        let f = self.submit_inner(slots, StepFeed::Rows(input), topk, true, false)?;
+        let (out, submit, timing) = self.collect_inner(f)?;
         let after = self.gpu.counters();
         let submit =
             submit.ok_or_else(|| QkError::Engine("profiling recorder returned no profile".into()))?;
@@ -764,24 +858,17 @@ impl Engine {
         Ok((out, profile))
     }
 
-    fn step_inner(
+    fn submit_inner(
         &mut self,
         slots: &[usize],
-        input: StageInput<'_>,
+        feed: StepFeed<'_>,
         topk: u32,
         profile: bool,
-    ) -> Result<(Vec<StageOutput>, Option<SubmitProfile>, StepTiming)> {
+        chain_next: bool,
+    ) -> Result<InFlight> {
         let started = Instant::now();
-        self.check_input(&input)?;
         let n = slots.len();
         crate::ensure!(n > 0, QkError::Engine("step with no slots".into()));
-        crate::ensure!(
-            input.len(self.model.cfg.n_embd) == n,
-            QkError::Engine(format!(
-                "step: {} input rows for {n} slots",
-                input.len(self.model.cfg.n_embd)
-            ))
-        );
         crate::ensure!(
             topk <= MAX_K,
             QkError::Engine(format!("top-k of {topk} exceeds {MAX_K}"))
@@ -793,6 +880,34 @@ impl Engine {
                 self.scratch.rows
             ))
         );
+        let feed_kind = match &feed {
+            StepFeed::Rows(input) => {
+                self.check_input(input)?;
+                crate::ensure!(
+                    input.len(self.model.cfg.n_embd) == n,
+                    QkError::Engine(format!(
+                        "step: {} input rows for {n} slots",
+                        input.len(self.model.cfg.n_embd)
+                    ))
+                );
+                match input {
+                    StageInput::Tokens(_) => Feed::Tokens,
+                    StageInput::Hidden(_) => Feed::Hidden,
+                }
+            }
+            StepFeed::Chained => match &self.chain_from {
+                Some((from, k)) if from.as_slice() == slots && self.is_first() && self.is_last() => {
+                    Feed::Chained { stride: 2 * k }
+                }
+                _ => {
+                    return Err(QkError::Engine(
+                        "a chained step follows a decode step over the same slots with nothing run \
+                         between (and needs the embedding and the LM head)"
+                            .into(),
+                    ));
+                }
+            },
+        };
         for (i, &s) in slots.iter().enumerate() {
             crate::ensure!(
                 !slots[..i].contains(&s),
@@ -802,7 +917,9 @@ impl Engine {
             self.begin(s, pos, 1)?;
         }
         let positions: Vec<u32> = slots.iter().map(|&s| self.slots[s].pos).collect();
-        self.write_input(&input, 0, n)?;
+        if let StepFeed::Rows(input) = &feed {
+            self.write_input(input, 0, n)?;
+        }
         let slot_table: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
         self.gpu
             .write(&self.scratch.slots, 0, bytemuck::cast_slice(&slot_table))?;
@@ -814,7 +931,7 @@ impl Engine {
             slots: slots.to_vec(),
             positions,
             k: topk.max(1),
-            tokens: matches!(input, StageInput::Tokens(_)),
+            feed: feed_kind,
         };
         // A step recorded while the previous one ran serves if it was recorded for exactly this.
         let ahead = match self.ahead.take() {
@@ -832,10 +949,19 @@ impl Engine {
         let submit_begin = Instant::now();
         let submitted = encoded.submit(&self.gpu);
         let submitted_at = Instant::now();
+        for (&sl, &p) in slots.iter().zip(&shape.positions) {
+            self.slots[sl].pos = p + 1;
+        }
+        self.chain_from = (self.is_first() && self.is_last()).then(|| (shape.slots.clone(), shape.k));
         // Record the likely next step (same slots, one position on) while the GPU runs this one:
         // its recording then costs the next call nothing. Any other next call discards it.
         if !profile {
-            let next = shape.advanced();
+            let next_feed = match (chain_next && self.chain_from.is_some(), shape.feed) {
+                (true, _) => Feed::Chained { stride: 2 * shape.k },
+                (false, Feed::Chained { .. }) => Feed::Tokens,
+                (false, f) => f,
+            };
+            let next = shape.advanced(next_feed);
             if next.positions.iter().all(|&p| p < self.model.ctx) {
                 let (encoded, tickets) = self.record_step(&next, false)?;
                 self.ahead = Some(Ahead {
@@ -845,13 +971,43 @@ impl Engine {
                 });
             }
         }
+        let id = self.next_step_id;
+        self.next_step_id += 1;
+        Ok(InFlight {
+            id,
+            shape,
+            topk,
+            tickets,
+            submitted,
+            started,
+            submit_begin,
+            submitted_at,
+        })
+    }
+
+    fn collect_inner(
+        &mut self,
+        f: InFlight,
+    ) -> Result<(Vec<StageOutput>, Option<SubmitProfile>, StepTiming)> {
+        let InFlight {
+            shape,
+            topk,
+            tickets,
+            submitted,
+            started,
+            submit_begin,
+            submitted_at,
+            ..
+        } = f;
         let (out, finished) = submitted.wait(&self.gpu)?;
+        let n = shape.slots.len();
         let e = self.model.cfg.n_embd as usize;
         let (last, k) = (self.is_last(), shape.k);
         let mut results = Vec::with_capacity(n);
         if last {
             for t in &tickets {
                 let pairs: &[IdLogit] = bytemuck::cast_slice(&out[*t]);
+                // The caller's top-k (0: only the greedy id; the step itself ran at least 1).
                 let top = if topk > 0 {
                     pairs[..k as usize].iter().map(|p| (p.id, p.logit)).collect()
                 } else {
@@ -867,9 +1023,6 @@ impl Engine {
             for i in 0..n {
                 results.push(StageOutput::Hidden(rows[i * e..(i + 1) * e].to_vec()));
             }
-        }
-        for (&sl, &p) in slots.iter().zip(&shape.positions) {
-            self.slots[sl].pos = p + 1;
         }
         let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
         let timing = StepTiming {
@@ -897,8 +1050,17 @@ impl Engine {
         } else {
             gpu.recorder()
         };
-        if shape.tokens {
-            model.record_embed(gpu, &mut rec, s, n as u32)?;
+        match shape.feed {
+            Feed::Tokens => model.record_embed(gpu, &mut rec, s, Ids::packed(&s.tokens), n as u32)?,
+            Feed::Chained { stride } => {
+                let ids = Ids {
+                    buf: &s.results,
+                    offset: 0,
+                    stride,
+                };
+                model.record_embed(gpu, &mut rec, s, ids, n as u32)?;
+            }
+            Feed::Hidden => {}
         }
         let cur = model.record_decode_layers(gpu, &mut rec, s, &states, &shape.positions)?;
         let k = shape.k;
@@ -965,6 +1127,7 @@ impl Engine {
     /// Restore snapshot `idx` into `slot` (its position becomes the snapshot's).
     pub fn state_load(&mut self, slot: usize, idx: u64) -> Result<()> {
         self.slot(slot)?;
+        self.chain_from = None;
         let snap = self
             .snapshots
             .get(&idx)

@@ -1,4 +1,4 @@
-// Embedding lookup straight from a (possibly quantised) token_embd: OUT[:, t] = row IDS[t] of W,
+// Embedding lookup straight from a (possibly quantised) token_embd: OUT[:, t] = row IDS[t·stride] of W,
 // dequantised on the fly; no dequantised copy of the table exists. Grid: (ceil(K/8/WG), tokens);
 // rows outside this window (table larger than one binding) are left to the window that holds them.
 #include "common.wgsl"
@@ -21,7 +21,10 @@ struct EmbedParams {
     // Rows first_row .. first_row + n_rows of the table are in this window's binding.
     first_row: u32,
     n_rows: u32,
+    // Token t's id at IDS[ids_offset + t * ids_stride] (a stride of 2k reads the ids of a previous
+    // step's top-k (id, logit) rows: a chained decode step).
     ids_offset: u32,
+    ids_stride: u32,
     // OUT[out_offset + t * out_stride + i] (floats; multiples of 4).
     out_offset: u32,
     out_stride: u32,
@@ -36,7 +39,7 @@ var<immediate> P: EmbedParams;
 fn main(ids: ComputeIds) {
     let g = ids.wid.x * {{WG}}u + ids.lid;
     let t = ids.wid.y;
-    let row = IDS[P.ids_offset + t];
+    let row = IDS[P.ids_offset + t * P.ids_stride];
     if g >= P.k / 8u || row < P.first_row || row >= P.first_row + P.n_rows {
         return;
     }

@@ -50,6 +50,12 @@ class FakeEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.lock = threading.Lock()
+        #: Submitted steps not yet collected, by id; the slots and greedy ids a chained step follows.
+        self._steps: dict[int, list] = {}
+        self._next_step = 0
+        self._chain_from: tuple[tuple[int, ...], list[int]] | None = None
+        #: Steps submitted with their tokens taken from the previous step (chained).
+        self.chained_steps = 0
 
     def info(self) -> dict[str, object]:
         return {"arch": "fake", "vocab": self.n_vocab, "ctx": self.ctx, "slots": self.slots}
@@ -95,6 +101,8 @@ class FakeEngine:
             if base + len(tokens) > self.ctx:
                 raise ValueError("context overflow")
             self.calls.append(("stage_run", (slot, len(tokens), base)))
+            # The real engine's prefill overwrites the rows a chained step reads.
+            self._chain_from = None
             ids = []
             for t in tokens:
                 self.history[slot].append(t)
@@ -126,7 +134,31 @@ class FakeEngine:
                 greedy, top = self._next(slot, topk)
                 # The native engine's shape: each slot's result as stage_run's, ([id], top-k).
                 out.append(([greedy], top if topk else []))
+            self._chain_from = (tuple(slots), [ids[0] for ids, _ in out])
             return out
+
+    def step_submit(
+        self, slots: Sequence[int], tokens: Sequence[int] | None, topk: int = 0, chain_next: bool = False
+    ):
+        """Runs the step at once (the fake has no GPU to overlap); ``tokens=None`` feeds each slot
+        the previous step's greedy id, under the real engine's rule: same slots, nothing between."""
+        if tokens is None:
+            if self._chain_from is None or self._chain_from[0] != tuple(slots):
+                raise ValueError("a chained step follows a step over the same slots with nothing between")
+            tokens = self._chain_from[1]
+            self.chained_steps += 1
+        out = self.step(slots, tokens, topk)
+        step_id = self._next_step
+        self._next_step += 1
+        self._steps[step_id] = out
+        return step_id
+
+    def step_collect(self, step_id: int):
+        for older in [i for i in self._steps if i < step_id]:
+            del self._steps[older]
+        if step_id not in self._steps:
+            raise ValueError(f"decode step {step_id} is not in flight")
+        return self._steps.pop(step_id)
 
 
 # -- helpers for the server tests (test-only, like the engine above) ---------------------------------

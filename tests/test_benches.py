@@ -62,7 +62,9 @@ def test_engine_bench_with_profile_prints_its_json():
         "128",
         "--profile",
     )
-    assert out["decode_ms_per_token"] > 0
+    assert out["decode_ms_per_token"] > 0 and out["decode_chained_ms_per_token"] > 0
+    assert out["chained_tokens_identical"] is True
+    assert set(out["scheduler_aggregate_tok_s"]) == {"1", "2"}
     assert "profile" in out
 
 

@@ -200,6 +200,42 @@ def test_slots_interleaved_equal_alone():
     assert got_a == alone_a and got_b == alone_b
 
 
+def test_chained_steps_equal_host_fed_steps():
+    """Steps fed on the GPU with the previous step's greedy ids (submitted before that step is
+    collected, two in flight) give the host-fed steps' tokens and top-k exactly; a chained step
+    is refused after a prefill, over other slots, or on a stage without the embedding."""
+    qk = _qk()
+    name = F32[1]
+    eng = engine(name)
+    a, b = prompt(name)[:30], prompt(name)[40:75]
+    (ia, _), (ib, _) = eng.stage_run(0, a, 0), eng.stage_run(1, b, 0)
+    host = [[ia[-1], ib[-1]]]
+    host_top = []
+    for _ in range(8):
+        outs = eng.step([0, 1], host[-1], topk=3)
+        host.append([o[0][0] for o in outs])
+        host_top.append([o[1] for o in outs])
+    (ia, _), (ib, _) = eng.stage_run(0, a, 0), eng.stage_run(1, b, 0)
+    first = eng.step_submit([0, 1], [ia[-1], ib[-1]], topk=3, chain_next=True)
+    ids = [first]
+    for _ in range(7):
+        ids.append(eng.step_submit([0, 1], None, topk=3, chain_next=True))
+    # Collected after every step was submitted: up to eight in flight, oldest first.
+    chained = [eng.step_collect(i) for i in ids]
+    assert [[o[0][0] for o in outs] for outs in chained] == host[1:]
+    assert [[o[1] for o in outs] for outs in chained] == host_top
+    with pytest.raises(qk.EngineError, match="not in flight"):
+        eng.step_collect(ids[0])
+    eng.stage_run(2, a, 0)
+    with pytest.raises(qk.EngineError, match="chained"):
+        eng.step_submit([0, 1], None)
+    eng.step_collect(eng.step_submit([0, 1], [1, 2]))
+    with pytest.raises(qk.EngineError, match="chained"):
+        eng.step_submit([1, 0], None)
+    with pytest.raises(qk.EngineError, match="chained"):
+        engine(name, (0, 1)).step_submit([0], None)
+
+
 def test_step_is_one_submit_and_creates_nothing():
     name = F32[1]
     eng = engine(name)

@@ -282,10 +282,10 @@ def test_the_scheduler_uses_a_driver_only_through_its_contract():
         scheduler.invalidate_reuse()
         await run_job(scheduler.submit(request([4], 2)))
         assert scheduler.drain(5)
-        # Read: what serving needs (prefill, decode_async, lanes, snapshots, close, ...); nothing
+        # Read: what serving needs (prefill, decode_async, chains, snapshots, close, ...); nothing
         # outside the contract, so no capability is probed.
         assert driver.read <= CONTRACT, driver.read - CONTRACT
-        assert {"prefill", "decode_async", "lanes", "supports_snapshots", "on_state_lost"} <= driver.read
+        assert {"prefill", "decode_async", "chains", "supports_snapshots", "on_state_lost"} <= driver.read
         assert driver.closed == 1
 
     asyncio.run(main())
@@ -295,6 +295,8 @@ class Pipelined(LocalDriver):
     """Steps that finish only when collected, on another thread, as a split chain's do: at most
     ``lanes`` of them may be in flight, and each group's tokens must come back in order."""
 
+    chains = False
+
     def __init__(self, engine, lanes: int) -> None:
         super().__init__(engine)
         self.lanes = lanes
@@ -302,7 +304,7 @@ class Pipelined(LocalDriver):
         self.most_in_flight = 0
         self.lost: list = []
 
-    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int):
+    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int, chain_next: bool = False):
         driver = self
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -345,5 +347,49 @@ def test_a_pipelined_driver_keeps_its_lanes_in_flight(lanes):
         # A lost chain session voids the reuse table: the scheduler asked to be told.
         assert driver.lost == [scheduler.invalidate_reuse]
         assert scheduler.drain(5)
+
+    asyncio.run(main())
+
+
+def test_greedy_steps_chain_on_the_engine_and_change_no_token():
+    """An unchanged greedy batch has its next step submitted with its tokens fed by the engine
+    (chained); every token still equals the one-sequence reference, a job that stops (or reaches
+    its limit) while a chained step of it is queued ends exactly there, and the slot's next job is
+    unaffected by that wasted step."""
+
+    async def main():
+        engine, scheduler = make(slots=2)
+        await ready(scheduler)
+        ref = reference([5, 6, 7], 30)
+        stop = ref[12]
+        jobs = [
+            scheduler.submit(GenerationRequest([5, 6, 7], 30, stop_ids=frozenset({stop}))),
+            scheduler.submit(request([1, 2], 25)),
+            scheduler.submit(request([3, 4, 5, 6], 9)),
+        ]
+        results = await asyncio.gather(*(run_job(j) for j in jobs))
+        assert results[0] == (ref[: ref.index(stop)], Finished("stop", stop))
+        assert results[1] == (reference([1, 2], 25), Finished("length"))
+        # Admitted into the slot the stopped job left (a chained step of that job ran meanwhile).
+        assert results[2] == (reference([3, 4, 5, 6], 9), Finished("length"))
+        assert engine.chained_steps >= 10
+        chained = engine.chained_steps
+        # Sampled requests take their tokens from the host sampler: never chained.
+        await run_job(scheduler.submit(request([1, 2], 12, temperature=1.0, seed=3)))
+        assert engine.chained_steps == chained
+        scheduler.drain(5)
+
+    asyncio.run(main())
+
+
+def test_chaining_stops_short_of_the_context():
+    async def main():
+        engine, scheduler = make(slots=1, ctx=40)
+        await ready(scheduler)
+        tokens, end = await run_job(scheduler.submit(request(range(1, 21), None)))
+        # 20 prompt positions, then tokens until the context is full; no step past it was queued.
+        assert end == Finished("length") and len(tokens) == 40 - 20
+        assert tokens == reference(range(1, 21), 20) and engine.chained_steps > 0
+        scheduler.drain(5)
 
     asyncio.run(main())

@@ -75,10 +75,21 @@ class Driver(Protocol):
     #: Whether ``save_state``/``load_state``/``drop_state`` work (cross-turn reuse needs them).
     supports_snapshots: bool
 
+    #: Whether ``decode_chained`` works (one box: the step's tokens can be fed on the GPU).
+    chains: bool
+
     def prefill(self, slot: int, tokens: Sequence[int], base: int, topk: int) -> Next: ...
 
-    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> Pending:
-        """Start one decode step of several slots; its result is collected later."""
+    def decode_async(
+        self, slots: Sequence[int], tokens: Sequence[int], topk: int, chain_next: bool = False
+    ) -> Pending:
+        """Start one decode step of several slots; its result is collected later.
+        ``chain_next``: a chained step is likely to follow (a hint: it gets prepared ahead)."""
+        ...
+
+    def decode_chained(self, after: Pending, topk: int) -> Pending:
+        """Start the decode step that follows ``after`` (not yet collected, nothing run since) over
+        the same slots, each fed its greedy id from ``after``. Only where ``chains``."""
         ...
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]: ...
@@ -112,6 +123,10 @@ class EngineLike(Protocol):
       ``(ids, topk)``: the greedy id of every position, and the final position's top-k pairs.
     * ``step(slots, tokens, topk=0)`` runs one position for several slots in one pass and returns,
       per slot, a result in ``stage_run``'s shape: ``([greedy_id], topk)``.
+    * ``step_submit(slots, tokens | None, topk=0, chain_next=False)`` starts such a step and
+      returns its id; ``step_collect(id)`` waits for it and returns what ``step`` would. With
+      ``tokens=None`` the step takes each slot's token from the previous submitted step over the
+      same slots (its greedy id), before that one's results reach the host.
     * ``info()`` describes the model and the engine (``arch``, ``vocab``, ``slots``, ``ctx``, …).
 
     Engines that also have ``state_save(slot, idx)`` / ``state_load(slot, idx)`` / ``state_drop(idx)``
@@ -121,6 +136,12 @@ class EngineLike(Protocol):
     def stage_run(self, slot: int, tokens: Sequence[int], base: int, topk: int = 0) -> Any: ...
 
     def step(self, slots: Sequence[int], tokens: Sequence[int], topk: int = 0) -> Any: ...
+
+    def step_submit(
+        self, slots: Sequence[int], tokens: Sequence[int] | None, topk: int = 0, chain_next: bool = False
+    ) -> int: ...
+
+    def step_collect(self, id: int) -> Any: ...
 
     def info(self) -> Mapping[str, Any]: ...
 
@@ -152,11 +173,41 @@ def _last_id(ids: Any) -> int:
     return int(ids[0])
 
 
+def _nexts(slots: Sequence[int], results: Any, topk: int) -> list[Next]:
+    """A step's results (one ``([id], top-k)`` per slot) as ``Next``."""
+    results = list(results)
+    if len(results) != len(slots):
+        raise RuntimeError(f"step returned {len(results)} results for {len(slots)} slots")
+    return [Next(_last_id(ids), _pairs(top) if topk else []) for ids, top in results]
+
+
+class _Step:
+    """A decode step submitted to the engine: ``result()`` waits for it."""
+
+    def __init__(
+        self, driver: LocalDriver, engine: EngineLike, slots: list[int], step_id: int, topk: int
+    ) -> None:
+        self.driver = driver
+        self.engine = engine
+        self.slots = slots
+        self.step_id = step_id
+        self.topk = topk
+
+    def done(self) -> bool:
+        # Not known without waiting; the chained scheduler collects by age, not by this.
+        return False
+
+    def result(self) -> list[Next]:
+        return _nexts(self.slots, self.engine.step_collect(self.step_id), self.topk)
+
+
 class LocalDriver:
-    """One engine holding every layer: prefill is ``stage_run``, decode is ``step``; one lane (there
-    is no second stage to overlap with), nothing held open, no state lost but by the caller."""
+    """One engine holding every layer: prefill is ``stage_run``, decode is ``step_submit`` and
+    ``step_collect``, with the next greedy step chained on the GPU behind the running one; one
+    lane, nothing held open, no state lost but by the caller."""
 
     lanes = 1
+    chains = True
 
     def __init__(self, engine: EngineLike) -> None:
         self.engine = engine
@@ -171,14 +222,21 @@ class LocalDriver:
             raise RuntimeError(f"stage_run returned {len(ids)} ids for {len(tokens)} positions")
         return Next(int(ids[-1]), _pairs(top) if topk else [])
 
-    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> Pending:
-        return Done(self.decode(slots, tokens, topk))
+    def decode_async(
+        self, slots: Sequence[int], tokens: Sequence[int], topk: int, chain_next: bool = False
+    ) -> Pending:
+        slots = list(slots)
+        step_id = self.engine.step_submit(slots, list(tokens), topk=topk, chain_next=chain_next)
+        return _Step(self, self.engine, slots, step_id, topk)
+
+    def decode_chained(self, after: Pending, topk: int) -> Pending:
+        if not isinstance(after, _Step) or after.driver is not self:
+            raise TypeError("decode_chained follows a step of this driver")
+        step_id = self.engine.step_submit(after.slots, None, topk=topk, chain_next=True)
+        return _Step(self, self.engine, after.slots, step_id, topk)
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]:
-        results = list(self.engine.step(list(slots), list(tokens), topk=topk))
-        if len(results) != len(slots):
-            raise RuntimeError(f"step returned {len(results)} results for {len(slots)} slots")
-        return [Next(_last_id(ids), _pairs(top) if topk else []) for ids, top in results]
+        return _nexts(slots, self.engine.step(list(slots), list(tokens), topk=topk), topk)
 
     def info(self) -> Mapping[str, Any]:
         return dict(self.engine.info())

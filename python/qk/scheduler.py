@@ -406,7 +406,10 @@ class Scheduler:
         if prefilling:
             self._prefill_chunk(driver, min(prefilling, key=lambda j: j.id))
         decoding = [j for j in self._slots if j is not None and j.pending is not None and not j.done]
-        self._decode_lanes(driver, decoding)
+        if driver.chains:
+            self._decode_chained(driver, decoding, chain=not prefilling)
+        else:
+            self._decode_lanes(driver, decoding)
 
     def _void_reuse(self) -> None:
         self._invalidate.clear()
@@ -552,6 +555,63 @@ class Scheduler:
         finally:
             for job in jobs:
                 job.in_flight = False
+            self.stats.decode_seconds += time.perf_counter() - started
+        self._advance(jobs, results)
+
+    def _chainable(self, jobs: list[Job]) -> bool:
+        """Whether the step after the one in flight for ``jobs`` can be submitted before its
+        tokens are known: every job greedy (its next input is the step's greedy id) and sure to go
+        on after that step (its limit and the context leave room for two more positions)."""
+        for job in jobs:
+            limit = job.request.max_tokens
+            if not job.request.params.greedy or job.position + 2 >= self.ctx:
+                return False
+            if limit is not None and job.generated + 1 >= limit:
+                return False
+        return True
+
+    def _decode_chained(self, driver: Driver, decoding: list[Job], chain: bool) -> None:
+        """Decode with the next step queued behind the running one: when nothing is in flight,
+        submit a step of every decoding job; while a step of exactly the decoding jobs runs and
+        they are chainable, submit its successor, fed on the GPU with the running step's greedy
+        ids; then collect the oldest step. The GPU never waits for the host between steps of an
+        unchanged greedy batch; any change (a job joins or ends, a prefill ran) costs one step's
+        overlap. A chained step of a job that ended meanwhile is skipped like a cancelled one."""
+        if not self._lanes and decoding:
+            topk = max(j.request.params.candidates_needed for j in decoding)
+            started = time.perf_counter()
+            pending = driver.decode_async(
+                [j.slot or 0 for j in decoding],
+                [j.pending or 0 for j in decoding],
+                topk,
+                chain_next=self._chainable(decoding),
+            )
+            self.stats.decode_seconds += time.perf_counter() - started
+            for job in decoding:
+                job.in_flight = True
+            self._lanes.append((pending, decoding, started))
+        if len(self._lanes) == 1 and chain:
+            pending, jobs, _ = self._lanes[0]
+            if jobs == decoding and self._chainable(jobs):
+                topk = max(j.request.params.candidates_needed for j in jobs)
+                started = time.perf_counter()
+                nxt = driver.decode_chained(pending, topk)
+                self.stats.decode_seconds += time.perf_counter() - started
+                self._lanes.append((nxt, jobs, started))
+        if not self._lanes:
+            return
+        pending, jobs, _ = self._lanes.popleft()
+        started = time.perf_counter()
+        try:
+            results = pending.result()
+        except Exception:
+            if all(job.done for job in jobs):
+                return
+            raise
+        finally:
+            still = {id(j) for _, js, _ in self._lanes for j in js}
+            for job in jobs:
+                job.in_flight = id(job) in still
             self.stats.decode_seconds += time.perf_counter() - started
         self._advance(jobs, results)
 

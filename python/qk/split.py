@@ -116,6 +116,8 @@ class SplitDriver:
         self.engine = engine
         self.link = link
         self.lanes = lanes
+        #: The last stage's greedy id reaches the head over the link: no step is fed on the GPU.
+        self.chains = False
         self.target = target
         self.head = SplitHead(
             engine, link, piece=piece, tick=TICK_S if ticker else None, ping_idle=PING_IDLE_S
@@ -191,11 +193,16 @@ class SplitDriver:
             self._note_session()
         return Next(int(ids[-1]), _pairs(top) if topk else [])
 
-    def decode_async(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> Pending:
+    def decode_async(
+        self, slots: Sequence[int], tokens: Sequence[int], topk: int, chain_next: bool = False
+    ) -> Pending:
         """Run the head's layers for one position of each slot now; the result resolves to their
-        ``Next`` once the chain has answered."""
+        ``Next`` once the chain has answered. (``chain_next`` is moot: a split never chains.)"""
         pending = self.head.step([int(s) for s in slots], [int(t) for t in tokens], topk)
         return _Step(self, pending, len(slots), topk)
+
+    def decode_chained(self, after: Pending, topk: int) -> Pending:
+        raise NotImplementedError("a split chain's tokens come back through the head: no chained steps")
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]:
         return self.decode_async(slots, tokens, topk).result()

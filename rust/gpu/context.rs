@@ -328,6 +328,17 @@ impl Gpu {
         }
     }
 
+    /// Block until submission `index` has finished on the GPU (and its callbacks ran).
+    pub fn wait_for(&self, index: wgpu::SubmissionIndex) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::Wait {
+                submission_index: Some(index),
+                timeout: None,
+            })
+            .map(|_| ())
+            .map_err(|e| QkError::DeviceLost(format!("poll: {e}")))
+    }
+
     /// Block until all submitted work is done.
     pub fn wait(&self) -> Result<()> {
         self.device

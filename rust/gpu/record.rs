@@ -340,6 +340,7 @@ pub struct Encoded {
 
 /// Submitted commands whose readbacks are being mapped.
 pub struct Submitted {
+    index: wgpu::SubmissionIndex,
     staging: Option<GpuBuffer>,
     sizes: Vec<u64>,
     mapped: Option<std::sync::mpsc::Receiver<std::result::Result<(), wgpu::BufferAsyncError>>>,
@@ -352,7 +353,7 @@ pub struct Submitted {
 impl Encoded {
     /// Submit, and ask for the readbacks to be mapped once the GPU is done.
     pub fn submit(self, gpu: &Gpu) -> Submitted {
-        gpu.queue.submit([self.commands]);
+        let index = gpu.queue.submit([self.commands]);
         Counters::bump(&gpu.counters.submits);
         let submitted = Instant::now();
         let total: u64 = self.sizes.iter().sum();
@@ -364,6 +365,7 @@ impl Encoded {
             rx
         });
         Submitted {
+            index,
             staging: self.staging,
             sizes: self.sizes,
             mapped,
@@ -383,9 +385,10 @@ impl Encoded {
 }
 
 impl Submitted {
-    /// Wait for the GPU (everything submitted so far) and return the readbacks in order.
+    /// Wait for these commands (and so everything submitted before them; not what was submitted
+    /// since) and return the readbacks in order.
     pub fn wait(self, gpu: &Gpu) -> Result<(Vec<Vec<u8>>, Finished)> {
-        gpu.wait()?;
+        gpu.wait_for(self.index)?;
         let mut out = Vec::with_capacity(self.sizes.len());
         if let (Some(st), Some(rx)) = (self.staging, self.mapped) {
             rx.recv()

@@ -18,7 +18,7 @@ use crate::ops::attention::{
 use crate::ops::conv::{self, ConvParams};
 use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
-use crate::ops::embed::embed;
+use crate::ops::embed::{Ids, embed};
 use crate::ops::matmul::{
     self, ColumnClass, Columns, ExpertGroups, ExpertIds, GroupShape, MoeInput, Precision, column_class,
     group_experts, mul_id,
@@ -490,21 +490,20 @@ impl Model {
         matmul::mul(gpu, rec, w, x, y, ncols, self.precision, Some(&s.split))
     }
 
-    /// Token embeddings of `n` ids (already written to `s.tokens`) into x[0].
-    pub fn record_embed(&self, gpu: &Gpu, rec: &mut Recorder<'_>, s: &Scratch, n: u32) -> Result<()> {
+    /// Token embeddings of `n` ids (written to `s.tokens`, or a previous step's top-k rows) into x[0].
+    pub fn record_embed(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        s: &Scratch,
+        ids: Ids<'_>,
+        n: u32,
+    ) -> Result<()> {
         let table = self.weights.embed.as_ref().ok_or_else(|| {
             QkError::Engine("this stage has no embedding (layers do not start at 0): pass hidden rows".into())
         })?;
         rec.op("embed", None, u64::from(n) * table.row_bytes);
-        embed(
-            gpu,
-            rec,
-            table,
-            &s.tokens,
-            0,
-            n,
-            Columns::packed(&s.x[0], self.cfg.n_embd),
-        )
+        embed(gpu, rec, table, ids, n, Columns::packed(&s.x[0], self.cfg.n_embd))
     }
 
     /// Every local layer over the rows in x[0]; returns the index of the x buffer holding the output.

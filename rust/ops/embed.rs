@@ -16,18 +16,37 @@ struct EmbedParams {
     first_row: u32,
     n_rows: u32,
     ids_offset: u32,
+    ids_stride: u32,
     out_offset: u32,
     out_stride: u32,
 }
 
-/// Record out[:, t] = table row ids[ids_offset + t] for t < n_tokens. Ids ≥ the table's row count
-/// produce no write (the caller validates token ids on the host when they arrive).
+/// Where the token ids of an embedding lookup are: token t's id at word `offset + t * stride` of
+/// `buf` (stride 1: ids written by the host; 2k: the top-k rows of a previous decode step).
+#[derive(Clone, Copy)]
+pub struct Ids<'a> {
+    pub buf: &'a GpuBuffer,
+    pub offset: u32,
+    pub stride: u32,
+}
+
+impl<'a> Ids<'a> {
+    pub fn packed(buf: &'a GpuBuffer) -> Ids<'a> {
+        Ids {
+            buf,
+            offset: 0,
+            stride: 1,
+        }
+    }
+}
+
+/// Record out[:, t] = table row of id t for t < n_tokens. Ids ≥ the table's row count produce no
+/// write (the caller validates token ids on the host when they arrive).
 pub fn embed(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
     table: &WeightTensor,
-    ids: &GpuBuffer,
-    ids_offset: u32,
+    ids: Ids<'_>,
     n_tokens: u32,
     out: Columns<'_>,
 ) -> Result<()> {
@@ -39,7 +58,8 @@ pub fn embed(
     }
     let end =
         (u64::from(out.offset) + u64::from(n_tokens.max(1) - 1) * u64::from(out.stride) + table.cols) * 4;
-    if end > out.buf.size || (u64::from(ids_offset) + u64::from(n_tokens)) * 4 > ids.size {
+    let ids_end = u64::from(ids.offset) + u64::from(n_tokens.max(1) - 1) * u64::from(ids.stride) + 1;
+    if end > out.buf.size || ids.stride == 0 || ids_end * 4 > ids.buf.size {
         return Err(QkError::Engine(format!(
             "embed {}: output or ids buffer too small for {n_tokens} tokens",
             table.name
@@ -64,13 +84,14 @@ pub fn embed(
                 row_bytes: table.row_bytes as u32,
                 first_row: win.first_row as u32,
                 n_rows: win.n_rows as u32,
-                ids_offset: ids_offset + first,
+                ids_offset: ids.offset + first * ids.stride,
+                ids_stride: ids.stride,
                 out_offset: out.offset + first * out.stride,
                 out_stride: out.stride,
             };
             rec.dispatch(
                 &pipe,
-                &[win.buffer.all(), ids.all(), out.buf.all()],
+                &[win.buffer.all(), ids.buf.all(), out.buf.all()],
                 bytemuck::bytes_of(&p),
                 [groups, count, 1],
             )?;

@@ -9,7 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::errors::detach;
-use crate::engine::{Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepProfile, StepTiming};
+use crate::engine::{
+    Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepFeed, StepProfile, StepTiming,
+};
 use crate::ops::attention::KvType;
 use crate::transport::engine_stage::lock_engine;
 
@@ -175,6 +177,36 @@ impl PyEngine {
     ) -> PyResult<Bound<'py, PyList>> {
         let rows = Rows::extract(inputs)?;
         let outs = self.detached(py, |eng| eng.step(&slots, rows.input(), topk))?;
+        self.outputs(py, outs)
+    }
+
+    /// Submit one decode step without waiting; returns its id for `step_collect`. `inputs`: one
+    /// token id (or hidden row) per slot, or None to take each slot's token from the previous step
+    /// over the same slots, on the GPU (its greedy id; that step may still be running: first and
+    /// last stage only, nothing run between the two). `chain_next=True` records a chained step
+    /// ahead as the likely next call.
+    #[pyo3(signature = (slots, inputs, topk = 0, chain_next = false))]
+    fn step_submit(
+        &self,
+        py: Python<'_>,
+        slots: Vec<usize>,
+        inputs: Option<&Bound<'_, PyAny>>,
+        topk: u32,
+        chain_next: bool,
+    ) -> PyResult<u64> {
+        let rows = inputs.map(Rows::extract).transpose()?;
+        self.detached(py, |eng| {
+            let feed = rows
+                .as_ref()
+                .map_or(StepFeed::Chained, |r| StepFeed::Rows(r.input()));
+            eng.step_submit(&slots, feed, topk, chain_next)
+        })
+    }
+
+    /// Wait for the step `id` of `step_submit` and return what `step` would have (steps submitted
+    /// before it and not collected are dropped).
+    fn step_collect<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyList>> {
+        let outs = self.detached(py, |eng| eng.step_collect(id))?;
         self.outputs(py, outs)
     }
 

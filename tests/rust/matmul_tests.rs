@@ -12,7 +12,7 @@
 use qk::gguf::GgmlType;
 use qk::gguf::dequant::dequantize;
 use qk::gpu::{Gpu, WeightTensor};
-use qk::ops::embed::embed;
+use qk::ops::embed::{Ids, embed};
 use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MAX_SPLITS, MOE_TILE_COLS, MatmulKernel,
     MoeInput, Precision, SPLIT_MAX_FLOATS_PER_COL, coop_accumulator, group_experts, k_splits, matmul,
@@ -819,25 +819,46 @@ fn embedding_lookup_from_quantised_table() {
         // Windows of ~100 rows so lookups hit several of them.
         let window = 100 * ty.bytes_for(dim as u64).unwrap();
         let case = make(gpu, ty, vocab, dim, 1, window, 300 + i as u64);
-        let idb = gpu.buffer_from_u32("ids", &ids).unwrap();
-        let out = gpu.buffer_zeroed("emb", (ids.len() * dim * 4) as u64).unwrap();
-        let mut rec = gpu.recorder();
-        embed(
-            gpu,
-            &mut rec,
-            &case.w,
-            &idb,
-            0,
-            ids.len() as u32,
-            Columns::packed(&out, dim as u32),
-        )
-        .unwrap();
-        let t = rec.read(&out, 0, (ids.len() * dim * 4) as u64).unwrap();
-        let got: Vec<f32> = bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t]);
+        // The ids packed (host-written) and at a stride of 4 words after an offset of 2 (where a
+        // chained decode step finds the previous step's top-2 (id, logit) rows).
+        let mut strided = vec![u32::MAX; 2 + 4 * ids.len()];
         for (j, &id) in ids.iter().enumerate() {
-            let want = &case.dense[id as usize * dim..(id as usize + 1) * dim];
-            // Same f32 products as the reference: the lookup must be exact.
-            assert_eq!(&got[j * dim..(j + 1) * dim], want, "embed {ty} token {id}");
+            strided[2 + 4 * j] = id;
+        }
+        let packed = gpu.buffer_from_u32("ids", &ids).unwrap();
+        let spread = gpu.buffer_from_u32("ids strided", &strided).unwrap();
+        let layouts = [
+            Ids::packed(&packed),
+            Ids {
+                buf: &spread,
+                offset: 2,
+                stride: 4,
+            },
+        ];
+        for source in layouts {
+            let out = gpu.buffer_zeroed("emb", (ids.len() * dim * 4) as u64).unwrap();
+            let mut rec = gpu.recorder();
+            embed(
+                gpu,
+                &mut rec,
+                &case.w,
+                source,
+                ids.len() as u32,
+                Columns::packed(&out, dim as u32),
+            )
+            .unwrap();
+            let t = rec.read(&out, 0, (ids.len() * dim * 4) as u64).unwrap();
+            let got: Vec<f32> = bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t]);
+            for (j, &id) in ids.iter().enumerate() {
+                let want = &case.dense[id as usize * dim..(id as usize + 1) * dim];
+                // Same f32 products as the reference: the lookup must be exact.
+                assert_eq!(
+                    &got[j * dim..(j + 1) * dim],
+                    want,
+                    "embed {ty} token {id} stride {}",
+                    source.stride
+                );
+            }
         }
     }
 }
