@@ -262,7 +262,8 @@ def main() -> None:
     slots = list(range(a.slots))
     for s in slots:
         eng.stage_run(s, prompt[:64], 0)
-    multi_s, toks = decode_rate(eng, slots, [1] * a.slots, a.decode)
+    multi_s, seen = decode_rate(eng, slots, [1] * a.slots, a.decode)
+    toks = seen[-1]
     for s in slots:
         eng.stage_run(s, prompt[:64], 0)
     multi_chained_s, _ = chained_rate(eng, slots, [1] * a.slots, a.decode)

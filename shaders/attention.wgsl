@@ -27,6 +27,9 @@
 #if OP == prepare
 #include "common_reduce.wgsl"
 #endif
+#if OP == merge
+#include "common_reduce.wgsl"
+#endif
 #define OP decode
 #define K_TYPE 1
 #define V_TYPE 1
@@ -39,8 +42,9 @@
 #define PR 64
 #define BK 16
 #define WG 32
+#define MAX_SPLITS 64
 #variants OP=prefill LANES=4 UPL=2 WG=256
-#variants OP=merge
+#variants OP=merge WG=256
 #variants K_TYPE=0 V_TYPE=0
 #variants K_TYPE=2 V_TYPE=0 OP=prefill LANES=1 UPL=8 WG=64
 #variants K_TYPE=2 GROUP=3 LANES=4 UPL=2 WG=16
@@ -538,6 +542,13 @@ fn main(ids: ComputeIds) {
 #endif
 
 #if OP == merge
+// Each split's weight exp(m_s - max); the output sums of the split groups, one per invocation.
+var<workgroup> split_scale: array<f32, {{MAX_SPLITS}}>;
+var<workgroup> unit_acc: array<mat2x4<f32>, {{WG}}>;
+
+// Grid (heads, rows): the invocations share a row head's splits for the max and the sum, then
+// invocation i adds unit i % UNITS of every (WG / UNITS)-th split from split i / UNITS on (a row
+// with 256 splits is not 256 dependent loads per invocation), and the groups' sums are added.
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
     let h = ids.wid.x;
@@ -548,27 +559,44 @@ fn main(ids: ComputeIds) {
     let splits = plan(tile_keys(r)).y;
     let first = (r * P.heads + h) * P.split_stride;
     var mx = MASKED;
-    for (var s = 0u; s < splits; s++) {
+    for (var s = ids.lid; s < splits; s += {{WG}}u) {
         mx = max(mx, PART_ML[first + s].x);
     }
+    mx = wg_max(mx, ids);
     var total = 0.0;
-    for (var s = 0u; s < splits; s++) {
-        total += PART_ML[first + s].y * exp(PART_ML[first + s].x - mx);
+    for (var s = ids.lid; s < splits; s += {{WG}}u) {
+        let e = exp(PART_ML[first + s].x - mx);
+        split_scale[s] = e;
+        total += PART_ML[first + s].y * e;
+    }
+    total = wg_sum(total, ids);
+    workgroupBarrier();
+    let groups = {{WG}}u / UNITS;
+    let u = ids.lid % UNITS;
+    let group = ids.lid / UNITS;
+    var acc = mat2x4<f32>();
+    if group < groups {
+        for (var s = group; s < splits; s += groups) {
+            acc += PART_O[(first + s) * UNITS + u] * split_scale[s];
+        }
+    }
+    unit_acc[ids.lid] = acc;
+    workgroupBarrier();
+    if group != 0u {
+        return;
+    }
+    var sum = unit_acc[u];
+    for (var g = 1u; g < groups; g++) {
+        sum += unit_acc[g * UNITS + u];
     }
     let out = P.out_offset + r * P.out_row_stride + h * D;
     let gate = P.gate_offset + r * P.gate_row_stride + h * P.gate_head_stride;
-    for (var u = ids.lid; u < UNITS; u += {{WG}}u) {
-        var acc = mat2x4<f32>();
-        for (var s = 0u; s < splits; s++) {
-            acc += PART_O[(first + s) * UNITS + u] * exp(PART_ML[first + s].x - mx);
+    for (var i = 0u; i < 8u; i++) {
+        var y = sum[i / 4u][i % 4u] / total;
+        if P.gated != 0u {
+            y /= 1.0 + exp(-GATE[gate + 8u * u + i]);
         }
-        for (var i = 0u; i < 8u; i++) {
-            var y = acc[i / 4u][i % 4u] / total;
-            if P.gated != 0u {
-                y /= 1.0 + exp(-GATE[gate + 8u * u + i]);
-            }
-            OUT[out + 8u * u + i] = y;
-        }
+        OUT[out + 8u * u + i] = y;
     }
 }
 #endif

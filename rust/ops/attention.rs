@@ -43,10 +43,15 @@ use crate::{QkError, Result};
 
 pub const FILE: ShaderFile = crate::shader_file!("attention");
 
-/// Decode splits: at least 32 keys each, at most 64 per row (longer caches get longer splits).
-/// 64 splits × 2 kv heads × 8 columns keeps ~1000 columns of keys in flight for one row.
+/// Decode splits: at least 32 keys each, at most 256 per row (longer caches get longer splits).
+/// A decode row has only kv_heads × splits workgroups, each walking its split's keys serially: up
+/// to 8192 keys stay at 32 per split (512 workgroups of one row at 2 kv heads), so a deep cache
+/// costs more workgroups, not longer ones (measured on the H200: at 64 splits a row at depth 8192
+/// cost ~1.4 ms more per step than at 512).
 pub const DECODE_MIN_SPLIT: u32 = 32;
-pub const DECODE_MAX_SPLITS: u32 = 64;
+/// Invocations of the merge workgroup (one per row head): split groups of head_dim / 8 units each.
+const MERGE_WG: u32 = 256;
+pub const DECODE_MAX_SPLITS: u32 = 256;
 /// Prefill splits: at least 256 keys, at most 16 per query tile (a piece of 64 tokens has only
 /// 8 tiles per kv head; splits fill the GPU when the prefix is long).
 pub const PREFILL_MIN_SPLIT: u32 = 256;
@@ -364,7 +369,7 @@ fn lanes(gpu: &Gpu, head_dim: u32, most: u32) -> u32 {
     l.max(1)
 }
 
-fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'static str, String); 12] {
+fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'static str, String); 13] {
     [
         ("OP", op.into()),
         ("K_TYPE", shape.k_type.define()),
@@ -378,6 +383,10 @@ fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'stati
         ("PR", PREFILL_ROWS.to_string()),
         ("BK", PREFILL_KEYS.to_string()),
         ("WG", wg.to_string()),
+        (
+            "MAX_SPLITS",
+            DECODE_MAX_SPLITS.max(PREFILL_MAX_SPLITS).to_string(),
+        ),
     ]
 }
 
@@ -616,7 +625,7 @@ fn record_merge(
     rows_buf: &GpuBuffer,
     args: &CoreArgs<'_>,
 ) -> Result<()> {
-    let pipe = gpu.pipeline(&FILE, &kernel_defines(shape, "merge", 1, 64), &[])?;
+    let pipe = gpu.pipeline(&FILE, &kernel_defines(shape, "merge", 1, MERGE_WG), &[])?;
     let gate = args.gate.map_or(args.q, |(g, _)| g);
     rec.dispatch(
         &pipe,

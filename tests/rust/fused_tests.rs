@@ -78,7 +78,8 @@ fn fused_norm_then_matvec_every_word_path_and_stored_input() {
     .enumerate()
     {
         let (w, dense) = upload(gpu, ty, m, k, 1, 11 + i as u64);
-        for cols in [1usize, 3] {
+        // 8 columns: the shapes that take 8 rows per workgroup (37 rows: a partial last group).
+        for cols in [1usize, 3, 8] {
             // Large activations: the norm must undo their scale.
             let x = floats(k * cols, 5 + cols as u64, 40.0);
             let g = floats(k, 9, 1.0);
@@ -117,30 +118,32 @@ fn fused_norm_then_matvec_every_word_path_and_stored_input() {
 #[test]
 fn fused_residual_add() {
     let Some(gpu) = test_gpu(false) else { return };
-    let (m, k, cols) = (64, 256, 2);
+    let (m, k) = (64, 256);
     let (w, dense) = upload(gpu, GgmlType::IQ4XS, m, k, 1, 3);
-    let x = floats(k * cols, 1, 1.0);
-    let res = floats(m * cols, 2, 3.0);
-    let xb = gpu.buffer_from_f32("x", &x).unwrap();
-    let rb = gpu.buffer_from_f32("res", &res).unwrap();
-    let yb = gpu.buffer_zeroed("y", (m * cols * 4) as u64).unwrap();
-    let fusion = MatvecFusion {
-        input: MatvecInput::Plain,
-        output: MatvecOutput::AddTo { residual: &rb },
-    };
-    let mut rec = gpu.recorder();
-    let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
-    matvec_fused(gpu, &mut rec, &w, xc, yc, cols as u32, &fusion).unwrap();
-    rec.submit().unwrap();
-    let want: Vec<f64> = (0..cols * m)
-        .map(|i| {
-            let (c, r) = (i / m, i % m);
-            let xc: Vec<f64> = x[c * k..(c + 1) * k].iter().map(|&v| f64::from(v)).collect();
-            f64::from(res[i]) + dot(&dense[r * k..(r + 1) * k], &xc)
-        })
-        .collect();
-    let e = nmse(&read(gpu, &yb, m * cols), &want);
-    assert!(e < NMSE_MAX, "NMSE {e:e}");
+    for cols in [2usize, 6] {
+        let x = floats(k * cols, 1, 1.0);
+        let res = floats(m * cols, 2, 3.0);
+        let xb = gpu.buffer_from_f32("x", &x).unwrap();
+        let rb = gpu.buffer_from_f32("res", &res).unwrap();
+        let yb = gpu.buffer_zeroed("y", (m * cols * 4) as u64).unwrap();
+        let fusion = MatvecFusion {
+            input: MatvecInput::Plain,
+            output: MatvecOutput::AddTo { residual: &rb },
+        };
+        let mut rec = gpu.recorder();
+        let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
+        matvec_fused(gpu, &mut rec, &w, xc, yc, cols as u32, &fusion).unwrap();
+        rec.submit().unwrap();
+        let want: Vec<f64> = (0..cols * m)
+            .map(|i| {
+                let (c, r) = (i / m, i % m);
+                let xc: Vec<f64> = x[c * k..(c + 1) * k].iter().map(|&v| f64::from(v)).collect();
+                f64::from(res[i]) + dot(&dense[r * k..(r + 1) * k], &xc)
+            })
+            .collect();
+        let e = nmse(&read(gpu, &yb, m * cols), &want);
+        assert!(e < NMSE_MAX, "{cols} columns: NMSE {e:e}");
+    }
 }
 
 #[test]
