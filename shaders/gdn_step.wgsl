@@ -22,8 +22,8 @@
 // Key rows per invocation (MAX_DK / LANES) and column passes (MAX_DV · LANES / WG).
 #define ROWS 128
 #define PASSES 1
-#variants LANES=32 ROWS=4 PASSES=16 SUBGROUPS=1
-#variants LANES=8 ROWS=16 PASSES=4 SUBGROUPS=1
+#variants LANES=32 ROWS=4 PASSES=4 WG=1024 SUBGROUPS=1
+#variants LANES=8 ROWS=16 PASSES=1 WG=1024 SUBGROUPS=1
 
 struct StepParams {
     rows: u32,

@@ -8,8 +8,10 @@ use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
 pub const FILE: ShaderFile = crate::shader_file!("gdn_step");
-/// Workgroup size: one workgroup holds a head of up to 128 columns.
-const WG: u32 = 256;
+/// Largest workgroup: one workgroup holds a whole head (up to 128 columns), so a one-row step has
+/// only v_heads workgroups; the widest workgroup the device allows (up to every column at once)
+/// keeps the most of the head's state loads in flight and the fewest passes in its serial chain.
+const MAX_WG: u32 = 1024;
 /// Largest key and value head dims one workgroup holds.
 pub const MAX_DK: u32 = 128;
 pub const MAX_DV: u32 = 128;
@@ -24,6 +26,10 @@ fn lanes(gpu: &Gpu) -> u32 {
     } else {
         1
     }
+}
+
+fn prev_power_of_two(n: u32) -> u32 {
+    if n == 0 { 1 } else { 1 << (31 - n.leading_zeros()) }
 }
 
 /// Mirrors `StepParams` in gdn_step.wgsl (field meanings are documented there).
@@ -133,13 +139,14 @@ pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepA
     );
     require_len("gdn step state", a.state, u64::from(p.state_stride))?;
     let lanes = lanes(gpu);
+    let wg = prev_power_of_two(MAX_WG.min(gpu.caps.max_invocations).min(MAX_DV * lanes)).max(lanes);
     let pipe = gpu.pipeline(
         &FILE,
         &[
-            ("WG", WG.to_string()),
+            ("WG", wg.to_string()),
             ("LANES", lanes.to_string()),
             ("ROWS", (MAX_DK / lanes).to_string()),
-            ("PASSES", (MAX_DV * lanes).div_ceil(WG).to_string()),
+            ("PASSES", (MAX_DV * lanes).div_ceil(wg).to_string()),
         ],
         &[],
     )?;
