@@ -62,7 +62,7 @@ if [ "${QK_KERNELS:-0}" = 1 ]; then
 fi
 wait \$MAKE
 echo "== qk engine (release wheel), $LAYERS layers"
-python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192 --long 4096,32768 --slots 8 --ctx 33792 --profile --top 12} \
+python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192,32000 --long 4096,32768 --slots 8 --ctx 33792 --profile --top 12} \
   > qk-bench.json 2> qk-bench.err; echo "rc=\$?"; grep -v "^qk: layer" qk-bench.err | tail -80; cat qk-bench.json
 if [ "${QK_SPLIT:-0}" = 1 ]; then
   echo "== split serving on one GPU"
@@ -72,7 +72,7 @@ wait \$BUILD
 if [ "${QK_SKIP_LLAMA:-0}" != 1 ]; then
   echo "== llama.cpp CUDA: llama-bench -fa 1"
   \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 512,4096 -n 128 -r 2 -o md 2>&1 | tee llama-bench.md
-  \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 0 -n 128 -d 8192 -r 2 -o md 2>&1 | tee -a llama-bench.md
+  \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 0 -n 128 -d 8192,32000 -r 2 -o md 2>&1 | tee -a llama-bench.md
   \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 32768 -n 0 -r 1 -o md 2>&1 | tee -a llama-bench.md
   echo "== llama.cpp CUDA: llama-batched-bench, 8 streams"
   \$B/bin/llama-batched-bench -m \$MODEL -ngl 99 -fa on -c 16384 -npp 64 -ntg 128 -npl 1,2,8 2>&1 \

@@ -301,13 +301,11 @@ impl MatvecShape {
         if rows * steps > SMALL_MATRIX_STEPS {
             return MatvecShape::default_for(ty, ncols);
         }
-        // At 4+ columns every workgroup re-reads its columns' activations (and, with a fused norm,
-        // reads them twice) from cache: at 4 rows per workgroup and 8 columns that traffic, not
-        // the weights, bounded dn.qkvz (119 GB/s over its weights, 4.3× its one-column time; H200
-        // 2026-12-01), so those shapes take 8 rows per workgroup.
+        // 8 rows per workgroup at 4+ columns (halving the columns' re-reads from cache) measured
+        // slower on the H200 (8-row step 20.96 → 22.35 ms of GPU, dn.qkvz and dn.out no faster;
+        // 2026-12-01): 4 rows stay.
         let rows_per_group = match (norm, ncols) {
-            (_, 4..) => 8,
-            (true, _) | (_, 3) => 4,
+            (true, _) | (_, 3..) => 4,
             (false, 2) => 2,
             _ => 1,
         };
