@@ -6,6 +6,8 @@ pipeline once per process, which dominates the run time."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -234,6 +236,30 @@ def test_chained_steps_equal_host_fed_steps():
         eng.step_submit([1, 0], None)
     with pytest.raises(qk.EngineError, match="chained"):
         engine(name, (0, 1)).step_submit([0], None)
+
+
+def test_every_batch_shape_is_built_at_load():
+    """A fresh process: after the prefills, the first step of each row count and the first chained
+    step create no pipeline and no bind group (the engine built them at load, so no served step
+    waits for a shader build)."""
+    _qk()
+    script = f"""
+import json, qk
+eng = qk.Engine({str(FIXTURES / (F32[0] + ".gguf"))!r}, slots=3, ctx=256)
+for s in range(3):
+    eng.stage_run(s, [1, 2, 3, 4 + s], 0)
+made = []
+for slots in ([0], [0, 1], [0, 1, 2]):
+    before = eng.counters()
+    eng.step_collect(eng.step_submit(slots, [5] * len(slots), chain_next=True))
+    eng.step_collect(eng.step_submit(slots, None))
+    after = eng.counters()
+    made.append([after[k] - before[k] for k in ("pipelines", "bind_groups")])
+print(json.dumps(made))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [[0, 0]] * 3
 
 
 def test_step_is_one_submit_and_creates_nothing():
