@@ -821,11 +821,6 @@ impl Engine {
         )))
     }
 
-    /// Decode steps submitted and not collected.
-    pub fn steps_in_flight(&self) -> usize {
-        self.in_flight.len()
-    }
-
     /// Host timing of the last [`Engine::step`] (None before the first).
     pub fn last_step_timing(&self) -> Option<StepTiming> {
         self.last_step

@@ -197,6 +197,11 @@ class SchedulerStats:
     reuse_errors: int = 0
 
 
+def _topk(jobs: list[Job]) -> int:
+    """The top-k one decode step of ``jobs`` asks for: the most any of their samplers needs."""
+    return max(j.request.params.candidates_needed for j in jobs)
+
+
 class Scheduler:
     """N slots, a FIFO of waiting jobs, one engine thread."""
 
@@ -229,8 +234,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._slots: list[Job | None] = [None] * slots
-        #: Decode steps handed to the driver, oldest first: (pending, jobs, submit time).
-        self._lanes: collections.deque[tuple[Pending, list[Job], float]] = collections.deque()
+        #: Decode steps handed to the driver, oldest first: (pending, jobs).
+        self._lanes: collections.deque[tuple[Pending, list[Job]]] = collections.deque()
         self._draining = False
         self._thread = threading.Thread(target=self._run, name="qk-engine", daemon=True)
 
@@ -526,37 +531,17 @@ class Scheduler:
     def _decode_lanes(self, driver: Driver, decoding: list[Job]) -> None:
         """Decode in lanes: submit one group of ready jobs per turn while fewer than the driver's
         lanes are in flight (with two lanes, half of them the first time, so two groups alternate);
-        collect the oldest step when nothing could be submitted, or as soon as it is done (a local
-        driver's step is done when submitted, so its tokens go out in the same turn)."""
+        collect the oldest step when nothing could be submitted, or as soon as it is done."""
         submitted = False
         ready = [j for j in decoding if not j.in_flight]
         if ready and len(self._lanes) < driver.lanes:
             if driver.lanes > 1 and not self._lanes and len(ready) > 1:
                 ready = ready[: (len(ready) + 1) // 2]
-            topk = max(j.request.params.candidates_needed for j in ready)
-            started = time.perf_counter()
-            pending = driver.decode_async([j.slot or 0 for j in ready], [j.pending or 0 for j in ready], topk)
-            self.stats.decode_seconds += time.perf_counter() - started
-            for job in ready:
-                job.in_flight = True
-            self._lanes.append((pending, ready, started))
+            self._submit(driver, ready)
             submitted = True
         if not self._lanes or (submitted and not self._lanes[0][0].done()):
             return
-        pending, jobs, _ = self._lanes.popleft()
-        started = time.perf_counter()
-        try:
-            results = pending.result()
-        except Exception:
-            if all(job.done for job in jobs):
-                # Every job of this step already ended (cancelled): its failure concerns no one.
-                return
-            raise
-        finally:
-            for job in jobs:
-                job.in_flight = False
-            self.stats.decode_seconds += time.perf_counter() - started
-        self._advance(jobs, results)
+        self._collect_oldest()
 
     def _chainable(self, jobs: list[Job]) -> bool:
         """Whether the step after the one in flight for ``jobs`` can be submitted before its
@@ -578,40 +563,44 @@ class Scheduler:
         unchanged greedy batch; any change (a job joins or ends, a prefill ran) costs one step's
         overlap. A chained step of a job that ended meanwhile is skipped like a cancelled one."""
         if not self._lanes and decoding:
-            topk = max(j.request.params.candidates_needed for j in decoding)
-            started = time.perf_counter()
-            pending = driver.decode_async(
-                [j.slot or 0 for j in decoding],
-                [j.pending or 0 for j in decoding],
-                topk,
-                chain_next=self._chainable(decoding),
-            )
-            self.stats.decode_seconds += time.perf_counter() - started
-            for job in decoding:
-                job.in_flight = True
-            self._lanes.append((pending, decoding, started))
+            self._submit(driver, decoding, chain_next=self._chainable(decoding))
         if len(self._lanes) == 1 and chain:
-            pending, jobs, _ = self._lanes[0]
+            pending, jobs = self._lanes[0]
             if jobs == decoding and self._chainable(jobs):
-                topk = max(j.request.params.candidates_needed for j in jobs)
                 started = time.perf_counter()
-                nxt = driver.decode_chained(pending, topk)
+                nxt = driver.decode_chained(pending, _topk(jobs))
                 self.stats.decode_seconds += time.perf_counter() - started
-                self._lanes.append((nxt, jobs, started))
-        if not self._lanes:
-            return
-        pending, jobs, _ = self._lanes.popleft()
+                self._lanes.append((nxt, jobs))
+        if self._lanes:
+            self._collect_oldest()
+
+    def _submit(self, driver: Driver, jobs: list[Job], chain_next: bool = False) -> None:
+        """Hand the driver a decode step of ``jobs``, fed their pending tokens."""
+        started = time.perf_counter()
+        pending = driver.decode_async(
+            [j.slot or 0 for j in jobs], [j.pending or 0 for j in jobs], _topk(jobs), chain_next=chain_next
+        )
+        self.stats.decode_seconds += time.perf_counter() - started
+        for job in jobs:
+            job.in_flight = True
+        self._lanes.append((pending, jobs))
+
+    def _collect_oldest(self) -> None:
+        """Wait for the oldest step in flight and take its tokens (a job is in flight while any
+        step still queued holds it)."""
+        pending, jobs = self._lanes.popleft()
         started = time.perf_counter()
         try:
             results = pending.result()
         except Exception:
             if all(job.done for job in jobs):
+                # Every job of this step already ended (cancelled): its failure concerns no one.
                 return
             raise
         finally:
-            still = {id(j) for _, js, _ in self._lanes for j in js}
+            queued = {id(j) for _, js in self._lanes for j in js}
             for job in jobs:
-                job.in_flight = id(job) in still
+                job.in_flight = id(job) in queued
             self.stats.decode_seconds += time.perf_counter() - started
         self._advance(jobs, results)
 
