@@ -7,7 +7,8 @@
 //!   QK_BENCH_SMOKE=1 cargo bench --no-default-features --bench kernels   # tiny sizes, CI
 //!
 //! QK_BENCH_TYPES=IQ4_XS,Q8_0 limits the mat-vec types, QK_BENCH_NO_MATMUL=1 skips mat-mat,
-//! QK_BENCH_ONLY_PREFILL=1 runs only the prefill cases (DeltaNet and MoE), QK_BENCH_ONLY_ATTENTION=1
+//! QK_BENCH_ONLY_PREFILL=1 runs only the prefill cases (DeltaNet and MoE), QK_BENCH_ONLY_DECODE=1
+//! only the decode MoE layer (expert mat-vecs per launch shape), QK_BENCH_ONLY_ATTENTION=1
 //! only attention, QK_BENCH_NO_ATTENTION=1 skips attention. QK_MATVEC_NR /
 //! QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning runs).
 //! Mat-mat runs the f32 tiled kernel and, where the adapter offers them, the cooperative-matrix
@@ -27,9 +28,10 @@ use qk::ops::attention::{
 };
 use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
-    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecShape, MoeInput, Precision,
-    coop_accumulator, group_experts, k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with,
-    matvec_id, matvec_shaped,
+    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecFusion, MatvecInput,
+    MatvecOutput, MatvecShape, MoeInput, Precision, coop_accumulator, expert_sum_shape, group_experts,
+    k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec_id, matvec_id_sum, matvec_id_with,
+    matvec_shaped,
 };
 
 struct Rng(u64);
@@ -176,6 +178,13 @@ fn main() {
     }
     let mut rng = Rng(0x5eed);
     if !flag("QK_BENCH_ONLY_PREFILL") {
+        moe_decode(&gpu, &mut rng);
+        norm_projection_decode(&gpu, &mut rng);
+    }
+    if flag("QK_BENCH_ONLY_DECODE") {
+        return;
+    }
+    if !flag("QK_BENCH_ONLY_PREFILL") {
         matrix_kernels(&gpu, &mut rng, target_bytes, iters, copy_gbs);
     }
     projection_prefill(&gpu, &mut rng);
@@ -232,6 +241,7 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
                     Columns::packed(&x, k as u32),
                     Columns::packed(&y, m as u32),
                     cols,
+                    &MatvecFusion::default(),
                     shape,
                 )
                 .expect("matvec")
@@ -480,6 +490,257 @@ fn deltanet_prefill(gpu: &Gpu, rng: &mut Rng) {
     }
 }
 
+/// A layer's expert stacks at the given shape: gate ‖ up (2·ff rows × n_embd) and down (n_embd
+/// rows × ff), random weights of `ty`.
+fn expert_stacks(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    ty: GgmlType,
+    experts: u32,
+    ff: u32,
+    n_embd: u32,
+) -> (qk::gpu::WeightTensor, qk::gpu::WeightTensor) {
+    let mut stack = |name: &str, k: u32, rows: u32| {
+        gpu.upload_weight(
+            name,
+            ty,
+            u64::from(k),
+            u64::from(rows),
+            u64::from(experts),
+            &weights(ty, (experts * rows * k) as usize, rng),
+        )
+        .expect("upload")
+    };
+    let gate_up = stack("bench_gate_up_exps", n_embd, 2 * ff);
+    let down = stack("bench_down_exps", ff, n_embd);
+    (gate_up, down)
+}
+
+/// `k` distinct uniform experts of `experts` per token (a router's top-k), then `last` if given.
+fn random_picks(rng: &mut Rng, tokens: u32, k: u32, experts: u32, last: Option<u32>) -> Vec<u32> {
+    let mut ids = Vec::new();
+    for _ in 0..tokens {
+        let mut chosen: Vec<u32> = Vec::new();
+        while chosen.len() < k as usize {
+            let e = (rng.next() % u64::from(experts)) as u32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        chosen.extend(last);
+        ids.extend(chosen);
+    }
+    ids
+}
+
+/// The DeltaNet layer's first decode product at the Qwen3-Next-80B shape: q ‖ k ‖ v ‖ z (12,288
+/// rows × 2048, IQ4_XS) with the RMSNorm folded in, for 1 and 8 columns, per launch shape (every
+/// workgroup computes its columns' norms, so rows per workgroup trade those re-reads against
+/// parallelism).
+fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
+    let (rows, k) = if smoke() { (96u32, 256u32) } else { (12288, 2048) };
+    let ty = GgmlType::IQ4XS;
+    let w = gpu
+        .upload_weight(
+            "bench_qkvz",
+            ty,
+            u64::from(k),
+            u64::from(rows),
+            1,
+            &weights(ty, (rows * k) as usize, rng),
+        )
+        .expect("upload");
+    let norm = gpu
+        .buffer_from_f32("norm_w", &vec![1.0; k as usize])
+        .expect("norm");
+    let shape = |rows, wg, unroll| Some(MatvecShape { rows, wg, unroll });
+    let shapes = [
+        None,
+        shape(1, 128, 1),
+        shape(2, 128, 1),
+        shape(4, 64, 1),
+        shape(4, 128, 1),
+        shape(4, 256, 1),
+        shape(8, 128, 1),
+        shape(8, 256, 1),
+        shape(8, 32, 2),
+    ];
+    let iters = if smoke() { 1 } else { 20 };
+    let bytes = (w.rows * w.row_bytes) as f64;
+    for cols in [1u32, 8] {
+        let x = gpu
+            .buffer_from_f32("x", &vec![0.5; (cols * k) as usize])
+            .expect("x");
+        let y = gpu.buffer_zeroed("y", u64::from(cols * rows) * 4).expect("y");
+        let fusion = MatvecFusion {
+            input: MatvecInput::Rms {
+                weight: &norm,
+                eps: 1e-6,
+                store: None,
+            },
+            output: MatvecOutput::Store,
+        };
+        for s in shapes {
+            let t = time_submit(gpu, iters, |rec| {
+                let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
+                matvec_shaped(gpu, rec, &w, xc, yc, cols, &fusion, s).expect("matvec");
+            });
+            let name = match s {
+                None => "default".to_string(),
+                Some(s) => format!("{}x{}u{}", s.rows, s.wg, s.unroll),
+            };
+            println!(
+                "norm+qkvz decode {cols} column(s) ({rows}x{k} {}) {name:<10} {:>8.1} µs  {:>7.1} GB/s",
+                ty.name(),
+                t * 1e6,
+                bytes / t / 1e9
+            );
+        }
+    }
+}
+
+/// The MoE of one layer in a decode step at the Qwen3-Next-80B shape (512 routed experts + the shared
+/// one stacked as expert 512, 10 + 1 picks, ff 512, n_embd 2048, IQ4_XS) for 1 and 8 tokens: the
+/// experts' gate+up per launch shape, and their down projection with the weighted sum either as
+/// two dispatches (per-pick down, then the element-wise sum) or as one (`matvec_id_sum`) per shape.
+/// GB/s over the weights the picks read (picks × tokens matrices, repeats counted: each is read).
+fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
+    use qk::ops::elementwise::{self, EwArgs, EwKind, EwParams};
+    let (experts, picks, ff, n_embd) = if smoke() {
+        (17u32, 5u32, 256u32, 256u32)
+    } else {
+        (513, 11, 512, 2048)
+    };
+    let ty = GgmlType::IQ4XS;
+    let (gate_up, down) = expert_stacks(gpu, rng, ty, experts, ff, n_embd);
+    let shape = |rows, wg, unroll| Some(MatvecShape { rows, wg, unroll });
+    let gate_up_shapes = [
+        None,
+        shape(8, 32, 1),
+        shape(4, 32, 2),
+        shape(4, 64, 2),
+        shape(2, 64, 2),
+        shape(2, 128, 1),
+        shape(4, 128, 1),
+        shape(1, 128, 1),
+        shape(8, 64, 1),
+        shape(8, 128, 1),
+    ];
+    let sum_shapes = [
+        None,
+        shape(1, 64, 2),
+        shape(1, 128, 1),
+        shape(2, 64, 2),
+        shape(2, 256, 1),
+        shape(4, 64, 2),
+        shape(4, 128, 2),
+        shape(8, 32, 2),
+        shape(8, 64, 2),
+        shape(1, 256, 1),
+        shape(4, 256, 1),
+    ];
+    let iters = if smoke() { 1 } else { 20 };
+    for tokens in [1u32, 8] {
+        // The shared expert (the stack's last) is every token's last pick.
+        let ids = random_picks(rng, tokens, picks - 1, experts - 1, Some(experts - 1));
+        let entries = tokens * picks;
+        let idb = gpu.buffer_from_u32("ids", &ids).expect("ids");
+        let wb = gpu
+            .buffer_from_f32("pick_weights", &vec![0.1; entries as usize])
+            .expect("weights");
+        let x = gpu
+            .buffer_from_f32("x", &vec![0.5; (tokens * n_embd) as usize])
+            .expect("x");
+        let gu = gpu
+            .buffer_from_f32("gu", &vec![0.5; (entries * 2 * ff) as usize])
+            .expect("gu");
+        let per_pick = gpu
+            .buffer_zeroed("per_pick", u64::from(entries * n_embd) * 4)
+            .expect("y");
+        let out = gpu
+            .buffer_zeroed("out", u64::from(tokens * n_embd) * 4)
+            .expect("out");
+        let ids_arg = ExpertIds {
+            buf: &idb,
+            offset: 0,
+            n_used: picks,
+            n_tokens: tokens,
+        };
+        let gu_bytes = f64::from(entries) * (gate_up.rows * gate_up.row_bytes) as f64;
+        let down_bytes = f64::from(entries) * (down.rows * down.row_bytes) as f64;
+        let report = |name: &str, t: f64, bytes: f64| {
+            println!(
+                "moe decode {tokens} token(s) × {picks} picks ({}) {name:<28} {:>8.1} µs  {:>7.1} GB/s",
+                ty.name(),
+                t * 1e6,
+                bytes / t / 1e9
+            );
+        };
+        let name = |s: Option<MatvecShape>| match s {
+            None => "default".to_string(),
+            Some(s) => format!("{}x{}u{}", s.rows, s.wg, s.unroll),
+        };
+        for s in gate_up_shapes {
+            let t = time_submit(gpu, iters, |rec| {
+                let y = Columns::packed(&gu, 2 * ff);
+                matvec_id_with(
+                    gpu,
+                    rec,
+                    &gate_up,
+                    Columns::packed(&x, n_embd),
+                    y,
+                    ids_arg,
+                    MoeInput::PerToken,
+                    MatvecInput::Plain,
+                    s,
+                )
+                .expect("gate_up");
+            });
+            report(&format!("gate_up {}", name(s)), t, gu_bytes);
+        }
+        let silu_mul = MatvecInput::SiluMul { up: ff };
+        let t = time_submit(gpu, iters, |rec| {
+            let gc = Columns::packed(&gu, 2 * ff);
+            let y = Columns::packed(&per_pick, n_embd);
+            matvec_id_with(gpu, rec, &down, gc, y, ids_arg, MoeInput::PerSlot, silu_mul, None).expect("down");
+            let p = EwParams {
+                rows: tokens,
+                n: n_embd,
+                a_offset: 0,
+                a_stride: picks * n_embd,
+                b_offset: 0,
+                b_stride: n_embd,
+                out_offset: 0,
+                out_stride: n_embd,
+                weights_offset: 0,
+                weights_stride: picks,
+                experts: picks,
+                accumulate: 1,
+                gate_offset: 0,
+                gate_stride: 0,
+            };
+            let args = EwArgs {
+                a: &per_pick,
+                b: None,
+                out: &out,
+                weights: Some(&wb),
+                gate: None,
+            };
+            elementwise::record(gpu, rec, EwKind::MoeSum, &p, &args).expect("sum");
+        });
+        report("down, then sum (2 dispatches)", t, down_bytes);
+        for s in sum_shapes {
+            let s = s.or(Some(expert_sum_shape(ty)));
+            let t = time_submit(gpu, iters, |rec| {
+                let gc = Columns::packed(&gu, 2 * ff);
+                let y = Columns::packed(&out, n_embd);
+                matvec_id_sum(gpu, rec, &down, gc, y, ids_arg, &wb, silu_mul, s).expect("down sum");
+            });
+            report(&format!("down+sum {}", name(s)), t, down_bytes);
+        }
+    }
+}
+
 /// The MoE of one layer for a prefill piece at the Qwen3-Next-80B shape (512 experts, 10 used,
 /// ff 512, n_embd 2048, IQ4_XS) over 64 tokens (most experts get one or two columns) and 512 (about
 /// ten each): the grouping kernel, then gate+up (2·ff rows) and down by the grouped mat-mat per
@@ -499,38 +760,8 @@ fn moe_piece(gpu: &Gpu, rng: &mut Rng, tokens: u32) {
         (512, 10, 512, 2048)
     };
     let ty = GgmlType::IQ4XS;
-    let gate_up = gpu
-        .upload_weight(
-            "bench_gate_up_exps",
-            ty,
-            u64::from(n_embd),
-            u64::from(2 * ff),
-            u64::from(experts),
-            &weights(ty, (experts * 2 * ff * n_embd) as usize, rng),
-        )
-        .expect("upload");
-    let down = gpu
-        .upload_weight(
-            "bench_down_exps",
-            ty,
-            u64::from(ff),
-            u64::from(n_embd),
-            u64::from(experts),
-            &weights(ty, (experts * ff * n_embd) as usize, rng),
-        )
-        .expect("upload");
-    // Distinct uniform experts per token (a router's top-k).
-    let mut ids = Vec::new();
-    for _ in 0..tokens {
-        let mut chosen: Vec<u32> = Vec::new();
-        while chosen.len() < n_used as usize {
-            let e = (rng.next() % u64::from(experts)) as u32;
-            if !chosen.contains(&e) {
-                chosen.push(e);
-            }
-        }
-        ids.extend(chosen);
-    }
+    let (gate_up, down) = expert_stacks(gpu, rng, ty, experts, ff, n_embd);
+    let ids = random_picks(rng, tokens, n_used, experts, None);
     let idb = gpu.buffer_from_u32("ids", &ids).expect("ids");
     let entries = tokens * n_used;
     let x = gpu

@@ -19,6 +19,7 @@
 // * PRE=silu_mul: a column is a gate ‖ up pair (the expert's gate_up output), read as
 //   silu(gate) * up with up P.pre_offset floats after gate: the MoE down projection's input.
 // * EPI=add: Y = RES + W·x (RES laid out like Y): the residual stream update.
+// * EPI=accumulate: Y += W·x, in place (the MoE's weighted sum into the residual stream, SUM=1).
 // * EPI=conv: rows below P.conv_rows are a GDN channel's pre-conv input, so the causal conv1d
 //   (P.taps taps, CONV_W[ch * taps + j], tap taps-1 the current input) and SiLU run here and the
 //   slot's conv state (STATE[SLOTS[c] * state_stride + j * conv_rows + ch], oldest first) advances;
@@ -53,6 +54,11 @@
 // subgroup 0 of each workgroup routes, RSG its size, PER_LANE = ceil(experts / RSG)) instead of by a
 // router dispatch, and one workgroup per token writes the picks for the kernels after it.
 #define ROUTE 0
+// MOE with SUM=1 (decode's expert down projection): one workgroup row group per token sums every
+// pick's product weighted by its routing weight (SUM_W, laid out like IDS), so the MoE's weighted
+// sum needs no kernel of its own; EPI=accumulate adds the sum to Y (the residual stream).
+#define SUM 0
+#define B_SW 4
 #define RSG 32
 #define PER_LANE 16
 #define B_RW 4
@@ -90,6 +96,11 @@
 #variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 EPI=add B_RES=3
 #variants QTYPE=q6_k MOE=1 PRE=silu_mul B_IDS=3
+#variants QTYPE=iq4_xs MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=2 WG=128
+#variants QTYPE=q8_0 MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=4 WG=64
+#variants QTYPE=q4_k MOE=1 SUM=1 EPI=accumulate
+#variants QTYPE=q6_k MOE=1 SUM=1 PRE=silu_mul EPI=accumulate UNROLL=1
+#variants QTYPE=q5_k MOE=1 SUM=1 PRE=silu_mul EPI=accumulate
 #variants QTYPE=iq4_xs MOE=1 ROUTE=1 RSG=32 PER_LANE=16 WG=128 NR=1 SUBGROUPS=1
 #variants QTYPE=q8_0 MOE=1 ROUTE=1 RSG=8 PER_LANE=9 SUBGROUPS=1
 
@@ -143,6 +154,10 @@ var<immediate> P: MatvecParams;
 #else
 @group(0) @binding({{B_IDS}}) var<storage, read> IDS: array<u32>;
 #endif
+#if SUM
+@group(0) @binding({{B_SW}}) var<storage, read> SUM_W: array<f32>;
+var<private> sum_picks_at: u32;
+#endif
 
 var<workgroup> moe_expert: u32;
 #endif
@@ -167,6 +182,30 @@ var<private> x_col: u32;
 #if PRE == rms
 var<private> inv_rms: array<f32, {{NC}}>;
 #endif
+
+// One step of the K loops: with SUM, the loops walk the token's picks' rows end to end (picks × K),
+// and virtual step v is step v % per_pick of pick v / per_pick, whose expert's rows sit w_byte
+// further in W and whose activation column x_vec vec4s further in X, weighted by its routing
+// weight. An id outside this window gets weight 0 (its step reads the window's first expert).
+// Otherwise the identity.
+struct PickStep {
+    step: u32,
+    w_byte: u32,
+    x_vec: u32,
+    weight: f32,
+}
+
+fn pick_step(v: u32, per_pick: u32) -> PickStep {
+#if SUM
+    let slot = v / per_pick;
+    let e = IDS[sum_picks_at + slot];
+    let here = e >= P.expert_first && e < P.expert_first + P.expert_count;
+    return PickStep(v % per_pick, select(0u, (e - P.expert_first) * P.rows * P.row_bytes, here),
+        slot * P.x_col_slot * (P.x_stride / 4u), select(0.0, SUM_W[sum_picks_at + slot], here));
+#else
+    return PickStep(v, 0u, 0u, 1.0);
+#endif
+}
 
 // Activation column c at vec4 index v from its start, after the PRE stage.
 fn x_at(c: u32, v: u32) -> vec4<f32> {
@@ -246,8 +285,17 @@ fn main(ids: ComputeIds) {
 #endif
 #if MOE
     let row0 = ids.wid.x * {{NR}}u;
-    let slot = ids.wid.y;
     let token = ids.wid.z;
+#if SUM
+    // Every pick of the token in this workgroup: pick_step finds each step's expert and column.
+    let picks = P.n_used;
+    sum_picks_at = P.ids_offset + token * P.n_used;
+    let w_base = P.w_offset;
+    let x_col0 = token * P.x_col_token;
+    let y_base = P.y_offset + token * P.y_stride;
+#else
+    let picks = 1u;
+    let slot = ids.wid.y;
 #if ROUTE
 #if SUBGROUPS
     let route_lane = ids.sg_lane;
@@ -282,7 +330,9 @@ fn main(ids: ComputeIds) {
     let w_base = P.w_offset + (expert - P.expert_first) * P.rows * P.row_bytes;
     let x_col0 = token * P.x_col_token + slot * P.x_col_slot;
     let y_base = P.y_offset + (token * P.n_used + slot) * P.y_stride;
+#endif
 #else
+    let picks = 1u;
     let row0 = group_index(ids) * {{NR}}u;
     let w_base = P.w_offset;
     let x_col0 = 0u;
@@ -338,11 +388,13 @@ fn main(ids: ComputeIds) {
     // (136-byte multiples) always start 4-aligned.
     generic = false;
     let np = P.k / 16u;
-    for (var p0 = ids.lid; p0 < np; p0 += {{UNROLL}}u * {{WG}}u) {
+    let nv = np * picks;
+    for (var v0 = ids.lid; v0 < nv; v0 += {{UNROLL}}u * {{WG}}u) {
 #for u in 0..UNROLL
         // Past the end (second pair only): re-read the last pair, weighted 0 below.
-        let p{{u}} = min(p0 + {{u}}u * {{WG}}u, np - 1u);
-        let blk{{u}} = 34u * (p{{u}} >> 4u);
+        let s{{u}} = pick_step(min(v0 + {{u}}u * {{WG}}u, nv - 1u), np);
+        let p{{u}} = s{{u}}.step;
+        let blk{{u}} = s{{u}}.w_byte / 4u + 34u * (p{{u}} >> 4u);
         let i{{u}} = 2u * (p{{u}} & 15u);
 #for r in 0..NR
         let h0_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}}];
@@ -350,7 +402,7 @@ fn main(ids: ComputeIds) {
         let qa_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 2u + i{{u}}];
         let qb_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 3u + i{{u}}];
 #endfor
-        let xv{{u}} = 64u * (p{{u}} >> 4u) + 8u * (i{{u}} >> 2u) + (i{{u}} & 3u);
+        let xv{{u}} = s{{u}}.x_vec + 64u * (p{{u}} >> 4u) + 8u * (i{{u}} >> 2u) + (i{{u}} & 3u);
         var xl{{u}}: array<vec4<f32>, {{NC}}>;
         var xm{{u}}: array<vec4<f32>, {{NC}}>;
         var xh{{u}}: array<vec4<f32>, {{NC}}>;
@@ -365,7 +417,7 @@ fn main(ids: ComputeIds) {
 #for u in 0..UNROLL
         {
             let ib = i{{u}} >> 2u;
-            let live = select(0.0, 1.0, p0 + {{u}}u * {{WG}}u < np);
+            let live = select(0.0, s{{u}}.weight, v0 + {{u}}u * {{WG}}u < nv);
 #for r in 0..NR
             {
                 let h0 = h0_{{u}}_{{r}};
@@ -393,10 +445,12 @@ fn main(ids: ComputeIds) {
     // activation sums are shared by all rows. Q4_K rows (144-byte multiples) start 4-aligned.
     generic = false;
     let np = P.k / 16u;
-    for (var p0 = ids.lid; p0 < np; p0 += {{UNROLL}}u * {{WG}}u) {
+    let nv = np * picks;
+    for (var v0 = ids.lid; v0 < nv; v0 += {{UNROLL}}u * {{WG}}u) {
 #for u in 0..UNROLL
-        let p{{u}} = min(p0 + {{u}}u * {{WG}}u, np - 1u);
-        let blk{{u}} = 36u * (p{{u}} >> 4u);
+        let s{{u}} = pick_step(min(v0 + {{u}}u * {{WG}}u, nv - 1u), np);
+        let p{{u}} = s{{u}}.step;
+        let blk{{u}} = s{{u}}.w_byte / 4u + 36u * (p{{u}} >> 4u);
         let i{{u}} = 2u * (p{{u}} & 15u);
 #for r in 0..NR
         let h0_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}}];
@@ -406,7 +460,7 @@ fn main(ids: ComputeIds) {
         let qa_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 4u + i{{u}}];
         let qb_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 5u + i{{u}}];
 #endfor
-        let xv{{u}} = 64u * (p{{u}} >> 4u) + 16u * (i{{u}} >> 3u) + (i{{u}} & 7u);
+        let xv{{u}} = s{{u}}.x_vec + 64u * (p{{u}} >> 4u) + 16u * (i{{u}} >> 3u) + (i{{u}} & 7u);
         var xl{{u}}: array<vec4<f32>, {{NC}}>;
         var xm{{u}}: array<vec4<f32>, {{NC}}>;
         var xh{{u}}: array<vec4<f32>, {{NC}}>;
@@ -421,7 +475,7 @@ fn main(ids: ComputeIds) {
 #for u in 0..UNROLL
         {
             let j = 2u * (i{{u}} >> 3u); // 2c: the low-nibble sub-block
-            let live = select(0.0, 1.0, p0 + {{u}}u * {{WG}}u < np);
+            let live = select(0.0, s{{u}}.weight, v0 + {{u}}u * {{WG}}u < nv);
             var sx_lo: array<f32, {{NC}}>;
             var sx_hi: array<f32, {{NC}}>;
 #for c in 0..NC
@@ -455,13 +509,15 @@ fn main(ids: ComputeIds) {
     // scales[8h + l/16 + 2g]. Blocks are 210 bytes, so words are funnel-read (w_u32_at).
     generic = false;
     let np = P.k / 16u;
-    for (var p0 = ids.lid; p0 < np; p0 += {{UNROLL}}u * {{WG}}u) {
+    let nv = np * picks;
+    for (var v0 = ids.lid; v0 < nv; v0 += {{UNROLL}}u * {{WG}}u) {
 #for u in 0..UNROLL
-        let p{{u}} = min(p0 + {{u}}u * {{WG}}u, np - 1u);
+        let s{{u}} = pick_step(min(v0 + {{u}}u * {{WG}}u, nv - 1u), np);
+        let p{{u}} = s{{u}}.step;
         let h{{u}} = (p{{u}} >> 3u) & 1u;
         let l{{u}} = 4u * (p{{u}} & 7u);
 #for r in 0..NR
-        let blk_{{u}}_{{r}} = rb{{r}} + 210u * (p{{u}} >> 4u);
+        let blk_{{u}}_{{r}} = rb{{r}} + s{{u}}.w_byte + 210u * (p{{u}} >> 4u);
         let qa_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 64u * h{{u}} + l{{u}});
         let qb_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 64u * h{{u}} + 32u + l{{u}});
         let qh_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 128u + 32u * h{{u}} + l{{u}});
@@ -471,7 +527,7 @@ fn main(ids: ComputeIds) {
         let sb_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 196u + 8u * h{{u}} + (l{{u}} >> 4u));
         let d_{{u}}_{{r}} = w_f16_at(blk_{{u}}_{{r}} + 208u);
 #endfor
-        let xv{{u}} = 64u * (p{{u}} >> 4u) + 32u * h{{u}} + (l{{u}} >> 2u);
+        let xv{{u}} = s{{u}}.x_vec + 64u * (p{{u}} >> 4u) + 32u * h{{u}} + (l{{u}} >> 2u);
         var x0{{u}}: array<vec4<f32>, {{NC}}>;
         var x1{{u}}: array<vec4<f32>, {{NC}}>;
         var x2{{u}}: array<vec4<f32>, {{NC}}>;
@@ -485,7 +541,7 @@ fn main(ids: ComputeIds) {
 #endfor
 #for u in 0..UNROLL
         {
-            let live = select(0.0, 1.0, p0 + {{u}}u * {{WG}}u < np);
+            let live = select(0.0, s{{u}}.weight, v0 + {{u}}u * {{WG}}u < nv);
 #for r in 0..NR
             {
                 let qa = qa_{{u}}_{{r}};
@@ -513,10 +569,12 @@ fn main(ids: ComputeIds) {
     // once to the dot product. Two groups per iteration, loads first, as for IQ4_XS.
     generic = false;
     let ng = P.k / 8u;
-    for (var g0 = ids.lid; g0 < ng; g0 += {{UNROLL}}u * {{WG}}u) {
+    let nv = ng * picks;
+    for (var v0 = ids.lid; v0 < nv; v0 += {{UNROLL}}u * {{WG}}u) {
 #for u in 0..UNROLL
-        let g{{u}} = min(g0 + {{u}}u * {{WG}}u, ng - 1u);
-        let blk{{u}} = 34u * (g{{u}} >> 2u);
+        let s{{u}} = pick_step(min(v0 + {{u}}u * {{WG}}u, nv - 1u), ng);
+        let g{{u}} = s{{u}}.step;
+        let blk{{u}} = s{{u}}.w_byte + 34u * (g{{u}} >> 2u);
 #for r in 0..NR
         let db_{{u}}_{{r}} = rb{{r}} + blk{{u}};
         let qb_{{u}}_{{r}} = db_{{u}}_{{r}} + 2u + 8u * (g{{u}} & 3u);
@@ -528,13 +586,13 @@ fn main(ids: ComputeIds) {
         var xa{{u}}: array<vec4<f32>, {{NC}}>;
         var xb{{u}}: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-        xa{{u}}[{{c}}] = x_at({{c}}u, 2u * g{{u}});
-        xb{{u}}[{{c}}] = x_at({{c}}u, 2u * g{{u}} + 1u);
+        xa{{u}}[{{c}}] = x_at({{c}}u, s{{u}}.x_vec + 2u * g{{u}});
+        xb{{u}}[{{c}}] = x_at({{c}}u, s{{u}}.x_vec + 2u * g{{u}} + 1u);
 #endfor
 #endfor
 #for u in 0..UNROLL
         {
-            let live = select(0.0, 1.0, g0 + {{u}}u * {{WG}}u < ng);
+            let live = select(0.0, s{{u}}.weight, v0 + {{u}}u * {{WG}}u < nv);
 #for r in 0..NR
             {
                 let sh = (qb_{{u}}_{{r}} & 3u) * 8u;
@@ -553,18 +611,21 @@ fn main(ids: ComputeIds) {
     }
 #endif
     if generic {
-        for (var g = ids.lid; g < P.k / 8u; g += {{WG}}u) {
+        let ng = P.k / 8u;
+        for (var v = ids.lid; v < ng * picks; v += {{WG}}u) {
+            let s = pick_step(v, ng);
+            let g = s.step;
             // Unrolled (#for): constant indices keep xa, xb and acc in registers.
             var xa: array<vec4<f32>, {{NC}}>;
             var xb: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
-            xa[{{c}}] = x_at({{c}}u, 2u * g);
-            xb[{{c}}] = x_at({{c}}u, 2u * g + 1u);
+            xa[{{c}}] = s.weight * x_at({{c}}u, s.x_vec + 2u * g);
+            xb[{{c}}] = s.weight * x_at({{c}}u, s.x_vec + 2u * g + 1u);
 #endfor
 #for r in 0..NR
             // The branch (not the clamp) measured faster for the heavier generic decoders (Q4_K).
             if row0 + {{r}}u < P.rows {
-                let w = dq8_{{QTYPE}}(rb{{r}}, g);
+                let w = dq8_{{QTYPE}}(rb{{r}} + s.w_byte, g);
 #for c in 0..NC
                 acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dot(w.a, xa[{{c}}]) + dot(w.b, xb[{{c}}]);
 #endfor
@@ -584,6 +645,9 @@ fn main(ids: ComputeIds) {
             let y = acc[i / 4u][i % 4u];
 #if EPI == add
             Y[o] = RES[o] + y;
+#else
+#if EPI == accumulate
+            Y[o] += y;
 #else
 #if EPI == conv
             let ch = row0 + r;
@@ -608,6 +672,7 @@ fn main(ids: ComputeIds) {
             }
 #else
             Y[o] = y;
+#endif
 #endif
 #endif
         }

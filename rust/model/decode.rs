@@ -21,7 +21,7 @@ use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::gdn_step::{self, GdnStepArgs, GdnStepParams};
 use crate::ops::matmul::{
     Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecOutput, MoeInput, MoeRoute, matvec, matvec_fused,
-    matvec_id, matvec_id_routed, matvec_id_with, route_lanes,
+    matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, route_lanes,
 };
 use crate::ops::router::{self, RouterParams, SharedSlot};
 
@@ -425,8 +425,22 @@ impl Model {
         rec.op("moe.down", layer, expert_bytes(&w.down, picks, t));
         let silu_mul = MatvecInput::SiluMul { up: ff };
         let gu = Columns::packed(&s.gate_up, 2 * ff);
+        if shared.is_some() {
+            // Every pick's down projection, weighted and added to the residual stream in `out`.
+            return matvec_id_sum(gpu, rec, &w.down, gu, xc, ids, &s.expert_w, silu_mul, None);
+        }
         let down = Columns::packed(&s.down, e);
-        matvec_id_with(gpu, rec, &w.down, gu, down, ids, MoeInput::PerSlot, silu_mul)?;
+        matvec_id_with(
+            gpu,
+            rec,
+            &w.down,
+            gu,
+            down,
+            ids,
+            MoeInput::PerSlot,
+            silu_mul,
+            None,
+        )?;
         let mut p = EwParams {
             rows: t,
             n: e,
@@ -443,17 +457,6 @@ impl Model {
             gate_offset,
             gate_stride,
         };
-        if shared.is_some() {
-            rec.op("moe.combine", layer, 0);
-            let args = EwArgs {
-                a: &s.down,
-                b: None,
-                out,
-                weights: Some(&s.expert_w),
-                gate: None,
-            };
-            return elementwise::record(gpu, rec, EwKind::MoeSum, &p, &args);
-        }
         // The shared expert on its own: its gate/up from the stored normalised rows, its down
         // reading silu(gate)·up, then the combine with its sigmoid gate.
         let sff = cfg.shared_ff;

@@ -424,7 +424,8 @@ pub fn matvec(
     matvec_with(gpu, rec, w, x, y, ncols, &MatvecFusion::default(), None)
 }
 
-/// [`matvec`] with a launch shape other than the default (tuning runs); None is the default.
+/// [`matvec_fused`] with a launch shape other than the default (tuning runs); None is the default.
+#[allow(clippy::too_many_arguments)]
 pub fn matvec_shaped(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -432,9 +433,10 @@ pub fn matvec_shaped(
     x: Columns<'_>,
     y: Columns<'_>,
     ncols: u32,
+    fusion: &MatvecFusion<'_>,
     shape: Option<MatvecShape>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, &MatvecFusion::default(), shape)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, shape)
 }
 
 /// [`matvec`] with fused input and output stages (see [`MatvecFusion`]).
@@ -640,7 +642,7 @@ pub fn matvec_id(
     ids: ExpertIds<'_>,
     input: MoeInput,
 ) -> Result<()> {
-    matvec_id_with(gpu, rec, w, x, y, ids, input, MatvecInput::Plain)
+    matvec_id_with(gpu, rec, w, x, y, ids, input, MatvecInput::Plain, None)
 }
 
 /// Routing done inside the expert mat-vec (matvec.wgsl `ROUTE`): token t's expert logits at float
@@ -669,17 +671,11 @@ pub fn matvec_id_routed(
     ids: ExpertIds<'_>,
     route: &MoeRoute<'_>,
 ) -> Result<()> {
-    expert_matvec(
-        gpu,
-        rec,
-        w,
-        x,
-        y,
-        ids,
-        MoeInput::PerToken,
-        MatvecInput::Plain,
-        Some(route),
-    )
+    let call = ExpertCall {
+        route: Some(route),
+        ..ExpertCall::new(MoeInput::PerToken)
+    };
+    expert_matvec(gpu, rec, w, x, y, ids, &call)
 }
 
 /// Lanes of the subgroup that routes a token inside a kernel on this device, if it can: subgroups of
@@ -691,7 +687,8 @@ pub fn route_lanes(gpu: &Gpu, experts: u32) -> Option<u32> {
         .then_some(sg)
 }
 
-/// [`matvec_id`] with a fused input stage (plain or silu·mul; the norm is not offered here).
+/// [`matvec_id`] with a fused input stage (plain or silu·mul; the norm is not offered here) and a
+/// launch shape (None: the default; others for tuning runs).
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_id_with(
     gpu: &Gpu,
@@ -702,11 +699,77 @@ pub fn matvec_id_with(
     ids: ExpertIds<'_>,
     input: MoeInput,
     pre: MatvecInput<'_>,
+    shape: Option<MatvecShape>,
 ) -> Result<()> {
-    expert_matvec(gpu, rec, w, x, y, ids, input, pre, None)
+    let call = ExpertCall {
+        pre,
+        shape,
+        ..ExpertCall::new(input)
+    };
+    expert_matvec(gpu, rec, w, x, y, ids, &call)
 }
 
+/// The MoE's expert products of a decode step and their weighted sum in one dispatch
+/// (matvec.wgsl `SUM`): for each token t, y[:, t] += Σ_s weights[offset + t·n_used + s] ·
+/// W_{e_s} · x[:, t·n_used + s] with e_s = ids[offset + t·n_used + s] (`weights` laid out like the
+/// ids), x read through `pre` (plain or silu·mul). One workgroup walks all of a token's picks for
+/// its rows, so the sum needs no kernel and no per-pick output of its own; a row's sum is the same
+/// whatever the other tokens of the batch. `shape` None is the default launch shape.
 #[allow(clippy::too_many_arguments)]
+pub fn matvec_id_sum(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ids: ExpertIds<'_>,
+    weights: &GpuBuffer,
+    pre: MatvecInput<'_>,
+    shape: Option<MatvecShape>,
+) -> Result<()> {
+    let call = ExpertCall {
+        pre,
+        sum: Some(weights),
+        shape,
+        ..ExpertCall::new(MoeInput::PerSlot)
+    };
+    expert_matvec(gpu, rec, w, x, y, ids, &call)
+}
+
+/// How one expert mat-vec dispatch reads and writes: the activation columns, the fused input stage,
+/// routing inside the kernel, the weighted sum over picks (`sum`: the routing weights) and the
+/// launch shape (None: the default).
+struct ExpertCall<'a> {
+    input: MoeInput,
+    pre: MatvecInput<'a>,
+    route: Option<&'a MoeRoute<'a>>,
+    sum: Option<&'a GpuBuffer>,
+    shape: Option<MatvecShape>,
+}
+
+impl ExpertCall<'_> {
+    fn new(input: MoeInput) -> Self {
+        ExpertCall {
+            input,
+            pre: MatvecInput::Plain,
+            route: None,
+            sum: None,
+            shape: None,
+        }
+    }
+}
+
+/// The default launch shape of the weighted-sum expert product ([`matvec_id_sum`]): its steps are
+/// picks × K long, so a workgroup spreads them over 128 invocations (2 rows each) instead of
+/// walking them; a token's 2048 rows then give 1024 workgroups.
+pub fn expert_sum_shape(ty: GgmlType) -> MatvecShape {
+    MatvecShape {
+        rows: 2,
+        wg: 128,
+        unroll: MatvecShape::default_for(ty, 1).unroll,
+    }
+}
+
 fn expert_matvec(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -714,10 +777,9 @@ fn expert_matvec(
     x: Columns<'_>,
     y: Columns<'_>,
     ids: ExpertIds<'_>,
-    input: MoeInput,
-    pre: MatvecInput<'_>,
-    route: Option<&MoeRoute<'_>>,
+    call: &ExpertCall<'_>,
 ) -> Result<()> {
+    let pre = call.pre;
     let fusion = MatvecFusion {
         input: pre,
         output: MatvecOutput::Store,
@@ -738,13 +800,30 @@ fn expert_matvec(
         n_used,
         n_tokens,
     } = ids;
-    let (x_col_token, x_col_slot) = check_moe(w, &x, &y, n_used, n_tokens, input, x_len)?;
     let slots = u64::from(n_used) * u64::from(n_tokens);
+    let (x_col_token, x_col_slot) = match call.sum {
+        // One output column per token.
+        Some(_) => {
+            if call.route.is_some() || call.input != MoeInput::PerSlot {
+                return Err(QkError::Engine(format!(
+                    "{}: a weighted-sum expert product reads per-pick columns and is not routed",
+                    w.name
+                )));
+            }
+            check_columns(&w.name, &x, x_len, slots, true)?;
+            check_columns(&w.name, &y, w.rows, u64::from(n_tokens), false)?;
+            (n_used, 1)
+        }
+        None => check_moe(w, &x, &y, n_used, n_tokens, call.input, x_len)?,
+    };
     if (u64::from(ids_offset) + slots) * 4 > ids.size {
         return Err(QkError::Engine(format!(
             "{}: ids buffer holds fewer than {slots} ids",
             w.name
         )));
+    }
+    if let Some(sw) = call.sum {
+        require_len("routing weights", sw, u64::from(ids_offset) + slots)?;
     }
     let max = gpu.caps.max_workgroups_per_dim;
     if n_used > max || n_tokens > max {
@@ -753,12 +832,25 @@ fn expert_matvec(
             w.name
         )));
     }
-    // Expert products keep the tuned shape: with one row per workgroup a step of 8 slots launched
-    // ~90 k workgroups of one step each and ran at half the rate (H200, 2026-12-01).
-    let shape = MatvecShape::default_for(w.ty, 1).clamped();
+    // Per-pick expert products keep the tuned shape: with one row per workgroup a step of 8 slots
+    // launched ~90 k workgroups of one step each and ran at half the rate (H200, 2026-12-01).
+    let shape = call
+        .shape
+        .unwrap_or_else(|| match call.sum {
+            Some(_) => expert_sum_shape(w.ty),
+            None => MatvecShape::default_for(w.ty, 1),
+        })
+        .clamped();
     let mut extra = Vec::new();
     let mut route_params = [0u32; 4];
-    if let Some(r) = route {
+    if call.sum.is_some() {
+        extra = vec![
+            ("SUM", "1".to_string()),
+            ("EPI", "accumulate".to_string()),
+            ("B_SW", "4".to_string()),
+        ];
+    }
+    if let Some(r) = call.route {
         let sg = route_lanes(gpu, r.experts).ok_or_else(|| {
             QkError::Engine(format!("{}: this device cannot route inside a kernel", w.name))
         })?;
@@ -784,6 +876,8 @@ fn expert_matvec(
         route_params = [r.offset, r.stride, r.experts, u32::from(r.shared)];
     }
     let pipe = matvec_pipeline_with(gpu, w.ty, 1, true, shape, &fusion, &extra)?;
+    // Picks past the grid's y axis are walked inside the workgroup with SUM.
+    let grid_slots = if call.sum.is_some() { 1 } else { n_used };
     for (win, expert_first, expert_count) in expert_windows(w)? {
         let mut p = MatvecParams {
             k: as_u32(w.cols, "K")?,
@@ -806,14 +900,17 @@ fn expert_matvec(
         [p.route_logits, p.route_stride, p.route_experts, p.route_shared] = route_params;
         let groups = as_u32(w.rows.div_ceil(u64::from(shape.rows)), "workgroups")?;
         let mut bindings = vec![win.buffer.all(), x.buf.all(), y.buf.all(), ids.all()];
-        if let Some(r) = route {
+        if let Some(r) = call.route {
             bindings.extend([r.weights.all(), r.logits.all()]);
+        }
+        if let Some(sw) = call.sum {
+            bindings.push(sw.all());
         }
         rec.dispatch(
             &pipe,
             &bindings,
             bytemuck::bytes_of(&p),
-            [groups, n_used, n_tokens],
+            [groups, grid_slots, n_tokens],
         )?;
     }
     Ok(())

@@ -1,6 +1,7 @@
 //! The decode step's fused mat-vec stages against CPU references: the RMSNorm folded into the
 //! product (and the stored normalised input), the residual add, the GDN conv epilogue with its slot
-//! states, and the silu·mul input of the expert down projection.
+//! states, the silu·mul input of the expert down projection, and the expert products summed over a
+//! token's picks into the residual stream.
 //!
 //! Tolerance: the GPU computes the same f32 products as the reference in another order, so the NMSE
 //! bound of the plain mat-vec tests (1e-9) applies; the norm adds one f32 rounding per input.
@@ -9,7 +10,8 @@ use qk::gguf::GgmlType;
 use qk::gguf::dequant::dequantize;
 use qk::gpu::{Gpu, GpuBuffer, WeightTensor};
 use qk::ops::matmul::{
-    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecOutput, MoeInput, matvec_fused, matvec_id_with,
+    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecOutput, MatvecShape, MoeInput, matvec_fused,
+    matvec_id_sum, matvec_id_with,
 };
 
 use crate::gpu_tests::test_gpu;
@@ -46,6 +48,16 @@ fn dot(w: &[f32], x: &[f64]) -> f64 {
 
 fn read(gpu: &Gpu, buf: &GpuBuffer, n: usize) -> Vec<f32> {
     gpu.read_f32(buf, 0, n).expect("read")
+}
+
+/// silu(gate) · up of one gate ‖ up column (2k floats), in f64.
+fn silu_mul_column(row: &[f32], k: usize) -> Vec<f64> {
+    (0..k)
+        .map(|i| {
+            let g = f64::from(row[i]);
+            g / (1.0 + (-g).exp()) * f64::from(row[k + i])
+        })
+        .collect()
 }
 
 /// RMSNorm of each column (f64), as the fused stage defines it.
@@ -240,23 +252,107 @@ fn expert_down_reads_silu_of_gate_times_up() {
         },
         MoeInput::PerSlot,
         MatvecInput::SiluMul { up: k as u32 },
+        None,
     )
     .unwrap();
     rec.submit().unwrap();
     let mut want = Vec::new();
     for (col, &e) in ids.iter().enumerate() {
-        let row = &gu[col * 2 * k..(col + 1) * 2 * k];
-        let act: Vec<f64> = (0..k)
-            .map(|i| {
-                let g = f64::from(row[i]);
-                g / (1.0 + (-g).exp()) * f64::from(row[k + i])
-            })
-            .collect();
+        let act = silu_mul_column(&gu[col * 2 * k..(col + 1) * 2 * k], k);
         let we = &dense[e as usize * m * k..(e as usize + 1) * m * k];
         want.extend((0..m).map(|r| dot(&we[r * k..(r + 1) * k], &act)));
     }
     let e = nmse(&read(gpu, &yb, m * n_used * tokens), &want);
     assert!(e < NMSE_MAX, "NMSE {e:e}");
+}
+
+#[test]
+fn expert_sum_adds_every_picks_weighted_product_to_the_residual() {
+    let Some(gpu) = test_gpu(false) else { return };
+    // 37 output rows (a partial last row group), K = 512 ff, 4 experts, 3 picks per token over 3
+    // tokens; token 1's second pick is an id outside the stack, which must contribute nothing.
+    let (m, k, experts, n_used, tokens) = (37usize, 512usize, 4usize, 3usize, 3usize);
+    let ids = [3u32, 0, 1, 2, 9, 0, 1, 1, 3];
+    let weights = [0.5f32, 0.25, 1.5, -0.75, 2.0, 0.125, 1.0, 0.5, -1.25];
+    let shapes = [
+        None,
+        Some(MatvecShape {
+            rows: 1,
+            wg: 32,
+            unroll: 1,
+        }),
+        // Two live steps per loop iteration that fall in different picks.
+        Some(MatvecShape {
+            rows: 8,
+            wg: 64,
+            unroll: 2,
+        }),
+        Some(MatvecShape {
+            rows: 4,
+            wg: 256,
+            unroll: 2,
+        }),
+    ];
+    for (i, ty) in [
+        GgmlType::IQ4XS,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+        GgmlType::Q5K,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (w, dense) = upload(gpu, ty, m, k, experts, 40 + i as u64);
+        let gu = floats(2 * k * n_used * tokens, 41 + i as u64, 2.0);
+        let res = floats(m * tokens, 42, 3.0);
+        let gub = gpu.buffer_from_f32("gate_up", &gu).unwrap();
+        let idb = gpu.buffer_from_u32("ids", &ids).unwrap();
+        let wb = gpu.buffer_from_f32("weights", &weights).unwrap();
+        let mut want: Vec<f64> = res.iter().map(|&v| f64::from(v)).collect();
+        for (slot, (&e, &wt)) in ids.iter().zip(&weights).enumerate() {
+            if e as usize >= experts {
+                continue;
+            }
+            let act = silu_mul_column(&gu[slot * 2 * k..(slot + 1) * 2 * k], k);
+            let we = &dense[e as usize * m * k..(e as usize + 1) * m * k];
+            let t = slot / n_used;
+            for r in 0..m {
+                want[t * m + r] += f64::from(wt) * dot(&we[r * k..(r + 1) * k], &act);
+            }
+        }
+        for shape in shapes {
+            let run = |first: usize, count: usize| {
+                let yb = gpu
+                    .buffer_from_f32("y", &res[first * m..(first + count) * m])
+                    .unwrap();
+                let mut rec = gpu.recorder();
+                let (gc, yc) = (
+                    Columns::packed(&gub, 2 * k as u32),
+                    Columns::packed(&yb, m as u32),
+                );
+                let ids = ExpertIds {
+                    buf: &idb,
+                    offset: (first * n_used) as u32,
+                    n_used: n_used as u32,
+                    n_tokens: count as u32,
+                };
+                let gc = Columns {
+                    offset: gc.offset + (first * n_used * 2 * k) as u32,
+                    ..gc
+                };
+                let silu_mul = MatvecInput::SiluMul { up: k as u32 };
+                matvec_id_sum(gpu, &mut rec, &w, gc, yc, ids, &wb, silu_mul, shape).unwrap();
+                rec.submit().unwrap();
+                read(gpu, &yb, count * m)
+            };
+            let got = run(0, tokens);
+            let e = nmse(&got, &want);
+            assert!(e < NMSE_MAX, "{ty} {shape:?}: NMSE {e:e}");
+            // A token's sum does not depend on the batch around it.
+            assert_eq!(run(1, 1), got[m..2 * m], "{ty} {shape:?}: token 1 alone");
+        }
+    }
 }
 
 #[test]
