@@ -219,7 +219,16 @@ impl Scratch {
     ) -> Result<Scratch> {
         let mut bytes = 0u64;
         let mut buf = |name: &str, floats: u64| -> Result<GpuBuffer> {
-            let b = gpu.buffer_zeroed(name, floats.max(1) * 4)?;
+            // Every scratch buffer is bound whole, so none may outgrow a binding (lavapipe: 128 MiB).
+            let size = floats.max(1) * 4;
+            if size > gpu.caps.max_binding_size {
+                return Err(QkError::OutOfMemory(format!(
+                    "scratch {name} for {rows}-row prefill pieces needs {size} bytes, more than the \
+                     device's largest binding ({} bytes): use smaller prefill_rows",
+                    gpu.caps.max_binding_size
+                )));
+            }
+            let b = gpu.buffer_zeroed(name, size)?;
             bytes += b.size;
             Ok(b)
         };
