@@ -46,6 +46,8 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1
 #variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 ACC=f16
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 TK=64 KK=4
+#variants QTYPE=iq4_xs TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1
+#variants QTYPE=q8_0 TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1 ACC=f16 TK=64 KK=4
 #variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4
 #variants QTYPE=q4_1
 #variants QTYPE=q5_0
