@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-# The engine's prefill piece (rust/engine.rs PREFILL_PIECE): positions per recorded submit.
+# The engine's smallest default prefill piece (rust/engine.rs PREFILL_PIECE): positions per recorded
+# submit; an engine reports its own in info()["prefill_rows"].
 PIECE = 512
 
 
@@ -118,7 +119,7 @@ def piece_shapes(n: int, piece: int = PIECE) -> list[int]:
 def warm_up_prefill(eng, tokens: list[int], n: int) -> None:
     """Run each piece shape of an n-token prefill once, from position 0 (each call cuts into the
     same pieces as that part of the timed run)."""
-    for length in piece_shapes(n):
+    for length in piece_shapes(n, eng.info()["prefill_rows"]):
         eng.stage_run(0, tokens[:length], 0)
 
 
@@ -214,6 +215,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--device", default=None)
     ap.add_argument("--precise", action="store_true", help="f32 everywhere (the reference gates' setting)")
+    ap.add_argument(
+        "--prefill-rows", type=int, default=None, help="positions per prefill piece (default: the engine's)"
+    )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -221,7 +225,9 @@ def main() -> None:
     import qk
 
     t0 = time.perf_counter()
-    eng = qk.Engine(a.model, slots=a.slots, ctx=a.ctx, device=a.device, precise=a.precise)
+    eng = qk.Engine(
+        a.model, slots=a.slots, ctx=a.ctx, device=a.device, precise=a.precise, prefill_rows=a.prefill_rows
+    )
     load_s = time.perf_counter() - t0
     info = eng.info()
     vocab = int(info.get("vocab", 1000))
@@ -302,6 +308,7 @@ def main() -> None:
         "decode_at_depth": depth,
         "long_prefill": long,
         "slots": a.slots,
+        "prefill_rows": info["prefill_rows"],
         "multi_slot_aggregate_tok_s": round(a.slots / multi_s, 1),
         "multi_slot_chained_tok_s": round(a.slots / multi_chained_s, 1),
         "scheduler_aggregate_tok_s": through_scheduler,
@@ -311,7 +318,7 @@ def main() -> None:
         # Prefill pieces on slot 0 from position 0: a full engine piece (what a long prompt is made
         # of) and one 64-token DeltaNet chunk; each profiled call runs once unprofiled first, so the
         # profile holds no pipeline compilation.
-        for n in sorted({min(PIECE, len(tokens)), min(64, len(tokens))}, reverse=True):
+        for n in sorted({min(info["prefill_rows"], len(tokens)), min(64, len(tokens))}, reverse=True):
             eng.stage_run(0, tokens[:n], 0)
             prof = eng.profile_stage_run(0, tokens[:n], 0)
             profiles.append(print_profile(prof, f"prefill piece: {n} tokens", a.top))

@@ -742,12 +742,13 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
 }
 
 /// The MoE of one layer for a prefill piece at the Qwen3-Next-80B shape (512 experts, 10 used,
-/// ff 512, n_embd 2048, IQ4_XS) over 64 tokens (most experts get one or two columns) and 512 (about
-/// ten each): the grouping kernel, then gate+up (2·ff rows) and down by the grouped mat-mat per
-/// kernel (tiled f32, cooperative with K steps 32 and 64), against the per-token mat-vec by ids.
+/// ff 512, n_embd 2048, IQ4_XS) over 64 tokens (most experts get one or two columns), 512 (about
+/// ten each) and 2048 (about forty): the grouping kernel, then gate+up (2·ff rows) and down by the
+/// grouped mat-mat per kernel (tiled f32, cooperative 16 and 64 columns wide with K steps 32 and
+/// 64), against the per-token mat-vec by ids.
 /// TFLOP/s counts the routed products only; GB/s the weights of the experts the piece hits.
 fn moe_prefill(gpu: &Gpu, rng: &mut Rng) {
-    let pieces: &[u32] = if smoke() { &[40] } else { &[64, 512] };
+    let pieces: &[u32] = if smoke() { &[40] } else { &[64, 512, 2048] };
     for &tokens in pieces {
         moe_piece(gpu, rng, tokens);
     }
@@ -780,6 +781,7 @@ fn moe_piece(gpu: &Gpu, rng: &mut Rng, tokens: u32) {
         experts,
         n_used,
         n_tokens: tokens,
+        tile_cols: qk::ops::matmul::MOE_TILE_COLS,
     };
     let gb = gpu.buffer_zeroed("groups", shape.words() * 4).expect("groups");
     let groups = ExpertGroups { buf: &gb, shape };
@@ -810,8 +812,17 @@ fn moe_piece(gpu: &Gpu, rng: &mut Rng, tokens: u32) {
     });
     println!("moe grouping ({entries} entries): {:>9.1} µs", t * 1e6);
     let mut kernels = vec![MatmulKernel::Tiled];
-    kernels.extend(coop_kernels(gpu, &[CoopTile::MOE]));
+    kernels.extend(coop_kernels(gpu, &[CoopTile::MOE, CoopTile::MOE_WIDE]));
     let run = |rec: &mut Recorder<'_>, kernel: MatmulKernel| {
+        // Each kernel reads groups cut to its own tile width.
+        let tile_cols = match kernel {
+            MatmulKernel::Coop(t) => t.cols,
+            MatmulKernel::Tiled => qk::ops::matmul::MOE_TILE_COLS,
+        };
+        let groups = ExpertGroups {
+            buf: &gb,
+            shape: GroupShape { tile_cols, ..shape },
+        };
         group_experts(gpu, rec, ids_arg, groups).expect("group");
         let gu_y = Columns::packed(&y_gu, 2 * ff);
         matmul_id(

@@ -2,9 +2,10 @@
 //! state each), `stage_run` for positions of one slot, `step` for one decode position of several
 //! slots in one pass, state snapshots, and counters. No I/O beyond loading, no Python.
 //!
-//! Prefill is cut internally into pieces of up to 512 positions at absolute multiples of 64 (the
-//! DeltaNet chunk; `piece_len`), so a prompt gives the same bytes however it is cut into calls at
-//! multiples of 64; each piece is one recorded command sequence, one submit and one readback.
+//! Prefill is cut internally into pieces of up to `prefill_rows` positions (512 or 2048 by default)
+//! at absolute multiples of 64 (the DeltaNet chunk; `piece_len`), so a prompt gives the same bytes
+//! however it is cut into calls at multiples of 64 and whatever the piece size; each piece is one
+//! recorded command sequence, one submit and one readback.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -222,10 +223,19 @@ fn add_dispatch(o: &mut OpProfile, kernel: &str, gpu_ns: Option<f64>) {
     }
 }
 
-/// Positions per prefill piece (one recorded submit): enough columns for the mat-mats to fill the
-/// GPU and to amortise each weight read, and a multiple of the DeltaNet chunk. The scratch holds
-/// this many rows (its size is in [`Engine::memory`] and the load line).
+/// Positions per prefill piece (one recorded submit) where the engine does not choose a larger one:
+/// enough columns for the dense mat-mats to fill a GPU and to amortise each weight read, and a
+/// multiple of the DeltaNet chunk. The scratch holds this many rows (its size is in
+/// [`Engine::memory`] and the load line).
 pub const PREFILL_PIECE: u32 = 512;
+
+/// The default piece on a discrete GPU: a 512-row piece gives each of 512 experts only ~10 of its
+/// entries, so the grouped MoE products dequantise every expert weight for a handful of columns;
+/// at 2048 rows each expert has ~40 and a wide MoE tile reads its weights once for all of them.
+/// The scratch grows with the piece (about 4× the 512-row one), so it is the default only where
+/// the device is a discrete GPU and every scratch buffer fits its bindings and its memory; an
+/// engine that must keep the scratch small passes `prefill_rows` explicitly.
+pub const PREFILL_PIECE_LARGE: u32 = 2048;
 
 /// Rows of logits the LM head computes at once within a prefill piece: a Qwen vocabulary makes a
 /// row 0.6 MB, so a whole 512-row piece would need 311 MB (and more than lavapipe's 128 MiB
@@ -265,6 +275,10 @@ pub struct EngineOptions {
     /// KV cache element types; None: f16, or f32 with `precise` (see [`EngineOptions::kv_types`]).
     pub cache_type_k: Option<KvType>,
     pub cache_type_v: Option<KvType>,
+    /// Positions per prefill piece (a multiple of 64, the DeltaNet chunk); None: the engine's
+    /// choice ([`PREFILL_PIECE_LARGE`] where it fits, else [`PREFILL_PIECE`]). Results do not
+    /// depend on it; the scratch and the prefill speed do.
+    pub prefill_rows: Option<u32>,
 }
 
 impl EngineOptions {
@@ -284,6 +298,8 @@ pub struct Engine {
     pub layers: (u32, u32),
     slots: Vec<SlotState>,
     scratch: Scratch,
+    /// Most positions per prefill piece (`EngineOptions::prefill_rows`, a multiple of 64).
+    prefill_rows: u32,
     snapshots: HashMap<u64, Snapshot>,
     last_step: Option<StepTiming>,
     kv_types: (KvType, KvType),
@@ -372,6 +388,14 @@ impl Engine {
             QkError::Engine("slots must be at least 1".into())
         );
         crate::ensure!(opts.ctx >= 1, QkError::Engine("ctx must be at least 1".into()));
+        if let Some(rows) = opts.prefill_rows {
+            crate::ensure!(
+                rows >= CHUNK && rows.is_multiple_of(CHUNK),
+                QkError::Engine(format!(
+                    "prefill_rows must be a positive multiple of {CHUNK} (the DeltaNet chunk), not {rows}"
+                ))
+            );
+        }
         let (k_type, v_type) = opts.kv_types();
         let shape = attn_shape(&cfg, opts.ctx, k_type, v_type);
         shape.validate()?;
@@ -395,19 +419,29 @@ impl Engine {
         let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
         let slots = SlotState::new_all(&gpu, &cfg, &weights.layers, shape, opts.slots)?;
         let has_head = weights.output.is_some();
-        let rows = PREFILL_PIECE.max(opts.slots);
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
         );
-        let scratch = Scratch::new(
-            &gpu,
-            &cfg,
-            rows,
-            HEAD_ROWS.max(opts.slots),
-            opts.slots,
-            has_head,
-            legacy,
-        )?;
+        let scratch_for = |piece: u32| {
+            Scratch::new(
+                &gpu,
+                &cfg,
+                piece.max(opts.slots),
+                HEAD_ROWS.max(opts.slots),
+                opts.slots,
+                has_head,
+                legacy,
+            )
+        };
+        let (prefill_rows, scratch) = match opts.prefill_rows {
+            Some(piece) => (piece, scratch_for(piece)?),
+            None if gpu.adapter.device_type == "DiscreteGpu" => match scratch_for(PREFILL_PIECE_LARGE) {
+                Ok(s) => (PREFILL_PIECE_LARGE, s),
+                Err(QkError::OutOfMemory(_)) => (PREFILL_PIECE, scratch_for(PREFILL_PIECE)?),
+                Err(e) => return Err(e),
+            },
+            None => (PREFILL_PIECE, scratch_for(PREFILL_PIECE)?),
+        };
         let engine = Engine {
             gpu,
             model: Model {
@@ -425,6 +459,7 @@ impl Engine {
             layers,
             slots,
             scratch,
+            prefill_rows,
             snapshots: HashMap::new(),
             last_step: None,
             ahead: None,
@@ -453,6 +488,11 @@ impl Engine {
 
     pub fn ctx(&self) -> u32 {
         self.model.ctx
+    }
+
+    /// Most positions per prefill piece (one submit each).
+    pub fn prefill_rows(&self) -> u32 {
+        self.prefill_rows
     }
 
     pub fn n_slots(&self) -> usize {
@@ -597,7 +637,7 @@ impl Engine {
     }
 
     /// [`Engine::stage_run`] profiled like [`Engine::profile_step`]: the dispatches of every
-    /// prefill piece (one submit per piece of at most [`PREFILL_PIECE`] rows) in one profile, host
+    /// prefill piece (one submit per piece of at most [`Engine::prefill_rows`] rows) in one profile, host
     /// times summed over the pieces.
     pub fn profile_stage_run(
         &mut self,
@@ -684,7 +724,7 @@ impl Engine {
         let mut logits = Vec::new();
         let mut done = 0usize;
         // Logits are read back whole, so a call that wants them runs one head group per piece.
-        let max = if want_logits { HEAD_ROWS } else { PREFILL_PIECE }.min(self.scratch.rows / CHUNK * CHUNK);
+        let max = if want_logits { HEAD_ROWS } else { self.prefill_rows };
         while done < n {
             let pos = base + done as u32;
             let (gpu, precision) = (&self.gpu, self.model.precision);

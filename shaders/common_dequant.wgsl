@@ -140,16 +140,21 @@ fn dq8_iq4_nl(row: u32, g: u32) -> W8 {
 }
 
 // IQ4_XS: 136-byte blocks {f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]} of 8 sub-blocks of 32.
+// The scale of sub-block ib of the block at byte blk: d · (6-bit scale − 32).
+fn iq4_xs_scale(blk: u32, ib: u32) -> f32 {
+    let d = w_f16_at(blk);
+    let sh = w_u16_at(blk + 2u);
+    let sl = w_u8_at(blk + 4u + (ib >> 1u));
+    let ls = ((sl >> (4u * (ib & 1u))) & 15u) | (((sh >> (2u * ib)) & 3u) << 4u);
+    return d * (f32(ls) - 32.0);
+}
+
 fn dq8_iq4_xs(row: u32, g: u32) -> W8 {
     let blk = row + 136u * (g >> 5u);
     let j = (g & 31u) * 8u;
     let ib = j >> 5u;
     let t = j & 31u;
-    let d = w_f16_at(blk);
-    let sh = w_u16_at(blk + 2u);
-    let sl = w_u8_at(blk + 4u + (ib >> 1u));
-    let ls = ((sl >> (4u * (ib & 1u))) & 15u) | (((sh >> (2u * ib)) & 3u) << 4u);
-    let dl = d * (f32(ls) - 32.0);
+    let dl = iq4_xs_scale(blk, ib);
     let q = blk + 8u + 16u * ib + (t & 15u);
     let high = t >= 16u;
     return W8(dl * kv_iq4nl4(nibbles4(w_u32_al(q), high)), dl * kv_iq4nl4(nibbles4(w_u32_al(q + 4u), high)));

@@ -46,6 +46,8 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1
 #variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 ACC=f16
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 TK=64 KK=4
+#variants QTYPE=iq4_xs TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1
+#variants QTYPE=q8_0 TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1 ACC=f16 TK=64 KK=4
 #variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4
 #variants QTYPE=q4_1
 #variants QTYPE=q5_0
@@ -78,10 +80,42 @@ var<workgroup> x_tile: array<f16, {{TN}} * ({{TK}} + 8)>; // TN × LD, column n 
 // One 16×16 accumulator per subgroup on its way out, column-major, so edge tiles clip per element.
 var<workgroup> c_stage: array<{{ACC}}, {{SGS}} * 256>;
 
+#if QTYPE == iq4_xs
+// 32-weight sub-blocks per row and K step.
+const WS32 = {{TK}}u / 32u;
+// kvalues_iq4nl as f32: one shared load per weight where dq8_iq4_xs runs a select chain.
+var<workgroup> iq4_table: array<f32, 16>;
+
+// Sub-block s (32 weights) of the IQ4_XS row at byte `row` into w_tile from `at`, with the values
+// and f32 products of dq8_iq4_xs (so the same f16s) but its scale decoded once per 32 weights, not
+// once per 8: weight i < 16 is the low nibble of quant byte i, weight 16 + i its high nibble.
+fn fill_iq4_xs(row: u32, s: u32, at: u32) {
+    let blk = row + 136u * (s >> 3u);
+    let ib = s & 7u;
+    let dl = iq4_xs_scale(blk, ib);
+    let q = blk + 8u + 16u * ib;
+#for i in 0..4
+    {
+        let w = w_u32_al(q + 4u * {{i}}u);
+#for b in 0..4
+        w_tile[at + 4u * {{i}}u + {{b}}u] = f16(dl * iq4_table[(w >> (8u * {{b}}u)) & 15u]);
+        w_tile[at + 16u + 4u * {{i}}u + {{b}}u] = f16(dl * iq4_table[(w >> (8u * {{b}}u + 4u)) & 15u]);
+#endfor
+    }
+#endfor
+}
+#endif
+
 @compute @workgroup_size({{SGS}} * {{SG}})
 fn main(ids: ComputeIds) {
     let m0 = ids.wid.x * {{TM}}u;
     let t = ids.lid;
+#if QTYPE == iq4_xs
+    if t < 16u {
+        iq4_table[t] = kv_iq4nl4(vec4<u32>(t)).x;
+    }
+    workgroupBarrier();
+#endif
     col_tile_read(t, ids.wid.y, {{TN}}u);
     let tile = col_tile();
     // Not an early return: naga wants cooperative-matrix operations in control flow that no
@@ -115,6 +149,22 @@ fn main(ids: ComputeIds) {
 #endfor
         let kr = k_range(ids.wid.z);
         for (var k0 = kr.x; k0 < kr.y; k0 += {{TK}}u) {
+#if QTYPE == iq4_xs
+            // W: TM rows × WS32 sub-blocks, one per invocation (K is a multiple of 256 for IQ4_XS,
+            // so a sub-block is all in or all out, as dq8's groups of 8 would be).
+            for (var e = t; e < {{TM}}u * WS32; e += THREADS) {
+                let row = e / WS32;
+                let sub = e % WS32;
+                let at = row * LD + 32u * sub;
+                if m0 + row < P.rows && k0 + 32u * sub < P.k {
+                    fill_iq4_xs(tile.w_base + (m0 + row) * P.row_bytes, k0 / 32u + sub, at);
+                } else {
+                    for (var i = 0u; i < 32u; i++) {
+                        w_tile[at + i] = f16(0.0);
+                    }
+                }
+            }
+#else
             // W: TM rows × WG8 groups of 8 weights; neighbouring invocations take neighbouring groups.
             for (var e = t; e < {{TM}}u * WG8; e += THREADS) {
                 let row = e / WG8;
@@ -130,6 +180,7 @@ fn main(ids: ComputeIds) {
                 w_tile[at + 4u + {{i}}u] = f16(w.b[{{i}}]);
 #endfor
             }
+#endif
             // X: TN columns × XK4 vec4 of K.
             for (var h = 0u; h < XH; h++) {
                 let e = t + THREADS * h;

@@ -106,6 +106,22 @@ def test_long_prompt_pieces_equal_chunk_calls():
     assert (ids, top) == whole
 
 
+def test_prefill_rows_change_pieces_not_bytes():
+    """An engine given 128-row prefill pieces cuts 530 positions into 4 pieces + 18 rows where the
+    default engine runs 1 piece (512 or 2048 rows) + 18: same ids and top-k (on tensor cores the MoE
+    tiles differ in width between them)."""
+    qk = _qk()
+    name = "tiny-qwen35moe-iq4_xs"
+    eng = engine(name, ctx=576)
+    assert eng.info()["prefill_rows"] in (512, 2048)
+    small = qk.Engine(str(FIXTURES / f"{name}.gguf"), slots=1, ctx=576, prefill_rows=128)
+    assert small.info()["prefill_rows"] == 128
+    p = [(i * 37 + 11) % 456 for i in range(530)]
+    assert small.stage_run(0, p, 0, topk=8) == eng.stage_run(0, p, 0, topk=8)
+    with pytest.raises(qk.EngineError, match="multiple of 64"):
+        qk.Engine(str(FIXTURES / f"{name}.gguf"), slots=1, ctx=576, prefill_rows=96)
+
+
 @pytest.mark.oracle
 @pytest.mark.slow
 def test_llama_cpp_nmse_is_the_table():

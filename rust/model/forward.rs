@@ -20,8 +20,8 @@ use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::embed::{Ids, embed};
 use crate::ops::matmul::{
-    self, ColumnClass, Columns, ExpertGroups, ExpertIds, GroupShape, MoeInput, Precision, column_class,
-    group_experts, mul_id,
+    self, ColumnClass, Columns, ExpertGroups, ExpertIds, GroupShape, MOE_TILE_COLS, MoeInput, Precision,
+    column_class, group_experts, moe_tile_cols, mul_id,
 };
 use crate::ops::norm::{self, NormArgs, NormKind, NormParams, RowLayout};
 use crate::ops::router::{self, RouterParams};
@@ -219,7 +219,16 @@ impl Scratch {
     ) -> Result<Scratch> {
         let mut bytes = 0u64;
         let mut buf = |name: &str, floats: u64| -> Result<GpuBuffer> {
-            let b = gpu.buffer_zeroed(name, floats.max(1) * 4)?;
+            // Every scratch buffer is bound whole, so none may outgrow a binding (lavapipe: 128 MiB).
+            let size = floats.max(1) * 4;
+            if size > gpu.caps.max_binding_size {
+                return Err(QkError::OutOfMemory(format!(
+                    "scratch {name} for {rows}-row prefill pieces needs {size} bytes, more than the \
+                     device's largest binding ({} bytes): use smaller prefill_rows",
+                    gpu.caps.max_binding_size
+                )));
+            }
+            let b = gpu.buffer_zeroed(name, size)?;
             bytes += b.size;
             Ok(b)
         };
@@ -276,6 +285,7 @@ impl Scratch {
                     experts: cfg.experts,
                     n_used: cfg.experts_used,
                     n_tokens: rows,
+                    tile_cols: MOE_TILE_COLS,
                 }
                 .words(),
             )?,
@@ -924,13 +934,18 @@ impl Model {
             n_tokens: t,
         };
         // Beyond the mat-vec's columns the batch's entries are grouped by expert once, for the
-        // grouped mat-mats of gate/up and down.
+        // grouped mat-mats of gate/up and down, in tiles as wide as all of them take.
+        let stack_types = match &w.gate_up {
+            ExpertGateUp::Separate { gate, up } => [gate.ty, up.ty, w.down.ty],
+            ExpertGateUp::Fused(gu) => [gu.ty, gu.ty, w.down.ty],
+        };
         let groups = ExpertGroups {
             buf: &s.expert_groups,
             shape: GroupShape {
                 experts: cfg.experts,
                 n_used: k,
                 n_tokens: t,
+                tile_cols: moe_tile_cols(gpu, self.precision, &stack_types, cfg.experts, k, t),
             },
         };
         if column_class(gpu, self.precision, t) != ColumnClass::MatVec {

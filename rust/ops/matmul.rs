@@ -967,6 +967,10 @@ impl CoopTile {
     /// The grouped MoE product: one 16-wide column of the expert's entries (a few per expert in a
     /// prefill piece), 4 subgroups of 32×16.
     pub const MOE: CoopTile = CoopTile::new(128, MOE_TILE_COLS, 32, 16, MOE_K_STEP);
+    /// The grouped MoE product for pieces that give each expert more entries than MOE holds (a
+    /// 2048-row piece of the 80B model: ~40 each): 64 of them per tile, so each expert weight is
+    /// dequantised once rather than once per 16; 4 subgroups of 64×32.
+    pub const MOE_WIDE: CoopTile = CoopTile::new(128, MOE_WIDE_TILE_COLS, 64, 32, MOE_K_STEP);
     /// The dense tiles, largest first.
     pub const DENSE: [CoopTile; 3] = [CoopTile::SQUARE_128, CoopTile::RECT_128X64, CoopTile::SQUARE_64];
 
@@ -975,9 +979,11 @@ impl CoopTile {
         CoopTile::DENSE.iter().any(|t| t.with_k_step(self.k_step) == self)
     }
 
-    /// The MOE tile, whatever its K step.
+    /// One of the MOE tiles, whatever its K step.
     fn is_moe(self) -> bool {
-        CoopTile::MOE.with_k_step(self.k_step) == self
+        [CoopTile::MOE, CoopTile::MOE_WIDE]
+            .iter()
+            .any(|t| t.with_k_step(self.k_step) == self)
     }
 
     pub fn subgroups(self) -> u32 {
@@ -1017,8 +1023,11 @@ pub enum MatmulKernel {
 pub const COOP_MIN_COLS: u32 = 16;
 
 /// Columns per tile of the grouped MoE product (both kernels), and so the tile size
-/// [`group_experts`] cuts each expert's entries into.
+/// [`group_experts`] cuts each expert's entries into unless the batch takes [`MOE_WIDE_TILE_COLS`].
 pub const MOE_TILE_COLS: u32 = 16;
+
+/// Columns per tile of the wide cooperative grouped MoE product ([`CoopTile::MOE_WIDE`]).
+pub const MOE_WIDE_TILE_COLS: u32 = 64;
 
 /// Workgroups a dense product must still give for a larger cooperative tile to be taken: about two
 /// per streaming multiprocessor of the H200 (132), so a larger tile does not leave the GPU half
@@ -1122,9 +1131,39 @@ pub fn matmul_kernel(
     coop_tile_for(gpu, precision, ty, ncols, tile).map_or(MatmulKernel::Tiled, MatmulKernel::Coop)
 }
 
-/// The kernel [`matmul_id`] uses for a grouped product over `n_tokens` tokens of `ty` experts.
-pub fn matmul_id_kernel(gpu: &Gpu, precision: Precision, ty: GgmlType, n_tokens: u32) -> MatmulKernel {
-    coop_tile_for(gpu, precision, ty, n_tokens, CoopTile::MOE).map_or(MatmulKernel::Tiled, MatmulKernel::Coop)
+/// The tile width [`group_experts`] cuts a batch's entries into for the grouped products of expert
+/// stacks of types `tys` over `n_tokens` tokens × `n_used` of `experts`: 64 where every product
+/// runs cooperative tiles and the experts average more entries than a 16-wide tile holds (a narrow
+/// tile would dequantise each expert's weights more than once; not tuned by measurement yet:
+/// benches/kernels.rs prints both tiles), else 16. The tile never changes an output (each column
+/// is the same chain of multiply-adds in any tile), so it may follow the piece size.
+pub fn moe_tile_cols(
+    gpu: &Gpu,
+    precision: Precision,
+    tys: &[GgmlType],
+    experts: u32,
+    n_used: u32,
+    n_tokens: u32,
+) -> u32 {
+    let entries = u64::from(n_used) * u64::from(n_tokens);
+    // The same accumulator type as the narrow tile, or the tile width would change the bytes.
+    let wide = entries > u64::from(MOE_TILE_COLS) * u64::from(experts.max(1))
+        && coop_accumulator(gpu, CoopTile::MOE_WIDE) == coop_accumulator(gpu, CoopTile::MOE)
+        && tys
+            .iter()
+            .all(|&ty| coop_tile_for(gpu, precision, ty, n_tokens, CoopTile::MOE_WIDE).is_some());
+    if wide { MOE_WIDE_TILE_COLS } else { MOE_TILE_COLS }
+}
+
+/// The kernel [`matmul_id`] uses for a grouped product of `ty` experts over a batch grouped as
+/// `shape`: the cooperative tile as wide as the groups' tiles, else f32 tiles (16 wide).
+pub fn matmul_id_kernel(gpu: &Gpu, precision: Precision, ty: GgmlType, shape: GroupShape) -> MatmulKernel {
+    let tile = if shape.tile_cols == MOE_WIDE_TILE_COLS {
+        CoopTile::MOE_WIDE
+    } else {
+        CoopTile::MOE
+    };
+    coop_tile_for(gpu, precision, ty, shape.n_tokens, tile).map_or(MatmulKernel::Tiled, MatmulKernel::Coop)
 }
 
 /// 64-row units × K splits a dense product aims for: about two workgroups per streaming
@@ -1371,12 +1410,15 @@ pub fn matmul_split(
 }
 
 /// The shape of a batch's expert groups: `experts` in the stack, `n_used` per token, `n_tokens`
-/// tokens; where each part sits in the groups buffer (layout in moe_group.wgsl).
+/// tokens, each expert's entries cut into tiles of at most `tile_cols` (the grouped kernel's tile
+/// width: [`moe_tile_cols`]); where each part sits in the groups buffer (layout in moe_group.wgsl).
+/// A buffer sized for [`MOE_TILE_COLS`] holds the groups of any tile width.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GroupShape {
     pub experts: u32,
     pub n_used: u32,
     pub n_tokens: u32,
+    pub tile_cols: u32,
 }
 
 impl GroupShape {
@@ -1384,9 +1426,9 @@ impl GroupShape {
         self.n_used * self.n_tokens
     }
 
-    /// Tiles of at most MOE_TILE_COLS entries: each expert's last tile may be partial.
+    /// Tiles of at most tile_cols entries: each expert's last tile may be partial.
     fn max_tiles(&self) -> u32 {
-        self.entries().div_ceil(MOE_TILE_COLS) + self.experts.min(self.entries())
+        self.entries().div_ceil(self.tile_cols.max(1)) + self.experts.min(self.entries())
     }
 
     fn offsets_at(&self) -> u32 {
@@ -1461,6 +1503,10 @@ pub fn group_experts(
         g.experts >= 1 && g.experts <= super::router::MAX_EXPERTS,
         QkError::Engine(format!("expert groups: {} experts", g.experts))
     );
+    crate::ensure!(
+        [MOE_TILE_COLS, MOE_WIDE_TILE_COLS].contains(&g.tile_cols),
+        QkError::Engine(format!("expert groups: tiles of {} columns", g.tile_cols))
+    );
     let entries = u64::from(g.entries());
     if (u64::from(ids.offset) + entries) * 4 > ids.buf.size {
         return Err(QkError::Engine(format!(
@@ -1474,7 +1520,7 @@ pub fn group_experts(
         n_used: g.n_used,
         experts: g.experts,
         ids_offset: ids.offset,
-        tile_cols: MOE_TILE_COLS,
+        tile_cols: g.tile_cols,
         offsets_at: g.offsets_at(),
         tiles_at: g.tiles_at(),
         order_at: g.order_at(),
@@ -1490,8 +1536,9 @@ pub fn group_experts(
 
 /// Grouped MoE mat-mat: for every token t < n_tokens and slot s < n_used, with e the expert the
 /// router chose there, y[:, t·n_used + s] = W_e · x[:, …] (x column as in [`matvec_id`]) — the
-/// same outputs as [`matvec_id`], but each expert's weights are read once per 16 of its entries
-/// rather than once per entry. `groups` must hold [`group_experts`] of this batch. One dispatch
+/// same outputs as [`matvec_id`], but each expert's weights are read once per tile of its entries
+/// (16 or 64: `groups.shape.tile_cols`, which must be `kernel`'s tile width) rather than once per
+/// entry. `groups` must hold [`group_experts`] of this batch. One dispatch
 /// per binding window of the expert stack.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_id(
@@ -1524,13 +1571,20 @@ pub fn matmul_id(
             w.name
         )));
     }
+    let (tm, tn) = tile_shape(kernel, true);
+    crate::ensure!(
+        tn == g.tile_cols,
+        QkError::Engine(format!(
+            "{}: {kernel:?} is {tn} columns wide, the expert groups' tiles {}",
+            w.name, g.tile_cols
+        ))
+    );
     let max_tiles = g.max_tiles();
     crate::ensure!(
         max_tiles <= gpu.caps.max_workgroups_per_dim,
         QkError::Engine(format!("{}: {max_tiles} column tiles exceed the grid", w.name))
     );
     let pipe = matmul_pipeline(gpu, &w.name, w.ty, kernel, true)?;
-    let (tm, _) = tile_shape(kernel, true);
     for (win, expert_first, expert_count) in expert_windows(w)? {
         let p = MatmulParams {
             k: as_u32(w.cols, "K")?,
@@ -1581,7 +1635,7 @@ pub fn mul_id(
     if column_class(gpu, precision, ids.n_tokens) == ColumnClass::MatVec {
         matvec_id(gpu, rec, w, x, y, ids, input)
     } else {
-        let kernel = matmul_id_kernel(gpu, precision, w.ty, ids.n_tokens);
+        let kernel = matmul_id_kernel(gpu, precision, w.ty, groups.shape);
         matmul_id(gpu, rec, w, x, y, groups, input, kernel)
     }
 }

@@ -19,7 +19,9 @@ use crate::transport::engine_stage::lock_engine;
 /// `ctx` positions each. `precise=True` keeps every product in f32 and the KV cache in f32 (the
 /// float64-reference gates); the default runs prefill mat-mats on tensor cores (f16 inputs) where
 /// the adapter has them and keeps an f16 cache. `cache_type_k` ("f16", "q8_0" or "f32") and
-/// `cache_type_v` ("f16" or "f32") override the cache element types.
+/// `cache_type_v` ("f16" or "f32") override the cache element types. `prefill_rows` (a multiple of
+/// 64) sets the positions per prefill piece; by default 2048 on a discrete GPU where the scratch
+/// fits, else 512. The results are the same whatever it is; the scratch grows with it.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -107,7 +109,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -119,6 +121,7 @@ impl PyEngine {
         precise: bool,
         cache_type_k: Option<String>,
         cache_type_v: Option<String>,
+        prefill_rows: Option<u32>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -129,6 +132,7 @@ impl PyEngine {
             precise,
             cache_type_k: parse(cache_type_k)?,
             cache_type_v: parse(cache_type_v)?,
+            prefill_rows,
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {
@@ -306,6 +310,7 @@ impl PyEngine {
         d.set_item("vocab", cfg.vocab)?;
         d.set_item("slots", eng.n_slots())?;
         d.set_item("ctx", eng.ctx())?;
+        d.set_item("prefill_rows", eng.prefill_rows())?;
         d.set_item("adapter", eng.gpu.adapter.name.clone())?;
         let (k_type, v_type) = eng.kv_types();
         d.set_item("cache_type_k", k_type.name())?;

@@ -55,6 +55,7 @@ fn load(name: &str, layers: Option<(u32, u32)>, ctx: u32, precise: bool) -> Opti
             precise,
             cache_type_k: None,
             cache_type_v: None,
+            prefill_rows: None,
         },
     )
 }
@@ -285,6 +286,7 @@ fn fast_engine_matches_precise_on_quantised_fixture() {
         precise: false,
         cache_type_k: Some(qk::ops::attention::KvType::F32),
         cache_type_v: Some(qk::ops::attention::KvType::F32),
+        prefill_rows: None,
     };
     let Some(mut fast) = load_with(name, f32_cache) else {
         return;
@@ -322,5 +324,81 @@ fn fast_engine_matches_precise_on_quantised_fixture() {
         cut.extend(eng.logits(0, &tokens[64..128], 64).unwrap());
         cut.extend(eng.logits(0, &tokens[128..], 128).unwrap());
         assert_eq!(cut, whole, "a cut at a multiple of 64 changed the logits");
+    }
+}
+
+fn load_piece(name: &str, prefill_rows: Option<u32>) -> Option<Engine> {
+    load_with(
+        name,
+        EngineOptions {
+            layers: None,
+            slots: 1,
+            ctx: 384,
+            device: None,
+            precise: false,
+            cache_type_k: None,
+            cache_type_v: None,
+            prefill_rows,
+        },
+    )
+}
+
+/// The piece size changes which rows share a submit and (on tensor cores) how wide the grouped MoE
+/// tiles are, never a row's bytes: 340 positions as 64-row pieces (the 20-row tail on its own, a
+/// narrow MoE tile) and as a 256-row and an 84-row piece (wide tiles) give the same ids and top-k.
+#[test]
+fn prefill_piece_size_does_not_change_bytes() {
+    let name = "tiny-qwen3next-iq4_xs";
+    let Some(mut small) = load_piece(name, Some(64)) else {
+        return;
+    };
+    let Some(mut large) = load_piece(name, Some(256)) else {
+        return;
+    };
+    assert_eq!((small.prefill_rows(), large.prefill_rows()), (64, 256));
+    let prompt: Vec<u32> = (0..340).map(|i| (i * 37 + 11) % 456).collect();
+    let run = |eng: &mut Engine| {
+        let (out, prof) = eng
+            .profile_stage_run(0, StageInput::Tokens(&prompt), 0, 8)
+            .unwrap();
+        let pieces = prof
+            .submit
+            .dispatches
+            .iter()
+            .filter(|d| d.op.op == "embed")
+            .count();
+        (out, pieces)
+    };
+    let (want, small_pieces) = run(&mut small);
+    let (got, large_pieces) = run(&mut large);
+    assert_eq!(
+        (small_pieces, large_pieces),
+        (6, 2),
+        "pieces of 64 × 5 + 20, and 256 + 84"
+    );
+    assert_eq!(got, want, "the piece size changed the bytes");
+}
+
+#[test]
+fn prefill_rows_must_be_whole_chunks() {
+    for rows in [0, 100] {
+        match Engine::load(
+            fixture("tiny-qwen3next-f32").to_str().unwrap(),
+            &EngineOptions {
+                layers: None,
+                slots: 1,
+                ctx: 64,
+                device: None,
+                precise: true,
+                cache_type_k: None,
+                cache_type_v: None,
+                prefill_rows: Some(rows),
+            },
+            &mut |_| {},
+        ) {
+            Err(QkError::Engine(m)) => assert!(m.contains("multiple of 64"), "{m}"),
+            Err(e) => panic!("prefill_rows {rows}: {e}"),
+            Ok(_) => panic!("prefill_rows {rows} was accepted"),
+        }
     }
 }

@@ -14,9 +14,9 @@ use qk::gguf::dequant::dequantize;
 use qk::gpu::{Gpu, WeightTensor};
 use qk::ops::embed::{Ids, embed};
 use qk::ops::matmul::{
-    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MAX_SPLITS, MOE_TILE_COLS, MatmulKernel,
-    MoeInput, Precision, SPLIT_MAX_FLOATS_PER_COL, coop_accumulator, group_experts, k_splits, matmul,
-    matmul_id, matmul_split, matmul_with, matvec, matvec_id,
+    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MAX_SPLITS, MOE_TILE_COLS, MOE_WIDE_TILE_COLS,
+    MatmulKernel, MoeInput, Precision, SPLIT_MAX_FLOATS_PER_COL, coop_accumulator, group_experts, k_splits,
+    matmul, matmul_id, matmul_split, matmul_with, matvec, matvec_id,
 };
 
 use crate::gpu_tests::test_gpu;
@@ -555,21 +555,26 @@ fn routed_ids(experts: usize, n_used: usize, n_tokens: usize, seed: u64) -> Vec<
 #[test]
 fn expert_groups_sort_every_entry_by_expert() {
     let Some(gpu) = test_gpu(false) else { return };
-    // Expert 0 in every token (37 or 40 entries: three tiles), the last expert in none: offsets,
-    // the tile table and the order must cover every entry once. 300 experts spread over more
-    // invocations of the scan than one (4 each) and leave most experts empty.
-    for (experts, n_used, n_tokens) in [(9usize, 3usize, 37usize), (300, 8, 40)] {
-        check_expert_groups(gpu, experts, n_used, n_tokens);
+    // Expert 0 in every token (37 or 40 entries: three 16-wide tiles, one 64-wide), the last
+    // expert in none: offsets, the tile table and the order must cover every entry once. 300
+    // experts spread over more invocations of the scan than one (4 each) and leave most experts
+    // empty; 200 tokens give expert 0 more entries than one 64-wide tile.
+    for tile_cols in [MOE_TILE_COLS, MOE_WIDE_TILE_COLS] {
+        for (experts, n_used, n_tokens) in [(9usize, 3usize, 37usize), (300, 8, 40), (9, 3, 200)] {
+            check_expert_groups(gpu, experts, n_used, n_tokens, tile_cols);
+        }
     }
 }
 
-fn check_expert_groups(gpu: &Gpu, experts: usize, n_used: usize, n_tokens: usize) {
+fn check_expert_groups(gpu: &Gpu, experts: usize, n_used: usize, n_tokens: usize, tile_cols: u32) {
     let ids = routed_ids(experts, n_used, n_tokens, 5);
     let shape = GroupShape {
         experts: experts as u32,
         n_used: n_used as u32,
         n_tokens: n_tokens as u32,
+        tile_cols,
     };
+    let tile_cols = tile_cols as usize;
     // One id offset of 2 to check it is honoured.
     let mut padded = vec![99u32, 99];
     padded.extend(&ids);
@@ -596,9 +601,9 @@ fn check_expert_groups(gpu: &Gpu, experts: usize, n_used: usize, n_tokens: usize
     assert_eq!(offsets, &want_offsets[..]);
     let tiles_at = experts + 2;
     let n_tiles = g[0] as usize;
-    let want_tiles: usize = counts.iter().map(|c| c.div_ceil(MOE_TILE_COLS as usize)).sum();
-    assert_eq!(n_tiles, want_tiles);
-    let max_tiles = entries.div_ceil(MOE_TILE_COLS as usize) + experts.min(entries);
+    let want_tiles: usize = counts.iter().map(|c| c.div_ceil(tile_cols)).sum();
+    assert_eq!(n_tiles, want_tiles, "tiles of {tile_cols}");
+    let max_tiles = entries.div_ceil(tile_cols) + experts.min(entries);
     let order = &g[tiles_at + 2 * max_tiles..][..entries];
     // Every entry once, each within its expert's range.
     let mut seen = vec![false; entries];
@@ -613,21 +618,36 @@ fn check_expert_groups(gpu: &Gpu, experts: usize, n_used: usize, n_tokens: usize
         }
     }
     assert!(seen.iter().all(|s| *s));
-    // Tiles: consecutive runs of at most MOE_TILE_COLS inside one expert, covering it.
+    // Tiles: consecutive runs of at most tile_cols inside one expert, covering it.
     let mut covered = 0;
     for i in 0..n_tiles {
         let (e, start) = (g[tiles_at + 2 * i] as usize, g[tiles_at + 2 * i + 1]);
         assert!(start >= offsets[e] && start < offsets[e + 1], "tile {i}");
-        covered += (offsets[e + 1] - start).min(MOE_TILE_COLS) as usize;
+        covered += (offsets[e + 1] - start).min(tile_cols as u32) as usize;
     }
     assert_eq!(covered, entries);
 }
 
-/// Grouped MoE mat-mat by `kernel` against the CPU reference, for both input layouts.
+/// Grouped MoE mat-mat by `kernel` against the CPU reference, for both input layouts: NMSE each.
 fn run_matmul_id(gpu: &Gpu, ty: GgmlType, window: u64, kernel: MatmulKernel) -> Vec<f64> {
-    // 37 tokens × 3 of 9 experts: expert 0 takes three tiles, expert 8 none; 72 rows (a partial
-    // row tile) of K = 256.
-    let (m, k, experts, n_used, n_tokens) = (72usize, 256usize, 9usize, 3usize, 37usize);
+    // 37 tokens: expert 0 takes three 16-wide tiles (one partial 64-wide one).
+    matmul_id_outputs(gpu, ty, window, kernel, 37)
+        .iter()
+        .map(|(got, want)| nmse(got, want))
+        .collect()
+}
+
+/// Grouped MoE mat-mat by `kernel` over `n_tokens` tokens × 3 of 9 experts (expert 0 in every
+/// token, expert 8 in none; 72 rows, a partial row tile, of K = 256): (outputs, CPU reference) for
+/// each input layout.
+fn matmul_id_outputs(
+    gpu: &Gpu,
+    ty: GgmlType,
+    window: u64,
+    kernel: MatmulKernel,
+    n_tokens: usize,
+) -> Vec<(Vec<f32>, Vec<f64>)> {
+    let (m, k, experts, n_used) = (72usize, 256usize, 9usize, 3usize);
     let ids = routed_ids(experts, n_used, n_tokens, 8);
     let case = make(gpu, ty, m, k, experts, window, 41);
     if window != u64::MAX {
@@ -641,6 +661,10 @@ fn run_matmul_id(gpu: &Gpu, ty: GgmlType, window: u64, kernel: MatmulKernel) -> 
         experts: experts as u32,
         n_used: n_used as u32,
         n_tokens: n_tokens as u32,
+        tile_cols: match kernel {
+            MatmulKernel::Tiled => MOE_TILE_COLS,
+            MatmulKernel::Coop(t) => t.cols,
+        },
     };
     let gb = gpu.buffer_zeroed("groups", shape.words() * 4).unwrap();
     let groups = ExpertGroups { buf: &gb, shape };
@@ -650,7 +674,7 @@ fn run_matmul_id(gpu: &Gpu, ty: GgmlType, window: u64, kernel: MatmulKernel) -> 
         n_used: n_used as u32,
         n_tokens: n_tokens as u32,
     };
-    let mut errors = Vec::new();
+    let mut outputs = Vec::new();
     for input in [MoeInput::PerToken, MoeInput::PerSlot] {
         let x_cols = if input == MoeInput::PerToken {
             n_tokens
@@ -682,9 +706,9 @@ fn run_matmul_id(gpu: &Gpu, ty: GgmlType, window: u64, kernel: MatmulKernel) -> 
                 assert!(y[slot * 80 + m..(slot + 1) * 80].iter().all(|v| *v == 7.0));
             }
         }
-        errors.push(nmse(&got, &want));
+        outputs.push((got, want));
     }
-    errors
+    outputs
 }
 
 #[test]
@@ -711,7 +735,12 @@ fn moe_matmul_grouped_by_expert() {
 fn moe_matmul_grouped_cooperative_matrix() {
     for off in [false, true] {
         let Some(gpu) = test_gpu(off) else { return };
-        for tile in [CoopTile::MOE, CoopTile::MOE.with_k_step(64)] {
+        for tile in [
+            CoopTile::MOE,
+            CoopTile::MOE.with_k_step(64),
+            CoopTile::MOE_WIDE,
+            CoopTile::MOE_WIDE.with_k_step(64),
+        ] {
             let Some(acc) = coop_accumulator(gpu, tile) else {
                 coop_not_exercised(
                     gpu,
@@ -732,6 +761,42 @@ fn moe_matmul_grouped_cooperative_matrix() {
                     assert!(
                         e < tol,
                         "grouped coop {tile:?} {ty} subgroups_off={off}: NMSE {e:e} ≥ {tol:e}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The grouped tile's width is chosen per piece (`moe_tile_cols`), so it must not change a byte:
+/// every output column is the same chain of 16-wide multiply-adds in a 16- or a 64-wide tile. 70
+/// tokens give expert 0 two 64-wide tiles (one partial) and five 16-wide ones.
+#[test]
+fn moe_matmul_wide_tile_gives_the_narrow_bytes() {
+    for off in [false, true] {
+        let Some(gpu) = test_gpu(off) else { return };
+        for k_step in [32, 64] {
+            let (narrow, wide) = (
+                CoopTile::MOE.with_k_step(k_step),
+                CoopTile::MOE_WIDE.with_k_step(k_step),
+            );
+            if coop_accumulator(gpu, narrow).is_none()
+                || coop_accumulator(gpu, wide) != coop_accumulator(gpu, narrow)
+            {
+                coop_not_exercised(
+                    gpu,
+                    &format!("grouped tiles {narrow:?} and {wide:?} (subgroups_off={off})"),
+                );
+                continue;
+            }
+            for ty in [GgmlType::IQ4XS, GgmlType::Q8_0] {
+                let want = matmul_id_outputs(gpu, ty, u64::MAX, MatmulKernel::Coop(narrow), 70);
+                let got = matmul_id_outputs(gpu, ty, u64::MAX, MatmulKernel::Coop(wide), 70);
+                for ((g, _), (w, _)) in got.iter().zip(&want) {
+                    let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{ty} K step {k_step} subgroups_off={off}: the 64-wide tile changed the bytes"
                     );
                 }
             }

@@ -1099,6 +1099,7 @@ fn fixture_engine(layers: Option<(u32, u32)>) -> Option<qk::engine::Engine> {
         precise: true,
         cache_type_k: None,
         cache_type_v: None,
+        prefill_rows: None,
     };
     match qk::engine::Engine::load(path, &opts, &mut |_| {}) {
         Ok(e) => Some(e),
