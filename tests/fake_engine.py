@@ -30,8 +30,11 @@ class FakeEngine:
         script: Callable[[list[int]], list[int] | None] | None = None,
         step_delay: float = 0.0,
         banned: Sequence[int] = (),
+        prefill_rows: int | None = None,
     ) -> None:
         self.n_vocab = n_vocab
+        #: The engine's prefill piece as info() reports it (None: not reported, as older engines).
+        self.prefill_rows = prefill_rows
         self.slots = slots
         self.ctx = ctx
         self.script = script
@@ -58,7 +61,15 @@ class FakeEngine:
         self.chained_steps = 0
 
     def info(self) -> dict[str, object]:
-        return {"arch": "fake", "vocab": self.n_vocab, "ctx": self.ctx, "slots": self.slots}
+        info: dict[str, object] = {
+            "arch": "fake",
+            "vocab": self.n_vocab,
+            "ctx": self.ctx,
+            "slots": self.slots,
+        }
+        if self.prefill_rows is not None:
+            info["prefill_rows"] = self.prefill_rows
+        return info
 
     def _logits(self, history: Sequence[int]) -> np.ndarray:
         digest = hashlib.blake2b(np.asarray(history, dtype=np.int64).tobytes(), digest_size=8).digest()

@@ -186,6 +186,31 @@ def test_long_prompt_prefills_in_aligned_chunks():
     asyncio.run(main())
 
 
+def test_a_prompt_alone_prefills_in_the_engines_pieces_and_beside_decoding_jobs_in_chunks():
+    async def main():
+        engine, scheduler = make(slots=2, ctx=8192, prefill_rows=1024, step_delay=0.002)
+        await ready(scheduler)
+        prompt = [(i * 7) % VOCAB for i in range(2600)]
+        # Alone: the engine's 1024-row pieces (the time to first token is all that waits).
+        tokens, _ = await run_job(scheduler.submit(request(prompt, 4)))
+        assert tokens == reference(prompt, 4)
+        bases = [c[1][2] for c in engine.calls if c[0] == "stage_run"]
+        assert bases == [0, 1024, 2048]
+        engine.calls.clear()
+        # Beside a job that decodes: chunks of PREFILL_CHUNK, so its steps interleave.
+        talker = scheduler.submit(request([9, 8, 7], 400))
+        while not any(c[0] != "stage_run" for c in engine.calls):
+            await asyncio.sleep(0.001)
+        tokens, _ = await run_job(scheduler.submit(request(prompt, 4)))
+        assert tokens == reference(prompt, 4)
+        bases = [c[1][2] for c in engine.calls if c[0] == "stage_run" and c[1][1] > 3]
+        assert bases == list(range(0, 2600, PREFILL_CHUNK))
+        await run_job(talker)
+        scheduler.drain(5)
+
+    asyncio.run(main())
+
+
 def test_engine_error_fails_jobs_once_and_device_lost_stops():
     async def main():
         engine, scheduler = make(slots=2)

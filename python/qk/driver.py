@@ -78,6 +78,10 @@ class Driver(Protocol):
     #: Whether ``decode_chained`` works (one box: the step's tokens can be fed on the GPU).
     chains: bool
 
+    #: Positions per ``prefill`` call the driver runs at full speed (a multiple of 64): the
+    #: scheduler sends this many while no other job decodes.
+    prefill_rows: int
+
     def prefill(self, slot: int, tokens: Sequence[int], base: int, topk: int) -> Next: ...
 
     def decode_async(
@@ -211,6 +215,8 @@ class LocalDriver:
 
     def __init__(self, engine: EngineLike) -> None:
         self.engine = engine
+        # The engine's own prefill piece (2048 rows on a big GPU): one submit per call.
+        self.prefill_rows = int(engine.info().get("prefill_rows", 512))
         self.supports_snapshots = all(
             callable(getattr(engine, name, None)) for name in ("state_save", "state_load", "state_drop")
         )

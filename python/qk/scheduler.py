@@ -54,9 +54,11 @@ __all__ = [
 
 log = logging.getLogger("qk.scheduler")
 
-#: Prefill chunk (positions per stage_run call). A multiple of 64 so chunk boundaries sit where the
-#: chunked DeltaNet puts its own (docs/numerics.md "Chunk alignment"); small enough that decode steps of other
-#: slots and SSE keep-alives interleave with a long prompt.
+#: Prefill chunk (positions per stage_run call) while other jobs decode. A multiple of 64 so chunk
+#: boundaries sit where the chunked DeltaNet puts its own (docs/numerics.md "Chunk alignment");
+#: small enough that decode steps of other slots and SSE keep-alives interleave with a long prompt.
+#: With nobody decoding, a chunk is the driver's ``prefill_rows`` (the engine's piece) instead:
+#: the time to first token is all that waits on it.
 PREFILL_CHUNK = 512
 
 
@@ -409,7 +411,9 @@ class Scheduler:
         assert driver is not None
         prefilling = [j for j in self._slots if j is not None and j.pending is None]
         if prefilling:
-            self._prefill_chunk(driver, min(prefilling, key=lambda j: j.id))
+            others_decode = any(j is not None and j.pending is not None and not j.done for j in self._slots)
+            size = PREFILL_CHUNK if others_decode else max(PREFILL_CHUNK, driver.prefill_rows)
+            self._prefill_chunk(driver, min(prefilling, key=lambda j: j.id), size)
         decoding = [j for j in self._slots if j is not None and j.pending is not None and not j.done]
         if driver.chains:
             self._decode_chained(driver, decoding, chain=not prefilling)
@@ -476,13 +480,13 @@ class Scheduler:
             return
         self.reuse.commit(reservation, prefix)
 
-    def _prefill_chunk(self, driver: Driver, job: Job) -> None:
+    def _prefill_chunk(self, driver: Driver, job: Job, size: int) -> None:
         prompt = job.request.prompt
         if job.prefill_started_at is None:
             job.prefill_started_at = time.monotonic()
         if not job.looked_up:
             self._restore(driver, job)
-        end = job.position + PREFILL_CHUNK
+        end = job.position + size
         snapshot_at = self._snapshot_at(job)
         if snapshot_at > job.position:
             # Cut at the snapshot position (a multiple of 64, so the cut changes no result).

@@ -118,6 +118,8 @@ class SplitDriver:
         self.lanes = lanes
         #: The last stage's greedy id reaches the head over the link: no step is fed on the GPU.
         self.chains = False
+        # Pieces cross the link one by one: the chain's pieces stay at the scheduler's chunk.
+        self.prefill_rows = 512
         self.target = target
         self.head = SplitHead(
             engine, link, piece=piece, tick=TICK_S if ticker else None, ping_idle=PING_IDLE_S
