@@ -7,7 +7,8 @@
 #                                                 GPU tests, then qk and llama.cpp side by side
 #   bash benches/h200_engine.sh wait [SECONDS]   wait for the background run; print its log
 # Results land in $OUT (engine.log, qk-bench.json, llama-bench.md, llama-batched.txt, kernels.txt).
-# env: QK_SKIP_TESTS=1, QK_TEST_FILTER (a cargo test filter), QK_SKIP_LLAMA=1, QK_KERNELS=1 (kernel micro-benchmark),
+# env: QK_SKIP_TESTS=1, QK_TEST_FILTER (a cargo test filter), QK_SKIP_LLAMA=1, QK_KERNELS=1 (kernel micro-benchmark;
+#      QK_KERNEL_SETS picks its parts),
 #      QK_BENCH_ARGS (extra engine_bench.py flags), QK_SPLIT=1 (the split bench).
 set -uo pipefail
 WORK=/tmp/qk-bench
@@ -57,8 +58,18 @@ if [ "${QK_SKIP_TESTS:-0}" != 1 ]; then
     | grep -E "^test result|FAILED|panicked|failures:" | head -20
 fi
 if [ "${QK_KERNELS:-0}" = 1 ]; then
-  echo "== kernel micro-benchmark"
-  .device/kernels-bench > kernels.txt 2>&1; tail -60 kernels.txt
+  # QK_KERNEL_SETS: "all", or any of decode (the decode MoE layer and norm-fused projection per
+  # launch shape), prefill (the prefill kernels), attention; one kernels-<set>.txt each.
+  for set in ${QK_KERNEL_SETS:-all}; do
+    echo "== kernel micro-benchmark (\$set)"
+    case \$set in
+      decode) export QK_BENCH_ONLY_DECODE=1 ;;
+      prefill) export QK_BENCH_ONLY_PREFILL=1 QK_BENCH_NO_ATTENTION=1 ;;
+      attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
+    esac
+    .device/kernels-bench > kernels-\$set.txt 2>&1; grep -v "^adapter\|^counters" kernels-\$set.txt | tail -80
+    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION
+  done
 fi
 wait \$MAKE
 echo "== qk engine (release wheel), $LAYERS layers"
