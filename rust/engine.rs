@@ -242,6 +242,17 @@ pub const PREFILL_PIECE_LARGE: u32 = 2048;
 /// binding). One chunk, so each group is the same rows whatever the piece (like every other op).
 const HEAD_ROWS: u32 = CHUNK;
 
+/// Which rows of a prefill the LM head runs on (last stage).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HeadRows {
+    /// Every row: the greedy id of each position ([`Engine::stage_run`]).
+    All,
+    /// The final position's head group only ([`Engine::stage_run_last`]).
+    Last,
+    /// Every row, one head group per piece, logits read back ([`Engine::logits`]).
+    Logits,
+}
+
 /// Rows of the next prefill piece at absolute position `pos` with `left` rows to go, at most `max`
 /// (a multiple of 64). A piece that starts mid-chunk ends at the chunk's end (its rows run the
 /// recurrent DeltaNet form, as a call starting there would); otherwise it takes whole chunks, and
@@ -632,7 +643,22 @@ impl Engine {
         base: u32,
         topk: u32,
     ) -> Result<StageOutput> {
-        let (out, _) = self.run(slot, input, base, topk, false, None)?;
+        let (out, _) = self.run(slot, input, base, topk, HeadRows::All, None)?;
+        Ok(out)
+    }
+
+    /// [`Engine::stage_run`] that returns only the final position's id (and top-k): the LM head runs
+    /// on the final position's head group of the final piece alone, computed exactly as in
+    /// `stage_run` (same rows, same kernels), so the id and top-k are the same bytes. What serving
+    /// needs of a prompt; the head over every row was 5% of a prefill piece on the H200.
+    pub fn stage_run_last(
+        &mut self,
+        slot: usize,
+        input: StageInput<'_>,
+        base: u32,
+        topk: u32,
+    ) -> Result<StageOutput> {
+        let (out, _) = self.run(slot, input, base, topk, HeadRows::Last, None)?;
         Ok(out)
     }
 
@@ -650,7 +676,7 @@ impl Engine {
         let before = self.gpu.counters();
         let started = Instant::now();
         let mut pieces = Vec::new();
-        let (out, _) = self.run(slot, input, base, topk, false, Some(&mut pieces))?;
+        let (out, _) = self.run(slot, input, base, topk, HeadRows::All, Some(&mut pieces))?;
         let total_us = started.elapsed().as_secs_f64() * 1e6;
         let after = self.gpu.counters();
         let mut submit = SubmitProfile {
@@ -692,7 +718,7 @@ impl Engine {
             self.is_last(),
             QkError::Engine("logits need the LM head (last stage)".into())
         );
-        let (_, logits) = self.run(slot, StageInput::Tokens(tokens), base, 1, true, None)?;
+        let (_, logits) = self.run(slot, StageInput::Tokens(tokens), base, 1, HeadRows::Logits, None)?;
         Ok(logits)
     }
 
@@ -702,9 +728,10 @@ impl Engine {
         input: StageInput<'_>,
         base: u32,
         topk: u32,
-        want_logits: bool,
+        head: HeadRows,
         mut profiles: Option<&mut Vec<SubmitProfile>>,
     ) -> Result<(StageOutput, Vec<f32>)> {
+        let want_logits = head == HeadRows::Logits;
         self.check_input(&input)?;
         let n = input.len(self.model.cfg.n_embd);
         crate::ensure!(n > 0, QkError::Engine("stage_run with no rows".into()));
@@ -758,12 +785,17 @@ impl Engine {
                 // The head over groups of HEAD_ROWS rows: the argmax of every row but the piece's
                 // last, gathered in piece_ids; the last row gets its own k.
                 let k = if final_piece { topk.max(1) } else { 1 };
-                let mut g0 = 0;
+                // HeadRows::Last: only the final piece's last group, which holds its final row.
+                let mut g0 = match head {
+                    HeadRows::Last if final_piece => (t - 1) / HEAD_ROWS * HEAD_ROWS,
+                    HeadRows::Last => t,
+                    _ => 0,
+                };
                 while g0 < t {
                     let g = (t - g0).min(HEAD_ROWS);
                     model.record_head_rows(gpu, &mut rec, s, cur, g0, g)?;
                     let argmax_rows = if g0 + g == t { g - 1 } else { g };
-                    if argmax_rows > 0 {
+                    if argmax_rows > 0 && head != HeadRows::Last {
                         model.record_topk_rows(gpu, &mut rec, s, 0, argmax_rows, 1, &s.results)?;
                         let bytes = u64::from(argmax_rows) * 8;
                         rec.copy(&s.results, 0, &s.piece_ids, u64::from(g0) * 8, bytes)?;
@@ -773,10 +805,14 @@ impl Engine {
                     }
                     g0 += g;
                 }
-                if t > 1 {
-                    tickets.push((rec.read(&s.piece_ids, 0, u64::from(t - 1) * 8)?, 1));
+                if head != HeadRows::Last {
+                    if t > 1 {
+                        tickets.push((rec.read(&s.piece_ids, 0, u64::from(t - 1) * 8)?, 1));
+                    }
+                    tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
+                } else if final_piece {
+                    tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
                 }
-                tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
                 if want_logits {
                     logits_ticket = Some(rec.read(&s.logits, 0, (len * vocab * 4) as u64)?);
                 }
@@ -1151,7 +1187,8 @@ impl Engine {
         if max_new == 0 {
             return Ok(out);
         }
-        let StageOutput::Ids { ids, .. } = self.stage_run(slot, StageInput::Tokens(prompt), 0, 0)? else {
+        let StageOutput::Ids { ids, .. } = self.stage_run_last(slot, StageInput::Tokens(prompt), 0, 0)?
+        else {
             return Err(QkError::Engine("last stage returned hidden rows".into()));
         };
         let mut next = *ids.last().ok_or_else(|| QkError::Engine("empty prompt".into()))?;

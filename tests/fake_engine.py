@@ -97,7 +97,7 @@ class FakeEngine:
         if self.fail_with is not None:
             raise self.fail_with
 
-    def stage_run(self, slot: int, tokens: Sequence[int], base: int, topk: int = 0):
+    def stage_run(self, slot: int, tokens: Sequence[int], base: int, topk: int = 0, all_ids: bool = True):
         self.gate.wait()
         with self.lock:
             self._check(slot)
@@ -126,7 +126,7 @@ class FakeEngine:
                     self._reply[slot] = (len(self.history[slot]), list(reply))
                     ids[-1] = self._next(slot, 0)[0]
             _, top = self._next(slot, topk)
-            return ids, (top if topk else [])
+            return (ids if all_ids else ids[-1:]), (top if topk else [])
 
     def step(self, slots: Sequence[int], tokens: Sequence[int], topk: int = 0):
         self.gate.wait()

@@ -178,6 +178,20 @@ def test_split_stages_equal_whole_model(name, k):
     assert one == two
 
 
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 130])
+def test_final_id_alone_is_the_same_bytes(n):
+    """all_ids=False (what serving asks) runs the LM head on the final row's head group only: the
+    final id and top-k must be the bytes of the full call, whatever group the final row falls in."""
+    name = F32[0]
+    eng = engine(name)
+    tokens = prompt(name)[:n]
+    ids, top = eng.stage_run(0, tokens, 0, topk=8)
+    last, top_last = eng.stage_run(1, tokens, 0, topk=8, all_ids=False)
+    assert last == ids[-1:] and top_last == top
+    # And the slot continues identically.
+    assert eng.step([0], [ids[-1]], topk=4) == eng.step([1], [ids[-1]], topk=4)
+
+
 # --- gates 4 and 7: slots -------------------------------------------------------------------------
 
 

@@ -160,9 +160,9 @@ class SnapshotEngine(FakeEngine):
     def info(self):
         return {**super().info(), "memory": {"kv_per_slot": 100 * self.ctx, "deltanet_per_slot": 1000}}
 
-    def stage_run(self, slot, tokens, base, topk=0):
+    def stage_run(self, slot, tokens, base, topk=0, all_ids=True):
         self.prefilled += len(tokens)
-        return super().stage_run(slot, tokens, base, topk)
+        return super().stage_run(slot, tokens, base, topk, all_ids)
 
     def state_save(self, slot, idx):
         self.snapshots[idx] = (list(self.history[slot]), copy.deepcopy(self._reply[slot]))

@@ -122,9 +122,10 @@ class Driver(Protocol):
 class EngineLike(Protocol):
     """The part of ``qk.Engine`` (a whole-model engine: layers 0..n_layer) that serving uses.
 
-    * ``stage_run(slot, tokens, base, topk=0)`` runs positions ``[base, base + len(tokens))`` of
-      ``slot`` (``base == 0`` resets it, any other base must equal the slot's position) and returns
-      ``(ids, topk)``: the greedy id of every position, and the final position's top-k pairs.
+    * ``stage_run(slot, tokens, base, topk=0, all_ids=True)`` runs positions
+      ``[base, base + len(tokens))`` of ``slot`` (``base == 0`` resets it, any other base must
+      equal the slot's position) and returns ``(ids, topk)``: the greedy id of every position (with
+      ``all_ids=False``, of the final one alone), and the final position's top-k pairs.
     * ``step(slots, tokens, topk=0)`` runs one position for several slots in one pass and returns,
       per slot, a result in ``stage_run``'s shape: ``([greedy_id], topk)``.
     * ``step_submit(slots, tokens | None, topk=0, chain_next=False)`` starts such a step and
@@ -137,7 +138,9 @@ class EngineLike(Protocol):
     (snapshots of a slot's whole state) make cross-turn reuse possible (qk.reuse).
     """
 
-    def stage_run(self, slot: int, tokens: Sequence[int], base: int, topk: int = 0) -> Any: ...
+    def stage_run(
+        self, slot: int, tokens: Sequence[int], base: int, topk: int = 0, all_ids: bool = True
+    ) -> Any: ...
 
     def step(self, slots: Sequence[int], tokens: Sequence[int], topk: int = 0) -> Any: ...
 
@@ -222,10 +225,11 @@ class LocalDriver:
         )
 
     def prefill(self, slot: int, tokens: Sequence[int], base: int, topk: int) -> Next:
-        ids, top = self.engine.stage_run(slot, list(tokens), base, topk=topk)
+        # Only the final position's id is served: the LM head skips the prompt's other rows.
+        ids, top = self.engine.stage_run(slot, list(tokens), base, topk=topk, all_ids=False)
         ids = list(ids)
-        if len(ids) != len(tokens):
-            raise RuntimeError(f"stage_run returned {len(ids)} ids for {len(tokens)} positions")
+        if len(ids) != 1:
+            raise RuntimeError(f"stage_run returned {len(ids)} ids for the final position")
         return Next(int(ids[-1]), _pairs(top) if topk else [])
 
     def decode_async(

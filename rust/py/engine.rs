@@ -154,8 +154,9 @@ impl PyEngine {
 
     /// Run positions [base, base + n) of `slot`. `inputs`: token ids (first stage) or float32 hidden
     /// rows [n, n_embd]. Returns hidden rows [n, n_embd] (non-last stage) or (ids of every
-    /// position, top-k (id, logit) pairs of the final position).
-    #[pyo3(signature = (slot, inputs, base, topk = 0))]
+    /// position, top-k (id, logit) pairs of the final position); with `all_ids=False` the ids are
+    /// the final position's alone (the same bytes), and the LM head skips the other rows.
+    #[pyo3(signature = (slot, inputs, base, topk = 0, all_ids = true))]
     fn stage_run<'py>(
         &self,
         py: Python<'py>,
@@ -163,9 +164,16 @@ impl PyEngine {
         inputs: &Bound<'py, PyAny>,
         base: u32,
         topk: u32,
+        all_ids: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let rows = Rows::extract(inputs)?;
-        let out = self.detached(py, |eng| eng.stage_run(slot, rows.input(), base, topk))?;
+        let out = self.detached(py, |eng| {
+            if all_ids {
+                eng.stage_run(slot, rows.input(), base, topk)
+            } else {
+                eng.stage_run_last(slot, rows.input(), base, topk)
+            }
+        })?;
         self.output(py, out)
     }
 
