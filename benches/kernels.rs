@@ -29,8 +29,8 @@ use qk::ops::attention::{
 use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecFusion, MatvecInput,
-    MatvecOutput, MatvecShape, MoeInput, Precision, coop_accumulator, expert_sum_shape, group_experts,
-    k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec_id, matvec_id_sum, matvec_id_with,
+    MatvecOutput, MatvecShape, MoeInput, Precision, coop_accumulator, expert_shape, group_experts, k_splits,
+    matmul_id, matmul_kernel, matmul_split, matmul_with, matvec_id, matvec_id_sum, matvec_id_with,
     matvec_shaped,
 };
 
@@ -616,6 +616,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
     let shape = |rows, wg, unroll| Some(MatvecShape { rows, wg, unroll });
     let gate_up_shapes = [
         None,
+        shape(8, 32, 2),
         shape(8, 32, 1),
         shape(4, 32, 2),
         shape(4, 64, 2),
@@ -730,7 +731,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         });
         report("down, then sum (2 dispatches)", t, down_bytes);
         for s in sum_shapes {
-            let s = s.or(Some(expert_sum_shape(ty)));
+            let s = s.or(Some(expert_shape(ty, true)));
             let t = time_submit(gpu, iters, |rec| {
                 let gc = Columns::packed(&gu, 2 * ff);
                 let y = Columns::packed(&out, n_embd);

@@ -759,14 +759,24 @@ impl ExpertCall<'_> {
     }
 }
 
-/// The default launch shape of the weighted-sum expert product ([`matvec_id_sum`]): its steps are
-/// picks × K long, so a workgroup spreads them over 128 invocations (2 rows each) instead of
-/// walking them; a token's 2048 rows then give 1024 workgroups.
-pub fn expert_sum_shape(ty: GgmlType) -> MatvecShape {
+/// The default launch shapes of the decode step's expert products (kernel bench, H200 2026-12-01,
+/// 80B MoE layer, IQ4_XS, benches/RESULTS.md): per-pick gate/up at 64 invocations and one step per
+/// iteration (8 tokens: 80 µs against 388 with 32 invocations × 2 steps; 1 token: even), rows per
+/// workgroup as the type's tuned shape; the weighted-sum down projection (picks × K long) at 4 rows
+/// × 64 invocations × 2 steps (1 token: 70 µs against 104 for the per-pick product and the sum
+/// kernel; 8 tokens: 60 against 97). Neither width depends on the batch, so neither does a row's sum.
+pub fn expert_shape(ty: GgmlType, sum: bool) -> MatvecShape {
+    if sum {
+        return MatvecShape {
+            rows: 4,
+            wg: 64,
+            unroll: 2,
+        };
+    }
     MatvecShape {
-        rows: 2,
-        wg: 128,
-        unroll: MatvecShape::default_for(ty, 1).unroll,
+        rows: MatvecShape::default_for(ty, 1).rows,
+        wg: 64,
+        unroll: 1,
     }
 }
 
@@ -832,14 +842,9 @@ fn expert_matvec(
             w.name
         )));
     }
-    // Per-pick expert products keep the tuned shape: with one row per workgroup a step of 8 slots
-    // launched ~90 k workgroups of one step each and ran at half the rate (H200, 2026-12-01).
     let shape = call
         .shape
-        .unwrap_or_else(|| match call.sum {
-            Some(_) => expert_sum_shape(w.ty),
-            None => MatvecShape::default_for(w.ty, 1),
-        })
+        .unwrap_or_else(|| expert_shape(w.ty, call.sum.is_some()))
         .clamped();
     let mut extra = Vec::new();
     let mut route_params = [0u32; 4];
