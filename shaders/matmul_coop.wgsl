@@ -81,28 +81,72 @@ var<workgroup> x_tile: array<f16, {{TN}} * ({{TK}} + 8)>; // TN × LD, column n 
 var<workgroup> c_stage: array<{{ACC}}, {{SGS}} * 256>;
 
 #if QTYPE == iq4_xs
-// 32-weight sub-blocks per row and K step.
+// 32-weight sub-blocks per row and K step, and per invocation (the fill's loop count).
 const WS32 = {{TK}}u / 32u;
+const WPT = ({{TM}}u * WS32 + THREADS - 1u) / THREADS;
 // kvalues_iq4nl as f32: one shared load per weight where dq8_iq4_xs runs a select chain.
 var<workgroup> iq4_table: array<f32, 16>;
 
-// Sub-block s (32 weights) of the IQ4_XS row at byte `row` into w_tile from `at`, with the values
-// and f32 products of dq8_iq4_xs (so the same f16s) but its scale decoded once per 32 weights, not
-// once per 8: weight i < 16 is the low nibble of quant byte i, weight 16 + i its high nibble.
-fn fill_iq4_xs(row: u32, s: u32, at: u32) {
-    let blk = row + 136u * (s >> 3u);
-    let ib = s & 7u;
-    let dl = iq4_xs_scale(blk, ib);
-    let q = blk + 8u + 16u * ib;
+// The words of one IQ4_XS sub-block: its block's header (f16 d, u16 scales_h; scales_l) and its
+// 16 quant bytes. Loaded a K step ahead of their use, so their latency hides behind the MMAs.
+struct Iq4Sub {
+    head: u32,
+    lows: u32,
+    q: vec4<u32>,
+}
+
+// Sub-block s (32 weights) of the IQ4_XS row at byte `row` (4-aligned: 136-byte blocks).
+fn load_iq4_xs(row: u32, s: u32) -> Iq4Sub {
+    let blk = (row + 136u * (s >> 3u)) / 4u;
+    let q = blk + 2u + 4u * (s & 7u);
+    return Iq4Sub(W[blk], W[blk + 1u], vec4<u32>(W[q], W[q + 1u], W[q + 2u], W[q + 3u]));
+}
+
+// Sub-block `ib` (of its block) into w_tile from `at`, with the values and f32 products of
+// dq8_iq4_xs (so the same f16s; iq4_xs_scale's scale from the same fields): weight i < 16 is the
+// low nibble of quant byte i, weight 16 + i its high nibble.
+fn store_iq4_xs(v: Iq4Sub, ib: u32, at: u32) {
+    let sl = (v.lows >> (8u * (ib >> 1u))) & 0xffu;
+    let ls = ((sl >> (4u * (ib & 1u))) & 15u) | (((v.head >> (16u + 2u * ib)) & 3u) << 4u);
+    let dl = unpack2x16float(v.head).x * (f32(ls) - 32.0);
 #for i in 0..4
     {
-        let w = w_u32_al(q + 4u * {{i}}u);
+        let w = v.q[{{i}}];
 #for b in 0..4
         w_tile[at + 4u * {{i}}u + {{b}}u] = f16(dl * iq4_table[(w >> (8u * {{b}}u)) & 15u]);
         w_tile[at + 16u + 4u * {{i}}u + {{b}}u] = f16(dl * iq4_table[(w >> (8u * {{b}}u + 4u)) & 15u]);
 #endfor
     }
 #endfor
+}
+#endif
+
+// This invocation's X values of K step k0 (zero outside the tile's columns or K).
+fn prefetch(x_next: ptr<function, array<vec4<f32>, XH>>, x_start: ptr<function, array<u32, XH>>, tile: ColTile,
+    k0: u32, t: u32) {
+    for (var h = 0u; h < XH; h++) {
+        let e = t + THREADS * h;
+        let xn = e / XK4;
+        let xk4 = e % XK4;
+        var v = vec4<f32>(0.0);
+        if xn < tile.cols && k0 + 4u * xk4 < P.k {
+            v = X[((*x_start)[h] + k0) / 4u + xk4];
+        }
+        (*x_next)[h] = v;
+    }
+}
+
+#if QTYPE == iq4_xs
+// This invocation's IQ4_XS sub-blocks of K step k0 (rows or K past the end are not read).
+fn prefetch_w(w_next: ptr<function, array<Iq4Sub, WPT>>, tile: ColTile, m0: u32, k0: u32, t: u32) {
+    for (var i = 0u; i < WPT; i++) {
+        let e = t + THREADS * i;
+        let row = e / WS32;
+        let sub = e % WS32;
+        if e < {{TM}}u * WS32 && m0 + row < P.rows && k0 + 32u * sub < P.k {
+            (*w_next)[i] = load_iq4_xs(tile.w_base + (m0 + row) * P.row_bytes, k0 / 32u + sub);
+        }
+    }
 }
 #endif
 
@@ -148,19 +192,34 @@ fn main(ids: ComputeIds) {
 #endfor
 #endfor
         let kr = k_range(ids.wid.z);
+        // The next K step's global reads, issued before this step's MMAs (software pipelining: a
+        // step's loads are in flight while the tensor cores work), stored to the tiles at its top.
+        var x_next: array<vec4<f32>, XH>;
+#if QTYPE == iq4_xs
+        var w_next: array<Iq4Sub, WPT>;
+#endif
         for (var k0 = kr.x; k0 < kr.y; k0 += {{TK}}u) {
+            if k0 == kr.x {
+                prefetch(&x_next, &x_start, tile, k0, t);
+#if QTYPE == iq4_xs
+                prefetch_w(&w_next, tile, m0, k0, t);
+#endif
+            }
 #if QTYPE == iq4_xs
             // W: TM rows × WS32 sub-blocks, one per invocation (K is a multiple of 256 for IQ4_XS,
             // so a sub-block is all in or all out, as dq8's groups of 8 would be).
-            for (var e = t; e < {{TM}}u * WS32; e += THREADS) {
-                let row = e / WS32;
-                let sub = e % WS32;
-                let at = row * LD + 32u * sub;
-                if m0 + row < P.rows && k0 + 32u * sub < P.k {
-                    fill_iq4_xs(tile.w_base + (m0 + row) * P.row_bytes, k0 / 32u + sub, at);
-                } else {
-                    for (var i = 0u; i < 32u; i++) {
-                        w_tile[at + i] = f16(0.0);
+            for (var i = 0u; i < WPT; i++) {
+                let e = t + THREADS * i;
+                if e < {{TM}}u * WS32 {
+                    let row = e / WS32;
+                    let sub = e % WS32;
+                    let at = row * LD + 32u * sub;
+                    if m0 + row < P.rows && k0 + 32u * sub < P.k {
+                        store_iq4_xs(w_next[i], (k0 / 32u + sub) & 7u, at);
+                    } else {
+                        for (var j = 0u; j < 32u; j++) {
+                            w_tile[at + j] = f16(0.0);
+                        }
                     }
                 }
             }
@@ -181,21 +240,25 @@ fn main(ids: ComputeIds) {
 #endfor
             }
 #endif
-            // X: TN columns × XK4 vec4 of K.
+            // X: TN columns × XK4 vec4 of K, from the prefetched registers.
             for (var h = 0u; h < XH; h++) {
                 let e = t + THREADS * h;
                 let xn = e / XK4;
                 let xk4 = e % XK4;
                 if xn < {{TN}}u {
-                    var v = vec4<f32>(0.0);
-                    if xn < tile.cols && k0 + 4u * xk4 < P.k {
-                        v = X[(x_start[h] + k0) / 4u + xk4];
-                    }
+                    let v = x_next[h];
                     let at = xn * LD + 4u * xk4;
 #for i in 0..4
                     x_tile[at + {{i}}u] = f16(v[{{i}}]);
 #endfor
                 }
+            }
+            workgroupBarrier();
+            if k0 + {{TK}}u < kr.y {
+                prefetch(&x_next, &x_start, tile, k0 + {{TK}}u, t);
+#if QTYPE == iq4_xs
+                prefetch_w(&w_next, tile, m0, k0 + {{TK}}u, t);
+#endif
             }
             workgroupBarrier();
 #for kk in 0..KK
