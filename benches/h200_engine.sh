@@ -6,6 +6,8 @@
 #                                                 (CUDA) while the random model is written, run the
 #                                                 GPU tests, then qk and llama.cpp side by side
 #   bash benches/h200_engine.sh wait [SECONDS]   wait for the background run; print its log
+#   bash benches/h200_engine.sh kernels [SETS]   only the kernel micro-benchmark (no model, no
+#                                                 llama.cpp), in the foreground: kernels-<set>.txt
 # Results land in $OUT (engine.log, qk-bench.json, llama-bench.md, llama-batched.txt, kernels.txt).
 # env: QK_SKIP_TESTS=1, QK_TEST_FILTER (a cargo test filter), QK_SKIP_LLAMA=1, QK_KERNELS=1 (kernel micro-benchmark;
 #      QK_KERNEL_SETS picks its parts),
@@ -20,8 +22,25 @@ wait)
   mkdir -p "$OUT" && cp $WORK/*.json $WORK/*.md $WORK/*.txt $WORK/engine.log "$OUT"/ 2>/dev/null
   [ -f $WORK/done ] || echo "== still running"
   exit 0 ;;
+kernels)
+  for f in .gl/*.deb; do dpkg -x "$f" /; done
+  ldconfig
+  [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] \
+    && export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+  mkdir -p "$OUT"
+  for set in ${2:-decode}; do
+    case $set in
+      decode) export QK_BENCH_ONLY_DECODE=1 ;;
+      prefill) export QK_BENCH_ONLY_PREFILL=1 QK_BENCH_NO_ATTENTION=1 ;;
+      attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
+    esac
+    echo "== kernel micro-benchmark ($set)"
+    .device/kernels-bench > "$OUT/kernels-$set.txt" 2>&1; grep -v "^adapter\|^counters" "$OUT/kernels-$set.txt" | tail -150
+    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION
+  done
+  exit 0 ;;
 start) ;;
-*) echo "usage: $0 start [LAYERS] | wait [SECONDS]"; exit 2 ;;
+*) echo "usage: $0 start [LAYERS] | wait [SECONDS] | kernels [SETS]"; exit 2 ;;
 esac
 LAYERS="${2:-48}"
 rm -rf $WORK && mkdir -p $WORK /tmp/site

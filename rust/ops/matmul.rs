@@ -759,18 +759,19 @@ impl ExpertCall<'_> {
     }
 }
 
-/// The default launch shapes of the decode step's expert products (kernel bench, H200 2026-12-01,
-/// 80B MoE layer, IQ4_XS, benches/RESULTS.md): per-pick gate/up at 64 invocations and one step per
-/// iteration (8 tokens: 80 µs against 388 with 32 invocations × 2 steps; 1 token: even), rows per
-/// workgroup as the type's tuned shape; the weighted-sum down projection (picks × K long) at 4 rows
-/// × 64 invocations × 2 steps (1 token: 70 µs against 104 for the per-pick product and the sum
-/// kernel; 8 tokens: 60 against 97). Neither width depends on the batch, so neither does a row's sum.
+/// The default launch shapes of the decode step's expert products (kernel bench on the H200,
+/// 2026-12-01, the 80B MoE layer in IQ4_XS, clocks held up, benches/RESULTS.md): per-pick gate/up
+/// at the type's rows × 64 invocations × 1 step (1 token 17–19 µs and 8 tokens 73–75 µs for any
+/// 4–8 rows at 32 or 64 invocations); the weighted-sum down projection (picks × K long) at 8 rows ×
+/// 128 invocations × 1 step (1 token 14.7 µs, 8 tokens 50.1, against 17.2 and 57.2 at 4 × 64 × 2,
+/// and 95 for 8 tokens as a per-pick product plus the sum kernel). Neither width depends on the
+/// batch, so neither does a row's sum.
 pub fn expert_shape(ty: GgmlType, sum: bool) -> MatvecShape {
     if sum {
         return MatvecShape {
-            rows: 4,
-            wg: 64,
-            unroll: 2,
+            rows: 8,
+            wg: 128,
+            unroll: 1,
         };
     }
     MatvecShape {
