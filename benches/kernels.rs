@@ -714,39 +714,19 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         // Each case twice, the list forward then backward, after holding the GPU busy: timings on
         // an idle H200 fell by 5× over the first seconds of a sweep (its clocks ramp), which made the
         // first cases of a list look slow whatever their shape. The faster of the two is printed.
-        let default_gate_up = expert_shape(ty, false);
-        let default_sum = expert_shape(ty, true);
-        let mut cases: Vec<(String, f64, u8)> = Vec::new();
-        cases.push((
-            format!("gate_up {} (default)", shape_name(default_gate_up)),
-            gu_bytes,
-            0,
-        ));
-        cases.extend(
-            gate_up_shapes
-                .iter()
-                .map(|&s| (format!("gate_up {}", shape_name(s)), gu_bytes, 0)),
-        );
-        cases.push(("down, then sum (2 dispatches)".to_string(), down_bytes, 1));
-        cases.push((
-            format!("down+sum {} (default)", shape_name(default_sum)),
-            down_bytes,
-            2,
-        ));
-        cases.extend(
-            sum_shapes
-                .iter()
-                .map(|&s| (format!("down+sum {}", shape_name(s)), down_bytes, 2)),
-        );
-        let shape_of = |i: usize| -> Option<MatvecShape> {
-            let g = gate_up_shapes.len();
-            match i {
-                0 => None,
-                i if i <= g => Some(gate_up_shapes[i - 1]),
-                i if i == g + 1 => None,
-                i if i == g + 2 => None,
-                i => Some(sum_shapes[i - g - 3]),
-            }
+        // None: the engine's default shape.
+        enum Case {
+            GateUp(Option<MatvecShape>),
+            DownThenSum,
+            DownSum(Option<MatvecShape>),
+        }
+        let mut cases = vec![Case::GateUp(None)];
+        cases.extend(gate_up_shapes.iter().map(|&s| Case::GateUp(Some(s))));
+        cases.extend([Case::DownThenSum, Case::DownSum(None)]);
+        cases.extend(sum_shapes.iter().map(|&s| Case::DownSum(Some(s))));
+        let label = |s: Option<MatvecShape>, sum: bool| match s {
+            Some(s) => shape_name(s),
+            None => format!("{} (default)", shape_name(expert_shape(ty, sum))),
         };
         let mut best = vec![f64::INFINITY; cases.len()];
         for pass in 0..2 {
@@ -757,17 +737,20 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
                 (0..cases.len()).rev().collect()
             };
             for i in order {
-                let s = shape_of(i);
-                let t = match cases[i].2 {
-                    0 => time_submit(gpu, iters, |rec| gate_up_run(rec, s)),
-                    1 => time_submit(gpu, iters, two_dispatches),
-                    _ => time_submit(gpu, iters, |rec| sum_run(rec, s)),
+                let t = match cases[i] {
+                    Case::GateUp(s) => time_submit(gpu, iters, |rec| gate_up_run(rec, s)),
+                    Case::DownThenSum => time_submit(gpu, iters, two_dispatches),
+                    Case::DownSum(s) => time_submit(gpu, iters, |rec| sum_run(rec, s)),
                 };
                 best[i] = best[i].min(t);
             }
         }
-        for (i, (name, bytes, _)) in cases.iter().enumerate() {
-            report(name, best[i], *bytes);
+        for (case, t) in cases.iter().zip(best) {
+            match *case {
+                Case::GateUp(s) => report(&format!("gate_up {}", label(s, false)), t, gu_bytes),
+                Case::DownThenSum => report("down, then sum (2 dispatches)", t, down_bytes),
+                Case::DownSum(s) => report(&format!("down+sum {}", label(s, true)), t, down_bytes),
+            }
         }
     }
 }
