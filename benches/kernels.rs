@@ -23,8 +23,8 @@ use std::time::Instant;
 use qk::gguf::GgmlType;
 use qk::gpu::{Gpu, GpuBuffer, Recorder};
 use qk::ops::attention::{
-    self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrepareArgs, ProjLayout,
-    reference,
+    self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrefillKernel, PrepareArgs,
+    ProjLayout, reference,
 };
 use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
@@ -1234,43 +1234,64 @@ fn prepare_bench(gpu: &Gpu, shape: &AttnShape, kv: &[KvGroup<'_>], iters: u32, r
     println!("{line}");
 }
 
-/// Prefill attention of 4096 tokens over an f16 cache: as the engine cuts it today (64 pieces of
-/// 64 positions, each attending to everything before it) and as one piece, in ms and TFLOP/s of the
+/// Prefill attention over an f16 cache with each kernel ([`PrefillKernel`]): 4096 tokens as the
+/// engine cuts them (pieces of 512 and of 2048, each attending to everything before it), and the
+/// last 2048-row piece of a 32,768-token prompt (its keys 30,720 deep), in ms and TFLOP/s of the
 /// causal work (4 · heads · head_dim flops per query-key pair).
 fn prefill_bench(gpu: &Gpu, smoke: bool, iters: u32, rng: &mut Rng) {
-    let tokens: u32 = if smoke { 256 } else { 4096 };
-    let shape = attn_shape(tokens, KvType::F16, KvType::F16);
+    let (tokens, deep) = if smoke { (256u32, 512u32) } else { (4096, 32768) };
+    let shape = attn_shape(deep, KvType::F16, KvType::F16);
     let groups = filled_cache(gpu, &shape, 1, rng);
     let kv = kv_views(&groups);
     let qn = (ATTN_HEADS * ATTN_DIM) as usize;
+    let most = if smoke { 128 } else { 2048u32 };
     let q = gpu
-        .buffer_from_f32("q", &rng.floats(tokens as usize * qn, 1.0))
+        .buffer_from_f32("q", &rng.floats(most as usize * qn, 1.0))
         .expect("q");
     let out = gpu
-        .buffer_zeroed("out", (tokens as usize * qn * 4) as u64)
+        .buffer_zeroed("out", (most as usize * qn * 4) as u64)
         .expect("out");
-    let pairs = f64::from(tokens) * f64::from(tokens + 1) / 2.0;
-    let flops = 4.0 * f64::from(ATTN_HEADS * ATTN_DIM) * pairs;
-    for piece in [64u32, tokens] {
-        let (po, pml) = attention::partial_len(0, piece, ATTN_HEADS, ATTN_DIM);
-        if po * 4 > gpu.caps.max_binding_size {
-            println!(
-                "  prefill {tokens} tokens in pieces of {piece}: partials of {} MiB exceed a binding, skipped",
-                (po * 4) >> 20
-            );
-            continue;
-        }
-        let part = partials(gpu, po, pml);
-        let args = packed_args(&q, None, &out, &part);
-        let t = time_submit(gpu, iters, |rec| {
-            for pos in (0..tokens).step_by(piece as usize) {
-                attention::record_prefill(gpu, rec, &shape, 0, pos, piece, &kv, &args).expect("prefill");
+    let causal = |from: u32, n: u32| {
+        let pairs = f64::from(n) * f64::from(from) + f64::from(n) * f64::from(n + 1) / 2.0;
+        4.0 * f64::from(ATTN_HEADS * ATTN_DIM) * pairs
+    };
+    let mut kernels = vec![PrefillKernel::Tiled];
+    if attention::coop_prefill_fits(gpu, &shape) {
+        kernels.push(PrefillKernel::Coop);
+    } else {
+        println!("  cooperative prefill attention: not offered here");
+    }
+    // (label, first position, piece, pieces)
+    let cases = [
+        ("4096 tokens", 0, most / 4, tokens / (most / 4)),
+        ("4096 tokens", 0, most, tokens / most),
+        ("last piece of 32k", deep - most, most, 1),
+    ];
+    for kernel in kernels {
+        for (label, first, piece, count) in cases {
+            let (po, pml) = attention::partial_len(0, piece, ATTN_HEADS, ATTN_DIM);
+            if po * 4 > gpu.caps.max_binding_size {
+                println!(
+                    "  prefill {label} in pieces of {piece}: partials of {} MiB exceed a binding, skipped",
+                    (po * 4) >> 20
+                );
+                continue;
             }
-        });
-        println!(
-            "  prefill {tokens} tokens in pieces of {piece:>4} (f16 cache): {:>8.2} ms  {:>6.2} TFLOP/s",
-            t * 1e3,
-            flops / t / 1e12
-        );
+            let part = partials(gpu, po, pml);
+            let args = packed_args(&q, None, &out, &part);
+            let t = time_submit(gpu, iters, |rec| {
+                for i in 0..count {
+                    let pos = first + i * piece;
+                    attention::record_prefill(gpu, rec, &shape, 0, pos, piece, &kv, &args, kernel)
+                        .expect("prefill");
+                }
+            });
+            let flops: f64 = (0..count).map(|i| causal(first + i * piece, piece)).sum();
+            println!(
+                "  prefill {label:<18} pieces of {piece:>4} ({kernel:?}, f16 cache): {:>8.2} ms  {:>6.2} TFLOP/s",
+                t * 1e3,
+                flops / t / 1e12
+            );
+        }
     }
 }

@@ -30,6 +30,9 @@
 #if OP == merge
 #include "common_reduce.wgsl"
 #endif
+#if OP != prepare
+#include "common_attention.wgsl"
+#endif
 #define OP decode
 #define K_TYPE 1
 #define V_TYPE 1
@@ -52,38 +55,6 @@
 #variants OP=prepare
 #variants OP=prepare K_TYPE=0 V_TYPE=0
 #variants OP=prepare K_TYPE=2
-
-struct CoreParams {
-    // Rows of the dispatch; with rows_from_buffer = 0 row r is (slot, pos + r).
-    rows: u32,
-    rows_from_buffer: u32,
-    slot: u32,
-    pos: u32,
-    heads: u32,
-    kv_heads: u32,
-    // Positions per slot in the cache, and the slots [first_slot, first_slot + slots) it holds.
-    ctx: u32,
-    first_slot: u32,
-    slots: u32,
-    // Prepared q (f32): row r head h at q_offset + r * q_row_stride + h * HEAD_DIM.
-    q_offset: u32,
-    q_row_stride: u32,
-    // Gate logits (merge): row r head h dim d at gate_offset + r * gate_row_stride + h * gate_head_stride + d.
-    gate_offset: u32,
-    gate_row_stride: u32,
-    gate_head_stride: u32,
-    gated: u32,
-    // Output: row r head h at out_offset + r * out_row_stride + h * HEAD_DIM.
-    out_offset: u32,
-    out_row_stride: u32,
-    // Partial entries per (row, head), and the split plan.
-    split_stride: u32,
-    min_split: u32,
-    max_splits: u32,
-    // Rows per query tile (prefill TT; decode 1): the merge recomputes its tile's plan.
-    tile_rows: u32,
-    scale: f32,
-}
 
 struct PrepareParams {
     // Rows of the dispatch; with rows_from_buffer = 0 row r is (slot, pos + r).
@@ -209,15 +180,6 @@ fn local_slot(slot: u32) -> u32 {
 }
 
 #if OP != prepare
-// (split length, splits) for `n` keys.
-fn plan(n: u32) -> vec2<u32> {
-    var len = P.min_split;
-    while len * P.max_splits < n {
-        len *= 2u;
-    }
-    return vec2<u32>(len, (n + len - 1u) / len);
-}
-
 // Keys of the tile holding row r: through the tile's last row's own position.
 fn tile_keys(r: u32) -> u32 {
     let last = min((r / P.tile_rows + 1u) * P.tile_rows, P.rows) - 1u;

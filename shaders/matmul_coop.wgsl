@@ -165,15 +165,9 @@ fn main(ids: ComputeIds) {
     // Not an early return: naga wants cooperative-matrix operations in control flow that no
     // return has left, even a uniform one.
     if tile.cols > 0u {
-#if SUBGROUPS
-        let sg = ids.sg_id;
-        let lane = ids.sg_lane;
-#else
-        // Without the subgroup built-ins the runtime only picks this shader on devices whose subgroup
-        // size is fixed at SG, where subgroups are consecutive invocation ranges.
-        let sg = t / {{SG}}u;
-        let lane = t % {{SG}}u;
-#endif
+        let sl = subgroup_lane(ids, {{SG}}u);
+        let sg = sl.x;
+        let lane = sl.y;
         let sm = {{WM}}u * (sg % SG_ROWS);
         let sn = {{WN}}u * (sg / SG_ROWS);
         let groups = P.k / 8u;

@@ -43,6 +43,7 @@ pub const LIBRARY: &[ShaderFile] = &[
     shader_file!("common_reduce"),
     shader_file!("common_route"),
     shader_file!("common_matmul"),
+    shader_file!("common_attention"),
 ];
 
 pub type Defines = BTreeMap<String, String>;

@@ -858,7 +858,8 @@ impl Model {
                 };
                 attention::record_prepare(gpu, rec, &shape, rows, &groups, &prep)?;
                 rec.op("attn.core", layer, kv_bytes(u64::from(base + n)));
-                attention::record_prefill(gpu, rec, &shape, *slot, base, n, &groups, &core)?;
+                let kernel = attention::prefill_kernel(gpu, &shape, self.precision);
+                attention::record_prefill(gpu, rec, &shape, *slot, base, n, &groups, &core, kernel)?;
             }
             Batch::Decode { positions } => {
                 rec.op("attn.prepare", layer, 0);

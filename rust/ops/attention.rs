@@ -12,8 +12,9 @@
 //!   dispatch per buffer group (normally one) over every row, then one merge dispatch writing the
 //!   gated output. Nothing in it depends on the rows' positions, so one recording serves every step
 //!   once the rows buffer is rewritten.
-//! * [`record_prefill`]`(gpu, rec, shape, slot, pos, n, kv, args)` — a prefill piece: `n`
-//!   consecutive positions of one slot (already prepared), tiled flash attention plus the merge.
+//! * [`record_prefill`]`(gpu, rec, shape, slot, pos, n, kv, args, kernel)` — a prefill piece: `n`
+//!   consecutive positions of one slot (already prepared), tiled flash attention plus the merge;
+//!   [`prefill_kernel`] picks f32 tiles or cooperative-matrix ones (f16 cache, fast default).
 //!
 //! # Buffer layouts (every index in 4-byte words)
 //!
@@ -38,10 +39,13 @@
 use bytemuck::{Pod, Zeroable};
 
 use super::elementwise::require_len;
+use super::matmul::{self, Precision};
 use crate::gpu::{Gpu, GpuBuffer, Pipeline, Recorder, ShaderFile};
 use crate::{QkError, Result};
 
 pub const FILE: ShaderFile = crate::shader_file!("attention");
+/// The cooperative-matrix prefill kernel (f16 cache; [`PrefillKernel::Coop`]).
+pub const COOP_FILE: ShaderFile = crate::shader_file!("attention_coop");
 
 /// Decode splits: at least 32 keys each, at most 256 per row (longer caches get longer splits).
 /// A decode row has only kv_heads × splits workgroups, each walking its split's keys serially: up
@@ -64,6 +68,51 @@ pub const DECODE_COLS: u32 = 4;
 pub const DECODE_UNROLL: u32 = 4;
 /// Keys per K/V block staged in workgroup memory by the prefill kernel (`BK`).
 pub const PREFILL_KEYS: u32 = 16;
+/// Subgroups of the cooperative prefill workgroup, and the keys of its staged K/V blocks
+/// (attention_coop.wgsl's BC; its rows per tile are [`PREFILL_ROWS`]).
+const COOP_SUBGROUPS: u32 = 8;
+const COOP_KEYS: u32 = 32;
+
+/// Which kernel computes a prefill piece's attention: a value the engine passes (never read from
+/// the environment), so one process can run both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// f32 products throughout (attention.wgsl OP=prefill): every adapter and cache type.
+    Tiled,
+    /// Cooperative-matrix tiles (attention_coop.wgsl): f16 q, K, V and weights into f32
+    /// accumulators, as llama.cpp's tensor-core flash attention; an f16 cache only.
+    Coop,
+}
+
+/// The kernel a prefill piece of `shape` runs with `precision`: the cooperative one for the fast
+/// default over an f16 cache where the adapter has it ([`coop_prefill_fits`]), else the tiled one
+/// (the precise setting keeps f32 products, as it does for the mat-mats).
+pub fn prefill_kernel(gpu: &Gpu, shape: &AttnShape, precision: Precision) -> PrefillKernel {
+    if precision == Precision::Fast && coop_prefill_fits(gpu, shape) {
+        PrefillKernel::Coop
+    } else {
+        PrefillKernel::Tiled
+    }
+}
+
+/// Whether [`PrefillKernel::Coop`] can run `shape` here: f16 K and V, head dims in 32-wide halves,
+/// a GQA group within one 64-row tile, 16×16×16 f16→f32 cooperative matrices, and room for its
+/// workgroup (8 subgroups) and its workgroup memory.
+pub fn coop_prefill_fits(gpu: &Gpu, shape: &AttnShape) -> bool {
+    let hd = u64::from(shape.head_dim);
+    let rows = u64::from(PREFILL_ROWS);
+    let keys = u64::from(COOP_KEYS);
+    // Staged q half or K/V block (f16), scores (f32), weights (f16), row maxima and sums, the tile.
+    let bytes = 2 * rows * (hd / 2 + 8) + 4 * keys * rows + 2 * rows * (keys + 8) + 4 * 5 * rows + 16;
+    shape.k_type == KvType::F16
+        && shape.v_type == KvType::F16
+        && shape.head_dim.is_multiple_of(32)
+        && shape.group() <= PREFILL_ROWS
+        && matmul::coop_offered(gpu, wgpu::CooperativeScalarType::F32)
+        && COOP_SUBGROUPS * gpu.caps.subgroup_max_size <= gpu.caps.max_invocations
+        && bytes <= u64::from(gpu.caps.max_workgroup_storage)
+}
+
 /// Largest GQA group and head dim the kernels keep in registers.
 pub const MAX_GROUP: u32 = 16;
 pub const MAX_HEAD_DIM: u32 = 512;
@@ -682,7 +731,8 @@ pub fn record_decode(
 }
 
 /// Record prefill attention for positions `pos .. pos + n` of `slot` (prepared by
-/// [`record_prepare`] with a piece): tiles of query rows over the cache, then the merge.
+/// [`record_prepare`] with a piece) with `kernel`: tiles of query rows over the cache, then the
+/// merge. Both kernels write the same partials for the same tiles and split plan.
 #[allow(clippy::too_many_arguments)]
 pub fn record_prefill(
     gpu: &Gpu,
@@ -693,6 +743,7 @@ pub fn record_prefill(
     n: u32,
     kv: &[KvGroup<'_>],
     args: &CoreArgs<'_>,
+    kernel: PrefillKernel,
 ) -> Result<()> {
     if n == 0 {
         return Ok(());
@@ -705,14 +756,7 @@ pub fn record_prefill(
             shape.ctx
         ))
     );
-    check_workgroup_memory(gpu, shape, false)?;
     let g = group_of(kv, slot)?;
-    let lanes = lanes(gpu, shape.head_dim, 4);
-    let pipe = gpu.pipeline(
-        &FILE,
-        &kernel_defines(shape, "prefill", lanes, PREFILL_ROWS * lanes),
-        &[],
-    )?;
     let tokens_per_tile = PREFILL_ROWS / shape.group();
     let p = CoreParams {
         slot,
@@ -726,9 +770,56 @@ pub fn record_prefill(
         ..core_params(shape, n, args)
     };
     let splits = split_plan(pos + n, PREFILL_MIN_SPLIT, PREFILL_MAX_SPLITS).1;
-    // The rows binding is unused by a piece: bind q (read-only here).
     let grid = [splits, shape.kv_heads, n.div_ceil(tokens_per_tile)];
-    dispatch_core(rec, &pipe, &p, args.q, g, args, grid)?;
+    match kernel {
+        PrefillKernel::Tiled => {
+            check_workgroup_memory(gpu, shape, false)?;
+            let lanes = lanes(gpu, shape.head_dim, 4);
+            let pipe = gpu.pipeline(
+                &FILE,
+                &kernel_defines(shape, "prefill", lanes, PREFILL_ROWS * lanes),
+                &[],
+            )?;
+            // The rows binding is unused by a piece: bind q (read-only here).
+            dispatch_core(rec, &pipe, &p, args.q, g, args, grid)?;
+        }
+        PrefillKernel::Coop => {
+            crate::ensure!(
+                coop_prefill_fits(gpu, shape),
+                QkError::Engine(format!(
+                    "attention: the cooperative prefill kernel cannot run {}x{} heads of dim {} over a {}/{} cache on {}",
+                    shape.heads,
+                    shape.kv_heads,
+                    shape.head_dim,
+                    shape.k_type.name(),
+                    shape.v_type.name(),
+                    gpu.adapter.name
+                ))
+            );
+            let pipe = gpu.pipeline(
+                &COOP_FILE,
+                &[
+                    ("HEAD_DIM", shape.head_dim.to_string()),
+                    ("GROUP", shape.group().to_string()),
+                    ("SG", gpu.caps.subgroup_max_size.to_string()),
+                    ("DH", (shape.head_dim / 32).to_string()),
+                ],
+                &[],
+            )?;
+            rec.dispatch(
+                &pipe,
+                &[
+                    args.q.all(),
+                    g.k.all(),
+                    g.v.all(),
+                    args.part_o.all(),
+                    args.part_ml.all(),
+                ],
+                bytemuck::bytes_of(&p),
+                grid,
+            )?;
+        }
+    }
     record_merge(gpu, rec, shape, &p, args.q, args)
 }
 

@@ -1048,28 +1048,33 @@ const WIDE_MIN_WORKGROUPS: u64 = 256;
 pub fn coop_accumulator(gpu: &Gpu, tile: CoopTile) -> Option<&'static str> {
     use wgpu::CooperativeScalarType as S;
     let caps = &gpu.caps;
-    if !tile.valid()
-        || !caps.cooperative_matrix
-        || !caps.shader_f16
-        || caps.subgroup_min_size != caps.subgroup_max_size
-        || caps.subgroup_max_size == 0
-        || tile.subgroups() * caps.subgroup_max_size > caps.max_invocations
-    {
+    if !tile.valid() || tile.subgroups() * caps.subgroup_max_size > caps.max_invocations {
         return None;
     }
-    let offered = |cr: S| {
-        caps.cooperative_matrix_configs
-            .iter()
-            .any(|c| (c.m_size, c.n_size, c.k_size) == (16, 16, 16) && c.ab_type == S::F16 && c.cr_type == cr)
-    };
     let fits = |acc_bytes: u32| caps.max_workgroup_storage >= tile.workgroup_bytes(acc_bytes);
-    if offered(S::F32) && fits(4) {
+    if coop_offered(gpu, S::F32) && fits(4) {
         Some("f32")
-    } else if offered(S::F16) && fits(2) {
+    } else if coop_offered(gpu, S::F16) && fits(2) {
         Some("f16")
     } else {
         None
     }
+}
+
+/// Whether a cooperative-matrix kernel of 16×16×16 f16 multiply-adds into `acc` accumulators can
+/// run here: the adapter lists that configuration, has shader f16, and a fixed subgroup size (the
+/// kernels' workgroups are whole subgroups).
+pub fn coop_offered(gpu: &Gpu, acc: wgpu::CooperativeScalarType) -> bool {
+    let caps = &gpu.caps;
+    caps.cooperative_matrix
+        && caps.shader_f16
+        && caps.subgroup_min_size == caps.subgroup_max_size
+        && caps.subgroup_max_size != 0
+        && caps.cooperative_matrix_configs.iter().any(|c| {
+            (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+                && c.ab_type == wgpu::CooperativeScalarType::F16
+                && c.cr_type == acc
+        })
 }
 
 /// What kind of kernel a product over `ncols` activation columns runs. Prefill pieces are cut so

@@ -5,8 +5,8 @@
 
 use qk::gpu::{Gpu, GpuBuffer};
 use qk::ops::attention::{
-    self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrepareArgs, ProjLayout,
-    reference,
+    self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrefillKernel, PrepareArgs,
+    ProjLayout, reference,
 };
 use qk::ops::rope::freq_table;
 
@@ -451,6 +451,70 @@ fn gpu_attention_decode_matches_reference() {
     }
 }
 
+/// Fill slot 1's first `prefix` positions, then prepare `n` rows from `prefix` on (K/V stored, q in
+/// `q_out`); returns the projection and its buffer.
+fn prepare_prompt(gpu: &Gpu, c: &mut Case, prefix: u32, n: u32) -> (Vec<f32>, GpuBuffer) {
+    c.fill(gpu, 1, prefix);
+    let proj = c.projection(n);
+    let pb = gpu.buffer_from_f32("proj", &proj).unwrap();
+    c.prepare(
+        gpu,
+        &pb,
+        AttnRows::Piece {
+            slot: 1,
+            pos: prefix,
+            n,
+        },
+    );
+    (proj, pb)
+}
+
+/// Attention for the prepared rows as the consecutive pieces `pieces` with `kernel`, each piece run
+/// as the engine runs it (its q and gate rows, and its outputs, from row 0); each row's output.
+fn run_pieces(
+    gpu: &Gpu,
+    c: &Case,
+    pb: &GpuBuffer,
+    prefix: u32,
+    pieces: &[u32],
+    kernel: PrefillKernel,
+) -> Vec<Vec<f32>> {
+    let q_row = u64::from(c.shape.heads * c.shape.head_dim) * 4;
+    let proj_row = u64::from(c.layout().row_stride) * 4;
+    let mut outs = Vec::new();
+    let mut done = 0;
+    for &piece in pieces {
+        let rows = u64::from(piece);
+        let q = gpu.buffer_zeroed("q piece", rows * q_row).unwrap();
+        let gate = gpu.buffer_zeroed("gate piece", rows * proj_row).unwrap();
+        let mut rec = gpu.recorder();
+        rec.copy(&c.q_out, u64::from(done) * q_row, &q, 0, rows * q_row)
+            .unwrap();
+        rec.copy(pb, u64::from(done) * proj_row, &gate, 0, rows * proj_row)
+            .unwrap();
+        let args = CoreArgs {
+            q: &q,
+            ..c.core_args(&gate)
+        };
+        attention::record_prefill(
+            gpu,
+            &mut rec,
+            &c.shape,
+            1,
+            prefix + done,
+            piece,
+            &c.views(),
+            &args,
+            kernel,
+        )
+        .unwrap();
+        rec.submit().unwrap();
+        outs.extend((0..piece).map(|r| c.out_row(gpu, r)));
+        done += piece;
+    }
+    outs
+}
+
 /// Prefill pieces (a first piece, one after a prefix of 300, and a GQA group of 3 whose tiles hold
 /// 21 tokens) match the reference at every row in every cache type.
 #[test]
@@ -461,35 +525,80 @@ fn gpu_attention_prefill_matches_reference() {
                 [(4, 2, 64, 0, 19), (4, 2, 64, 300, 70), (6, 2, 32, 40, 45)]
             {
                 let mut c = Case::new(gpu, shape(heads, kv_heads, hd, 512, types), 2, 2, 70);
-                c.fill(gpu, 1, prefix);
-                let proj = c.projection(n);
-                let pb = gpu.buffer_from_f32("proj", &proj).unwrap();
-                let piece = AttnRows::Piece {
-                    slot: 1,
-                    pos: prefix,
-                    n,
-                };
-                c.prepare(gpu, &pb, piece);
-                let mut rec = gpu.recorder();
-                attention::record_prefill(
-                    gpu,
-                    &mut rec,
-                    &c.shape,
-                    1,
-                    prefix,
-                    n,
-                    &c.views(),
-                    &c.core_args(&pb),
-                )
-                .unwrap();
-                rec.submit().unwrap();
-                for r in 0..n {
-                    let e = nmse(&c.out_row(gpu, r), &c.want_row(gpu, r, 1, prefix + r, &proj));
+                let (proj, pb) = prepare_prompt(gpu, &mut c, prefix, n);
+                let outs = run_pieces(gpu, &c, &pb, prefix, &[n], PrefillKernel::Tiled);
+                for (r, out) in (0..n).zip(&outs) {
+                    let e = nmse(out, &c.want_row(gpu, r, 1, prefix + r, &proj));
                     assert!(
                         e < CORE_NMSE,
                         "{types:?} {heads}/{kv_heads}x{hd} row {r} of {prefix}+{n}: nmse {e}"
                     );
                 }
+            }
+        }
+    }
+}
+
+/// The cooperative-matrix prefill kernel (f16 q, K, V and weights, f32 accumulators) against the
+/// f64 reference over the same f16 cache. Its error is the f16 rounding of q and of each weight
+/// (2⁻¹¹ relative at most): a score s moves by up to |s|·2⁻¹¹, a weight by as much plus its own
+/// rounding, and the output, an average of V rows under those weights, by about the same relative
+/// amount. At the model's scale (1/√head_dim, |s| ≲ 10 here) that is NMSE ≈ 2.4e-7 per row:
+/// bound 1e-6. The sharp case (scale 0.5: |s| up to ~100, a softmax dominated by a few keys, most
+/// weights far below f16's normal range): the few weights that matter move by |s|·2⁻¹² ≈ 2% at
+/// worst, in practice far less (measured 1.7e-6 on the H200): bound 1e-4, which a wrong max or a
+/// lost key (an O(1) error) fails. Rows must
+/// also not depend on the piece that holds them (tiles are aligned to the piece start, pieces to
+/// 64): one piece of 128 and two of 64 give the same bytes. Shapes: the 80B model's (16 q heads
+/// over 2 kv heads of 256, a tile of 8 tokens) after a prefix long enough for several splits, and
+/// the reference test's small ones (a group of 3: 21 tokens per tile).
+#[test]
+fn gpu_attention_prefill_coop_matches_reference() {
+    let Some(gpu) = test_gpu(false) else { return };
+    let types = (KvType::F16, KvType::F16);
+    for (heads, kv_heads, hd, prefix, n, ctx, sharp) in [
+        (16, 2, 256, 640, 128, 1024, false),
+        (16, 2, 256, 640, 128, 1024, true),
+        (4, 2, 64, 0, 19, 512, false),
+        (4, 2, 64, 300, 70, 512, false),
+        (6, 2, 32, 40, 45, 512, false),
+    ] {
+        let mut s = shape(heads, kv_heads, hd, ctx, types);
+        let bound = if sharp {
+            s.scale = 0.5;
+            1e-4
+        } else {
+            1e-6
+        };
+        if !attention::coop_prefill_fits(gpu, &s) {
+            crate::matmul_tests::coop_not_exercised(
+                gpu,
+                &format!("cooperative prefill attention {heads}/{kv_heads}x{hd}"),
+            );
+            return;
+        }
+        let mut c = Case::new(gpu, s, 2, 2, n);
+        let (proj, pb) = prepare_prompt(gpu, &mut c, prefix, n);
+        let outs = run_pieces(gpu, &c, &pb, prefix, &[n], PrefillKernel::Coop);
+        let mut worst = 0f64;
+        for (r, out) in (0..n).zip(&outs) {
+            let e = nmse(out, &c.want_row(gpu, r, 1, prefix + r, &proj));
+            worst = worst.max(e);
+            assert!(
+                e < bound,
+                "{heads}/{kv_heads}x{hd} sharp {sharp} row {r} of {prefix}+{n}: nmse {e}"
+            );
+        }
+        println!(
+            "cooperative prefill attention {heads}/{kv_heads}x{hd} {prefix}+{n} sharp {sharp}: worst row nmse {worst:.2e}"
+        );
+        if n == 128 {
+            let halves = run_pieces(gpu, &c, &pb, prefix, &[64, 64], PrefillKernel::Coop);
+            for (r, (a, b)) in outs.iter().zip(&halves).enumerate() {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "row {r}: one piece and two pieces differ"
+                );
             }
         }
     }

@@ -260,7 +260,7 @@ fn coop_nmse_max(acc: &str) -> f64 {
 }
 
 /// Fails under QK_REQUIRE_COOP=1 (the H200 run), else says the cooperative path went untested.
-fn coop_not_exercised(gpu: &Gpu, what: &str) {
+pub(crate) fn coop_not_exercised(gpu: &Gpu, what: &str) {
     let why = format!(
         "{what} NOT exercised: {} offers no usable configuration (feature {}, configs {:?}, \
          subgroups {}..{})",

@@ -1,0 +1,244 @@
+// Cooperative-matrix flash attention for prefill pieces over an f16 K/V cache (tensor cores where
+// wgpu's experimental cooperative-matrix feature exists). It writes the partials of attention.wgsl's
+// OP=prefill — the same grid (splits, kv heads, query tiles), tiles of TT tokens × the GQA group's G
+// heads, split plan and layouts — and that file's OP=merge normalises and gates them. Layouts and
+// the host side: rust/ops/attention.rs.
+//
+// A workgroup of 8 subgroups takes one tile of BR = 64 rows (TT = 64 / G tokens; rows past TT·G or
+// the piece are zero and never written) and walks its split's keys in blocks of BC = 32 staged in
+// workgroup memory as f16. Subgroup s owns rows 16·(s mod 4)..+16: for the scores S = q·Kᵀ it
+// computes the 16 keys (s div 4) of each block, for the output the dims D/2·(s div 4)..+D/2, with q
+// held as A matrices for the whole walk. The online softmax needs a per-row rescale of the output
+// that cooperative matrices cannot do in place, so the walk is made twice: the first pass finds
+// each row's max m over its visible keys, the second accumulates o = Σ exp(s − m)·v and
+// l = Σ exp(s − m) with m fixed (scores cost twice, the output never moves). Inputs to the
+// multiply-adds are f16 (q, the cache's own K and V, the weights p ∈ [0, 1]), accumulators f32,
+// the scale and the exponentials f32: the precision of llama.cpp's tensor-core flash attention, and
+// what the tests state. A row's result depends on its own q and its split only (each output is its
+// own chain of 16-wide multiply-adds), never on the other rows of its tile.
+enable f16;
+enable wgpu_cooperative_matrix;
+#include "common.wgsl"
+#include "common_attention.wgsl"
+#define HEAD_DIM 256
+#define GROUP 8
+#define SG 32
+// 16-wide chunks in half a head row (HEAD_DIM / 32).
+#define DH 8
+#variants HEAD_DIM=64 GROUP=2 DH=2
+#variants HEAD_DIM=32 GROUP=3 DH=1
+
+const D: u32 = {{HEAD_DIM}}u;
+const G: u32 = {{GROUP}}u;
+const BR: u32 = 64u;
+const TT: u32 = BR / G;
+const BC: u32 = 32u;
+const THREADS: u32 = 8u * {{SG}}u;
+const HALF: u32 = D / 2u;
+// Pitches in halves: rows 16-byte aligned and shifted across memory banks.
+const LDK: u32 = D + 8u;
+const LDQ: u32 = HALF + 8u;
+const LDP: u32 = BC + 8u;
+// Stands in for -inf: exp(MASKED - finite) is exactly 0 and never a NaN.
+const MASKED: f32 = -3.0e38;
+
+var<immediate> P: CoreParams;
+@group(0) @binding(0) var<storage, read> Q: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> K_CACHE: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> V_CACHE: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read_write> PART_O: array<f32>;
+@group(0) @binding(4) var<storage, read_write> PART_ML: array<vec2<f32>>;
+
+// The staged K or V block (BC keys × D, pitch LDK), or half of the tile's q (BR rows × HALF, pitch
+// LDQ; the larger of the two).
+var<workgroup> kvq: array<f16, BR * LDQ>;
+// Scores of a block as [key][row] (f32); at the end each subgroup's output blocks on their way out.
+var<workgroup> s_tile: array<f32, BC * BR>;
+// Weights of a block as [row][key] (f16), the A operand of the output's multiply-adds.
+var<workgroup> p_tile: array<f16, BR * LDP>;
+// Per-row partial maxima / sums of the 4 invocations sharing a row, and the rows' maxima.
+var<workgroup> row_part: array<f32, 4u * BR>;
+var<workgroup> row_max: array<f32, BR>;
+// (live, first key, end key, first token) of this workgroup's tile and split.
+var<workgroup> tile_wg: vec4<u32>;
+
+// Half h of q for the tile's rows into kvq: row i is token t_first + i / G, head g·G + i mod G.
+fn stage_q(h: u32, t_first: u32, g: u32, t: u32) {
+    for (var e = t; e < BR * HALF / 4u; e += THREADS) {
+        let i = e / (HALF / 4u);
+        let c4 = e % (HALF / 4u);
+        let tok = t_first + i / G;
+        var v = vec4<f32>(0.0);
+        if i < TT * G && tok < P.rows {
+            v = Q[(P.q_offset + tok * P.q_row_stride + (g * G + i % G) * D + h * HALF) / 4u + c4];
+        }
+        let at = i * LDQ + 4u * c4;
+        kvq[at] = f16(v.x);
+        kvq[at + 1u] = f16(v.y);
+        kvq[at + 2u] = f16(v.z);
+        kvq[at + 3u] = f16(v.w);
+    }
+}
+
+// Keys k0..k0+BC of kv head g (V when `values`) into kvq; keys from `end` on repeat key end - 1 (a
+// real row, so finite; its weight is 0).
+fn stage_block(k0: u32, end: u32, local: u32, g: u32, t: u32, values: bool) {
+    for (var e = t; e < BC * D / 8u; e += THREADS) {
+        let key = e / (D / 8u);
+        let u = e % (D / 8u);
+        let word = ((local * P.ctx + min(k0 + key, end - 1u)) * P.kv_heads + g) * HALF;
+        var w: vec4<u32>;
+        if values {
+            w = V_CACHE[word / 4u + u];
+        } else {
+            w = K_CACHE[word / 4u + u];
+        }
+        let at = key * LDK + 8u * u;
+#for i in 0..4
+        {
+            let pair = unpack2x16float(w[{{i}}]);
+            kvq[at + 2u * {{i}}u] = f16(pair.x);
+            kvq[at + 2u * {{i}}u + 1u] = f16(pair.y);
+        }
+#endfor
+    }
+}
+
+fn part_index(tok: u32, h: u32, split: u32) -> u32 {
+    return (tok * P.heads + h) * P.split_stride + split;
+}
+
+@compute @workgroup_size(8 * {{SG}})
+fn main(ids: ComputeIds) {
+    let t = ids.lid;
+    if t == 0u {
+        let t_first = ids.wid.z * TT;
+        var v = vec4<u32>(0u);
+        if t_first < P.rows {
+            // The tile's keys: through its last token's own position (attention.wgsl's tile_keys).
+            let n = P.pos + min(t_first + TT, P.rows);
+            let pl = plan(n);
+            if ids.wid.x < pl.y {
+                let start = ids.wid.x * pl.x;
+                v = vec4<u32>(1u, start, min(start + pl.x, n), t_first);
+            }
+        }
+        tile_wg = v;
+    }
+    // Not an early return: naga wants cooperative-matrix operations in control flow that no return
+    // has left, and the tile read through workgroupUniformLoad is uniform in its eyes.
+    let tile = workgroupUniformLoad(&tile_wg);
+    if tile.x != 0u {
+        let split = ids.wid.x;
+        let g = ids.wid.y;
+        let start = tile.y;
+        let end = tile.z;
+        let t_first = tile.w;
+        let local = P.slot - P.first_slot;
+        let sl = subgroup_lane(ids, {{SG}}u);
+        let sg = sl.x;
+        let lane = sl.y;
+        let rb = sg % 4u;
+        let side = sg / 4u;
+        // The row this invocation scans in the softmax passes (4 per row, 8 keys of a block each);
+        // its keys through its own position are visible.
+        let row = t % BR;
+        let part = t / BR;
+        let own = P.pos + t_first + row / G;
+
+        stage_q(0u, t_first, g, t);
+        workgroupBarrier();
+#for c in 0..DH
+        let qa{{c}} = coopLoadT<coop_mat16x16<f16, A>>(&kvq[(16u * rb) * LDQ + 16u * {{c}}u], LDQ);
+#endfor
+        workgroupBarrier();
+        stage_q(1u, t_first, g, t);
+        workgroupBarrier();
+#for c in 0..DH
+        let qb{{c}} = coopLoadT<coop_mat16x16<f16, A>>(&kvq[(16u * rb) * LDQ + 16u * {{c}}u], LDQ);
+#endfor
+
+        var mx = MASKED;
+        // Pass 0 finds each row's max m over its visible keys; pass 1 accumulates o = Σ p·v and
+        // l = Σ p with p = exp(s − m), the weights rounded to f16 once and summed as rounded, so l
+        // is the sum of what multiplies v. Both compute a block's scores the same way.
+#for PASS in 0..2
+        for (var k0 = start; k0 < end; k0 += BC) {
+            workgroupBarrier();
+            stage_block(k0, end, local, g, t, false);
+            workgroupBarrier();
+            var s: coop_mat16x16<f32, C>;
+#for c in 0..DH
+            s = coopMultiplyAdd(qa{{c}}, coopLoad<coop_mat16x16<f16, B>>(&kvq[(16u * side) * LDK + 16u * {{c}}u], LDK), s);
+            s = coopMultiplyAdd(qb{{c}}, coopLoad<coop_mat16x16<f16, B>>(&kvq[(16u * side) * LDK + HALF + 16u * {{c}}u], LDK), s);
+#endfor
+            coopStore(s, &s_tile[(16u * side) * BR + 16u * rb], BR);
+            workgroupBarrier();
+#if PASS == 0
+            for (var j = 0u; j < 8u; j++) {
+                let key = k0 + 8u * part + j;
+                if key < end && key <= own {
+                    mx = max(mx, s_tile[(8u * part + j) * BR + row] * P.scale);
+                }
+            }
+#else
+            for (var j = 0u; j < 8u; j++) {
+                let key = k0 + 8u * part + j;
+                var p = f16(0.0);
+                if key < end && key <= own {
+                    p = f16(exp(s_tile[(8u * part + j) * BR + row] * P.scale - m));
+                }
+                l += f32(p);
+                p_tile[row * LDP + 8u * part + j] = p;
+            }
+            stage_block(k0, end, local, g, t, true);
+            workgroupBarrier();
+#for kc in 0..2
+            {
+                let pa = coopLoadT<coop_mat16x16<f16, A>>(&p_tile[(16u * rb) * LDP + 16u * {{kc}}u], LDP);
+#for c in 0..DH
+                o{{c}} = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&kvq[(16u * {{kc}}u) * LDK + side * HALF + 16u * {{c}}u], LDK), o{{c}});
+#endfor
+            }
+#endfor
+#endif
+        }
+#if PASS == 0
+        row_part[part * BR + row] = mx;
+        workgroupBarrier();
+        if part == 0u {
+            row_max[row] = max(max(row_part[row], row_part[BR + row]), max(row_part[2u * BR + row], row_part[3u * BR + row]));
+        }
+        workgroupBarrier();
+        let m = row_max[row];
+        var l = 0.0;
+#for c in 0..DH
+        var o{{c}}: coop_mat16x16<f32, C>;
+#endfor
+#endif
+#endfor
+        workgroupBarrier();
+        row_part[part * BR + row] = l;
+        workgroupBarrier();
+        let tok = t_first + row / G;
+        if part == 0u && row < TT * G && tok < P.rows {
+            let total = row_part[row] + row_part[BR + row] + row_part[2u * BR + row] + row_part[3u * BR + row];
+            PART_ML[part_index(tok, g * G + row % G, split)] = vec2<f32>(m, total);
+        }
+        // Each output block through the subgroup's 16×16 of s_tile, then out a row's 16 dims at a time.
+        let stage = sg * 256u;
+#for c in 0..DH
+        coopStore(o{{c}}, &s_tile[stage], 16u);
+        workgroupBarrier();
+        for (var e = lane; e < 256u; e += {{SG}}u) {
+            let r = 16u * rb + e / 16u;
+            let rt = t_first + r / G;
+            if r < TT * G && rt < P.rows {
+                PART_O[part_index(rt, g * G + r % G, split) * D + side * HALF + 16u * {{c}}u + e % 16u] =
+                    s_tile[stage + (e % 16u) * 16u + e / 16u];
+            }
+        }
+        workgroupBarrier();
+#endfor
+    }
+}
