@@ -123,6 +123,25 @@ def test_cli_defaults():
     assert args.ctx >= 32768 and args.host == "127.0.0.1" and args.port == 8080 and args.model is None
 
 
+def test_cli_engine_flags_become_engine_keywords(capsys):
+    """``--prefill-rows`` and the cache types go to the engine as keywords on the server and the
+    worker alike; absent flags leave the engine's defaults; a piece that is not whole 64-position
+    chunks is refused at the command line."""
+    from qk import serve, worker
+
+    args = serve.parse_args(["--prefill-rows", "512", "--cache-type-k", "q8_0"])
+    assert worker.engine_args(args) == {"prefill_rows": 512, "cache_type_k": "q8_0"}
+    assert worker.engine_args(serve.parse_args([])) == {}
+    wargs = worker.build_parser().parse_args(
+        ["--model", "m.gguf", "--layers", "2:4", "--prefill-rows", "128"]
+    )
+    assert worker.engine_args(wargs) == {"prefill_rows": 128}
+    for bad in ("96", "0", "-64"):
+        with pytest.raises(SystemExit):
+            serve.parse_args(["--prefill-rows", bad])
+        assert "multiple of 64" in capsys.readouterr().err
+
+
 def test_missing_model_file_exits_2(tmp_path, capsys):
     from qk import serve
 

@@ -61,7 +61,13 @@ def _layers(text: str) -> tuple[int, int]:
 
 
 def _loader(
-    path: Path, slots: int, ctx: int, device: str | None, name: str, kv: dict[str, str], precise: bool
+    path: Path,
+    slots: int,
+    ctx: int,
+    device: str | None,
+    name: str,
+    options: dict[str, str | int],
+    precise: bool,
 ):
     def load():
         # qk.engine (the native engine's Python home) rather than the lazy `qk.Engine` attribute,
@@ -72,7 +78,9 @@ def _loader(
         from qk.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(path)
-        engine = Engine(str(path), layers=None, slots=slots, ctx=ctx, device=device, precise=precise, **kv)
+        engine = Engine(
+            str(path), layers=None, slots=slots, ctx=ctx, device=device, precise=precise, **options
+        )
         return Loaded(LocalDriver(engine), tokenizer, name, str(path))
 
     return load
@@ -89,7 +97,7 @@ def _split_loader(
         from qk.server import Loaded
         from qk.split import SplitDriver, head_stage
         from qk.tokenizer import Tokenizer
-        from qk.worker import cache_types
+        from qk.worker import engine_args
 
         tokenizer = Tokenizer.from_gguf(path)
         engine = _qk.Engine(
@@ -99,7 +107,7 @@ def _split_loader(
             ctx=args.ctx,
             device=args.device,
             precise=args.precise,
-            **cache_types(args),
+            **engine_args(args),
         )
         fingerprint = Gguf(str(path), header_only=True).fingerprint
         own = head_stage(
@@ -182,9 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--alias", help="model name reported by the API (default: the file name)")
     p.add_argument("--log-level", default="info")
-    from qk.worker import add_cache_type_args
+    from qk.worker import add_engine_args
 
-    add_cache_type_args(p)
+    add_engine_args(p)
     args = p.parse_args(argv)
     if args.slots < 1 or args.ctx < 2 or args.max_queue < 0:
         p.error("--slots must be ≥ 1, --ctx ≥ 2, --max-queue ≥ 0")
@@ -218,7 +226,7 @@ def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None
 
     from qk.scheduler import ReuseSettings
     from qk.server import create_app
-    from qk.worker import cache_types
+    from qk.worker import engine_args
 
     if load is not None:
         name = args.alias or "custom"
@@ -256,7 +264,7 @@ def main(argv: list[str] | None = None, *, load: Callable[[], Any] | None = None
             )
             return 2
     app = create_app(
-        load or _loader(path, args.slots, args.ctx, args.device, name, cache_types(args), args.precise),
+        load or _loader(path, args.slots, args.ctx, args.device, name, engine_args(args), args.precise),
         slots=args.slots,
         ctx=args.ctx,
         api_key=args.api_key,

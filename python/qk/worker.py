@@ -44,18 +44,35 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def add_cache_type_args(p: argparse.ArgumentParser) -> None:
-    """``--cache-type-k`` / ``--cache-type-v``, shared with ``qk.serve``."""
+def _prefill_rows(text: str) -> int:
+    n = int(text)
+    if n < 64 or n % 64:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive multiple of 64")
+    return n
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """``--cache-type-k`` / ``--cache-type-v`` / ``--prefill-rows``, shared with ``qk.serve``."""
     p.add_argument(
         "--cache-type-k", choices=("f16", "q8_0", "f32"), help="K cache element type (default f16)"
     )
     p.add_argument("--cache-type-v", choices=("f16", "f32"), help="V cache element type (default f16)")
+    p.add_argument(
+        "--prefill-rows",
+        type=_prefill_rows,
+        help="positions per prefill piece, a multiple of 64 (default: 2048 on a discrete GPU where its "
+        "scratch fits, else 512); outputs are the same whatever it is, the scratch grows with it",
+    )
 
 
-def cache_types(args: argparse.Namespace) -> dict[str, str]:
-    """The engine keywords of the cache-type flags that were given (absent ones keep the engine's
-    default)."""
-    given = {"cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v}
+def engine_args(args: argparse.Namespace) -> dict[str, str | int]:
+    """The engine keywords of the flags of ``add_engine_args`` that were given (absent ones keep
+    the engine's defaults)."""
+    given = {
+        "cache_type_k": args.cache_type_k,
+        "cache_type_v": args.cache_type_v,
+        "prefill_rows": args.prefill_rows,
+    }
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -86,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a session the next stage still holds from this stage's previous run (default: on)",
     )
     p.add_argument("--name", default=None, help="this stage's name in errors and logs (default host:port)")
-    add_cache_type_args(p)
+    add_engine_args(p)
     p.add_argument(
         "--pre-auth-timeout",
         type=float,
@@ -119,7 +136,7 @@ def load_stage(args: argparse.Namespace) -> Any:
         ctx=args.ctx,
         device=args.device,
         precise=args.precise,
-        **cache_types(args),
+        **engine_args(args),
     )
     return _qk.EngineStage(engine, fingerprint, args.snapshots)
 
