@@ -571,6 +571,26 @@ fn gpu_attention_prefill_coop_matches_reference() {
             1e-6
         };
         if !attention::coop_prefill_fits(gpu, &s) {
+            // Asked for anyway, it is a typed error naming the adapter, not a pipeline failure.
+            let c = Case::new(gpu, s, 2, 2, n);
+            let mut rec = gpu.recorder();
+            let gate = gpu
+                .buffer_zeroed("gate", u64::from(n * c.layout().row_stride) * 4)
+                .unwrap();
+            let err = attention::record_prefill(
+                gpu,
+                &mut rec,
+                &c.shape,
+                1,
+                0,
+                n,
+                &c.views(),
+                &c.core_args(&gate),
+                PrefillKernel::Coop,
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("cooperative prefill kernel cannot run"), "{err}");
             crate::matmul_tests::coop_not_exercised(
                 gpu,
                 &format!("cooperative prefill attention {heads}/{kv_heads}x{hd}"),
