@@ -1262,10 +1262,12 @@ fn prefill_bench(gpu: &Gpu, smoke: bool, iters: u32, rng: &mut Rng) {
         println!("  cooperative prefill attention: not offered here");
     }
     // (label, first position, piece, pieces)
+    let whole = format!("{tokens} tokens");
+    let last = format!("last piece of {deep}");
     let cases = [
-        ("4096 tokens", 0, most / 4, tokens / (most / 4)),
-        ("4096 tokens", 0, most, tokens / most),
-        ("last piece of 32k", deep - most, most, 1),
+        (whole.as_str(), 0, most / 4, tokens / (most / 4)),
+        (whole.as_str(), 0, most, tokens / most),
+        (last.as_str(), deep - most, most, 1),
     ];
     for kernel in kernels {
         for (label, first, piece, count) in cases {
