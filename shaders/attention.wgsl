@@ -87,8 +87,6 @@ const LANES: u32 = {{LANES}}u;
 // 8-dim units per head row, and per lane.
 const UNITS: u32 = D / 8u;
 const UPL: u32 = {{UPL}}u;
-// Stands in for -inf: exp(MASKED - finite) is exactly 0 and never a NaN.
-const MASKED: f32 = -3.0e38;
 const NO_SLOT: u32 = 0xffffffffu;
 // Cache words of one (position, kv head) row: f32, f16 pairs, or q8_0 (D int8 in D/4 words, then
 // D/32 f16 scales, two per word).
@@ -265,10 +263,6 @@ fn lane_group(ids: ComputeIds) -> vec2<u32> {
     let lin = ids.lid;
 #endif
     return vec2<u32>(lin % LANES, lin / LANES);
-}
-
-fn part_index(r: u32, h: u32, split: u32) -> u32 {
-    return (r * P.heads + h) * P.split_stride + split;
 }
 #endif
 #endif
@@ -519,7 +513,7 @@ fn main(ids: ComputeIds) {
         return;
     }
     let splits = plan(tile_keys(r)).y;
-    let first = (r * P.heads + h) * P.split_stride;
+    let first = part_index(r, h, 0u);
     var mx = MASKED;
     for (var s = ids.lid; s < splits; s += {{WG}}u) {
         mx = max(mx, PART_ML[first + s].x);

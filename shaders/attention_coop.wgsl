@@ -39,15 +39,16 @@ const HALF: u32 = D / 2u;
 const LDK: u32 = D + 8u;
 const LDQ: u32 = HALF + 8u;
 const LDP: u32 = BC + 8u;
-// Stands in for -inf: exp(MASKED - finite) is exactly 0 and never a NaN.
-const MASKED: f32 = -3.0e38;
 
 var<immediate> P: CoreParams;
-@group(0) @binding(0) var<storage, read> Q: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> K_CACHE: array<vec4<u32>>;
-@group(0) @binding(2) var<storage, read> V_CACHE: array<vec4<u32>>;
-@group(0) @binding(3) var<storage, read_write> PART_O: array<f32>;
-@group(0) @binding(4) var<storage, read_write> PART_ML: array<vec2<f32>>;
+// The bindings of attention.wgsl's split ops (one dispatch path on the host); a piece's rows are
+// (slot, pos + r) from the immediates, so ROWS is not read.
+@group(0) @binding(0) var<storage, read> ROWS: array<u32>;
+@group(0) @binding(1) var<storage, read> Q: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> K_CACHE: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read> V_CACHE: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read_write> PART_O: array<f32>;
+@group(0) @binding(5) var<storage, read_write> PART_ML: array<vec2<f32>>;
 
 // The staged K or V block (BC keys × D, pitch LDK), or half of the tile's q (BR rows × HALF, pitch
 // LDQ; the larger of the two).
@@ -102,10 +103,6 @@ fn stage_block(k0: u32, end: u32, local: u32, g: u32, t: u32, values: bool) {
         }
 #endfor
     }
-}
-
-fn part_index(tok: u32, h: u32, split: u32) -> u32 {
-    return (tok * P.heads + h) * P.split_stride + split;
 }
 
 @compute @workgroup_size(8 * {{SG}})

@@ -1,5 +1,6 @@
 // What the attention kernels over the cache (attention.wgsl's decode, prefill and merge,
-// attention_coop.wgsl) share: their parameters (immediates P) and the split plan of a row or tile.
+// attention_coop.wgsl) share: their parameters (immediates P), the split plan of a row or tile,
+// where a (row, head, split) partial lives, and the stand-in for -inf.
 
 struct CoreParams {
     // Rows of the dispatch; with rows_from_buffer = 0 row r is (slot, pos + r).
@@ -31,6 +32,15 @@ struct CoreParams {
     // Rows per query tile (prefill TT; decode 1): the merge recomputes its tile's plan.
     tile_rows: u32,
     scale: f32,
+}
+
+// Stands in for -inf: exp(MASKED - finite) is exactly 0 and never a NaN.
+const MASKED: f32 = -3.0e38;
+
+// The partial entry of row r, head h, split `split` (PART_O holds HEAD_DIM floats per entry,
+// PART_ML one (max, sum) pair).
+fn part_index(r: u32, h: u32, split: u32) -> u32 {
+    return (r * P.heads + h) * P.split_stride + split;
 }
 
 // (split length, splits) for `n` keys.

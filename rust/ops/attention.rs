@@ -771,17 +771,15 @@ pub fn record_prefill(
     };
     let splits = split_plan(pos + n, PREFILL_MIN_SPLIT, PREFILL_MAX_SPLITS).1;
     let grid = [splits, shape.kv_heads, n.div_ceil(tokens_per_tile)];
-    match kernel {
+    let pipe = match kernel {
         PrefillKernel::Tiled => {
             check_workgroup_memory(gpu, shape, false)?;
             let lanes = lanes(gpu, shape.head_dim, 4);
-            let pipe = gpu.pipeline(
+            gpu.pipeline(
                 &FILE,
                 &kernel_defines(shape, "prefill", lanes, PREFILL_ROWS * lanes),
                 &[],
-            )?;
-            // The rows binding is unused by a piece: bind q (read-only here).
-            dispatch_core(rec, &pipe, &p, args.q, g, args, grid)?;
+            )?
         }
         PrefillKernel::Coop => {
             crate::ensure!(
@@ -796,7 +794,7 @@ pub fn record_prefill(
                     gpu.adapter.name
                 ))
             );
-            let pipe = gpu.pipeline(
+            gpu.pipeline(
                 &COOP_FILE,
                 &[
                     ("HEAD_DIM", shape.head_dim.to_string()),
@@ -805,21 +803,11 @@ pub fn record_prefill(
                     ("DH", (shape.head_dim / 32).to_string()),
                 ],
                 &[],
-            )?;
-            rec.dispatch(
-                &pipe,
-                &[
-                    args.q.all(),
-                    g.k.all(),
-                    g.v.all(),
-                    args.part_o.all(),
-                    args.part_ml.all(),
-                ],
-                bytemuck::bytes_of(&p),
-                grid,
-            )?;
+            )?
         }
-    }
+    };
+    // The rows binding is unused by a piece: bind q (read-only here).
+    dispatch_core(rec, &pipe, &p, args.q, g, args, grid)?;
     record_merge(gpu, rec, shape, &p, args.q, args)
 }
 

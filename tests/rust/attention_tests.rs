@@ -547,11 +547,11 @@ fn gpu_attention_prefill_matches_reference() {
 /// bound 1e-6. The sharp case (scale 0.5: |s| up to ~100, a softmax dominated by a few keys, most
 /// weights far below f16's normal range): the few weights that matter move by |s|·2⁻¹² ≈ 2% at
 /// worst, in practice far less (measured 1.7e-6 on the H200): bound 1e-4, which a wrong max or a
-/// lost key (an O(1) error) fails. Rows must
-/// also not depend on the piece that holds them (tiles are aligned to the piece start, pieces to
-/// 64): one piece of 128 and two of 64 give the same bytes. Shapes: the 80B model's (16 q heads
-/// over 2 kv heads of 256, a tile of 8 tokens) after a prefix long enough for several splits, and
-/// the reference test's small ones (a group of 3: 21 tokens per tile).
+/// lost key (an O(1) error) fails. Rows must also not depend on the piece that holds them (tiles
+/// are aligned to the piece start, pieces to 64): one piece of 128 and two of 64 give the same
+/// bytes. Shapes: the 80B model's (16 q heads over 2 kv heads of 256, a tile of 8 tokens) after a
+/// prefix long enough for several splits, and the reference test's small ones (a group of 3: 21
+/// tokens per tile).
 #[test]
 fn gpu_attention_prefill_coop_matches_reference() {
     let Some(gpu) = test_gpu(false) else { return };
