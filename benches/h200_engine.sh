@@ -32,11 +32,12 @@ kernels)
     case $set in
       decode) export QK_BENCH_ONLY_DECODE=1 ;;
       prefill) export QK_BENCH_ONLY_PREFILL=1 QK_BENCH_NO_ATTENTION=1 ;;
+      moe) export QK_BENCH_ONLY_MOE=1 QK_BENCH_NO_ATTENTION=1 ;;
       attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
     esac
     echo "== kernel micro-benchmark ($set)"
     .device/kernels-bench > "$OUT/kernels-$set.txt" 2>&1; grep -v "^adapter\|^counters" "$OUT/kernels-$set.txt" | tail -150
-    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION
+    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE
   done
   exit 0 ;;
 start) ;;
@@ -78,16 +79,18 @@ if [ "${QK_SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${QK_KERNELS:-0}" = 1 ]; then
   # QK_KERNEL_SETS: "all", or any of decode (the decode MoE layer and norm-fused projection per
-  # launch shape), prefill (the prefill kernels), attention; one kernels-<set>.txt each.
+  # launch shape), prefill (the prefill kernels), moe (the prefill MoE alone), attention; one
+  # kernels-<set>.txt each.
   for set in ${QK_KERNEL_SETS:-all}; do
     echo "== kernel micro-benchmark (\$set)"
     case \$set in
       decode) export QK_BENCH_ONLY_DECODE=1 ;;
       prefill) export QK_BENCH_ONLY_PREFILL=1 QK_BENCH_NO_ATTENTION=1 ;;
+      moe) export QK_BENCH_ONLY_MOE=1 QK_BENCH_NO_ATTENTION=1 ;;
       attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
     esac
     .device/kernels-bench > kernels-\$set.txt 2>&1; grep -v "^adapter\|^counters" kernels-\$set.txt | tail -80
-    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION
+    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE
   done
 fi
 wait \$MAKE

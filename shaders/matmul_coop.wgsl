@@ -32,6 +32,10 @@ enable wgpu_cooperative_matrix;
 #define MOE 0
 #define TK 32
 #define KK 2
+// Per-invocation loop counts of one K step's fill (X vec4, IQ4_XS sub-blocks), passed in so the
+// loops unroll (`#for`) and their arrays stay in registers; checked against the tile below.
+#define XH 4
+#define WPT 1
 #variants QTYPE=f32
 #variants QTYPE=f16
 #variants QTYPE=bf16
@@ -43,12 +47,12 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq4_xs ACC=f16
 #variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8
 #variants QTYPE=q6_k TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4
-#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1
-#variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 ACC=f16
-#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 TK=64 KK=4
+#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 XH=1
+#variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 ACC=f16 XH=1
+#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 TK=64 KK=4 XH=2 WPT=2
 #variants QTYPE=iq4_xs TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1
-#variants QTYPE=q8_0 TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1 ACC=f16 TK=64 KK=4
-#variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4
+#variants QTYPE=q8_0 TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1 ACC=f16 TK=64 KK=4 XH=8 WPT=2
+#variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4 XH=8
 #variants QTYPE=q4_1
 #variants QTYPE=q5_0
 #variants QTYPE=q5_1
@@ -62,9 +66,10 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq3_xxs
 #variants QTYPE=iq3_s
 #variants QTYPE=mxfp4
+#variants QTYPE=iq4_xs TM=128 TN=64 WM=32 WN=32 AM=2 AN=2 SGS=8 MOE=1 XH=2
 
 // Row pitch of the f16 tiles in halves: TK + 8 keeps every 16×16 load 16-byte aligned (80- or
-// 144-byte rows) while shifting successive rows across memory banks.
+// 144-byte rows) while shifting successive rows across memory banks (LDM, TM + 8, likewise).
 const LD = {{TK}}u + 8u;
 const THREADS = {{SGS}}u * {{SG}}u;
 // Subgroup blocks along the rows of the tile.
@@ -73,9 +78,17 @@ const SG_ROWS = {{TM}}u / {{WM}}u;
 const WG8 = {{TK}}u / 8u;
 const XK4 = {{TK}}u / 4u;
 // X vec4 loads per invocation and K step.
-const XH = ({{TN}}u * XK4 + THREADS - 1u) / THREADS;
+const XH = {{XH}}u;
+const_assert XH == ({{TN}}u * XK4 + THREADS - 1u) / THREADS;
 
+#if QTYPE == iq4_xs
+// IQ4_XS tiles are k-major: invocation e fills row e, so a warp's f16 stores of one weight index
+// land in neighbouring halves (row-major, its rows LD apart fell in 8 banks: 4-way conflicts).
+const LDM = {{TM}}u + 8u;
+var<workgroup> w_tile: array<f16, {{TK}} * ({{TM}} + 8)>; // TK × LDM, (k, m)
+#else
 var<workgroup> w_tile: array<f16, {{TM}} * ({{TK}} + 8)>; // TM × LD, row-major (m, k)
+#endif
 var<workgroup> x_tile: array<f16, {{TN}} * ({{TK}} + 8)>; // TN × LD, column n holds its k contiguous
 // One 16×16 accumulator per subgroup on its way out, column-major, so edge tiles clip per element.
 var<workgroup> c_stage: array<{{ACC}}, {{SGS}} * 256>;
@@ -83,7 +96,8 @@ var<workgroup> c_stage: array<{{ACC}}, {{SGS}} * 256>;
 #if QTYPE == iq4_xs
 // 32-weight sub-blocks per row and K step, and per invocation (the fill's loop count).
 const WS32 = {{TK}}u / 32u;
-const WPT = ({{TM}}u * WS32 + THREADS - 1u) / THREADS;
+const WPT = {{WPT}}u;
+const_assert WPT == ({{TM}}u * WS32 + THREADS - 1u) / THREADS;
 // kvalues_iq4nl as f32: one shared load per weight where dq8_iq4_xs runs a select chain.
 var<workgroup> iq4_table: array<f32, 16>;
 
@@ -102,9 +116,9 @@ fn load_iq4_xs(row: u32, s: u32) -> Iq4Sub {
     return Iq4Sub(W[blk], W[blk + 1u], vec4<u32>(W[q], W[q + 1u], W[q + 2u], W[q + 3u]));
 }
 
-// Sub-block `ib` (of its block) into w_tile from `at`, with the values and f32 products of
-// dq8_iq4_xs (so the same f16s; iq4_xs_scale's scale from the same fields): weight i < 16 is the
-// low nibble of quant byte i, weight 16 + i its high nibble.
+// Sub-block `ib` (of its block) into w_tile, weight j at `at + j·LDM`, with the values and f32
+// products of dq8_iq4_xs (so the same f16s; iq4_xs_scale's scale from the same fields): weight
+// i < 16 is the low nibble of quant byte i, weight 16 + i its high nibble.
 fn store_iq4_xs(v: Iq4Sub, ib: u32, at: u32) {
     let sl = (v.lows >> (8u * (ib >> 1u))) & 0xffu;
     let ls = ((sl >> (4u * (ib & 1u))) & 15u) | (((v.head >> (16u + 2u * ib)) & 3u) << 4u);
@@ -113,8 +127,8 @@ fn store_iq4_xs(v: Iq4Sub, ib: u32, at: u32) {
     {
         let w = v.q[{{i}}];
 #for b in 0..4
-        w_tile[at + 4u * {{i}}u + {{b}}u] = f16(dl * iq4_table[(w >> (8u * {{b}}u)) & 15u]);
-        w_tile[at + 16u + 4u * {{i}}u + {{b}}u] = f16(dl * iq4_table[(w >> (8u * {{b}}u + 4u)) & 15u]);
+        w_tile[at + (4u * {{i}}u + {{b}}u) * LDM] = f16(dl * iq4_table[(w >> (8u * {{b}}u)) & 15u]);
+        w_tile[at + (16u + 4u * {{i}}u + {{b}}u) * LDM] = f16(dl * iq4_table[(w >> (8u * {{b}}u + 4u)) & 15u]);
 #endfor
     }
 #endfor
@@ -124,7 +138,9 @@ fn store_iq4_xs(v: Iq4Sub, ib: u32, at: u32) {
 // This invocation's X values of K step k0 (zero outside the tile's columns or K).
 fn prefetch(x_next: ptr<function, array<vec4<f32>, XH>>, x_start: ptr<function, array<u32, XH>>, tile: ColTile,
     k0: u32, t: u32) {
-    for (var h = 0u; h < XH; h++) {
+#for hh in 0..XH
+    {
+        let h = {{hh}}u;
         let e = t + THREADS * h;
         let xn = e / XK4;
         let xk4 = e % XK4;
@@ -134,12 +150,15 @@ fn prefetch(x_next: ptr<function, array<vec4<f32>, XH>>, x_start: ptr<function, 
         }
         (*x_next)[h] = v;
     }
+#endfor
 }
 
 #if QTYPE == iq4_xs
 // This invocation's IQ4_XS sub-blocks of K step k0 (rows or K past the end are not read).
 fn prefetch_w(w_next: ptr<function, array<Iq4Sub, WPT>>, tile: ColTile, m0: u32, k0: u32, t: u32) {
-    for (var i = 0u; i < WPT; i++) {
+#for ii in 0..WPT
+    {
+        let i = {{ii}}u;
         let e = t + THREADS * i;
         let row = e / WS32;
         let sub = e % WS32;
@@ -147,6 +166,7 @@ fn prefetch_w(w_next: ptr<function, array<Iq4Sub, WPT>>, tile: ColTile, m0: u32,
             (*w_next)[i] = load_iq4_xs(tile.w_base + (m0 + row) * P.row_bytes, k0 / 32u + sub);
         }
     }
+#endfor
 }
 #endif
 
@@ -174,12 +194,15 @@ fn main(ids: ComputeIds) {
         // Where this invocation's X loads start: the same columns every K step, so found once (a
         // grouped tile's column comes from the sorted entries, a dependent read per step otherwise).
         var x_start: array<u32, XH>;
-        for (var h = 0u; h < XH; h++) {
+#for hh in 0..XH
+        {
+            let h = {{hh}}u;
             let xn = (t + THREADS * h) / XK4;
             if xn < tile.cols {
                 x_start[h] = x_col_start(tile, xn);
             }
         }
+#endfor
 #for a in 0..AM
 #for b in 0..AN
         var acc{{a}}{{b}}: coop_mat16x16<{{ACC}}, C>;
@@ -202,21 +225,24 @@ fn main(ids: ComputeIds) {
 #if QTYPE == iq4_xs
             // W: TM rows × WS32 sub-blocks, one per invocation (K is a multiple of 256 for IQ4_XS,
             // so a sub-block is all in or all out, as dq8's groups of 8 would be).
-            for (var i = 0u; i < WPT; i++) {
+#for ii in 0..WPT
+            {
+                let i = {{ii}}u;
                 let e = t + THREADS * i;
                 if e < {{TM}}u * WS32 {
                     let row = e / WS32;
                     let sub = e % WS32;
-                    let at = row * LD + 32u * sub;
+                    let at = 32u * sub * LDM + row;
                     if m0 + row < P.rows && k0 + 32u * sub < P.k {
                         store_iq4_xs(w_next[i], (k0 / 32u + sub) & 7u, at);
                     } else {
                         for (var j = 0u; j < 32u; j++) {
-                            w_tile[at + j] = f16(0.0);
+                            w_tile[at + j * LDM] = f16(0.0);
                         }
                     }
                 }
             }
+#endfor
 #else
             // W: TM rows × WG8 groups of 8 weights; neighbouring invocations take neighbouring groups.
             for (var e = t; e < {{TM}}u * WG8; e += THREADS) {
@@ -235,7 +261,9 @@ fn main(ids: ComputeIds) {
             }
 #endif
             // X: TN columns × XK4 vec4 of K, from the prefetched registers.
-            for (var h = 0u; h < XH; h++) {
+#for hh in 0..XH
+            {
+                let h = {{hh}}u;
                 let e = t + THREADS * h;
                 let xn = e / XK4;
                 let xk4 = e % XK4;
@@ -247,6 +275,7 @@ fn main(ids: ComputeIds) {
 #endfor
                 }
             }
+#endfor
             workgroupBarrier();
             if k0 + {{TK}}u < kr.y {
                 prefetch(&x_next, &x_start, tile, k0 + {{TK}}u, t);
@@ -258,7 +287,11 @@ fn main(ids: ComputeIds) {
 #for kk in 0..KK
             {
 #for a in 0..AM
+#if QTYPE == iq4_xs
+                let a{{a}} = coopLoad<coop_mat16x16<f16, A>>(&w_tile[16u * {{kk}}u * LDM + sm + 16u * {{a}}u], LDM);
+#else
                 let a{{a}} = coopLoadT<coop_mat16x16<f16, A>>(&w_tile[(sm + 16u * {{a}}u) * LD + 16u * {{kk}}u], LD);
+#endif
 #endfor
 #for b in 0..AN
                 let b{{b}} = coopLoad<coop_mat16x16<f16, B>>(&x_tile[(sn + 16u * {{b}}u) * LD + 16u * {{kk}}u], LD);

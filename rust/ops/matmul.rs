@@ -975,8 +975,9 @@ impl CoopTile {
     pub const MOE: CoopTile = CoopTile::new(128, MOE_TILE_COLS, 32, 16, MOE_K_STEP);
     /// The grouped MoE product for pieces that give each expert more entries than MOE holds (a
     /// 2048-row piece of the 80B model: ~40 each): 64 of them per tile, so each expert weight is
-    /// dequantised once rather than once per 16; 4 subgroups of 64×32.
-    pub const MOE_WIDE: CoopTile = CoopTile::new(128, MOE_WIDE_TILE_COLS, 64, 32, MOE_K_STEP);
+    /// dequantised once rather than once per 16; 8 subgroups of 32×32 (on the H200 4% faster than
+    /// 4 of 64×32: twice the invocations share the fill; benches/kernels.rs, RESULTS.md).
+    pub const MOE_WIDE: CoopTile = CoopTile::new(128, MOE_WIDE_TILE_COLS, 32, 32, MOE_K_STEP);
     /// The dense tiles, largest first.
     pub const DENSE: [CoopTile; 3] = [CoopTile::SQUARE_128, CoopTile::RECT_128X64, CoopTile::SQUARE_64];
 
@@ -996,8 +997,8 @@ impl CoopTile {
         (self.rows / self.sg_rows) * (self.cols / self.sg_cols)
     }
 
-    /// Workgroup memory: the two f16 tiles (pitch k_step + 8) and one 16×16 staging block per
-    /// subgroup.
+    /// Workgroup memory: the two f16 tiles (pitch k_step + 8; IQ4_XS's k-major W tile, pitch
+    /// rows + 8, is no larger while rows ≥ k_step) and one 16×16 staging block per subgroup.
     fn workgroup_bytes(self, acc_bytes: u32) -> u32 {
         (self.rows + self.cols) * (self.k_step + 8) * 2 + self.subgroups() * 256 * acc_bytes
     }
@@ -1261,6 +1262,9 @@ fn matmul_pipeline(
                     gpu.adapter.name
                 ))
             })?;
+            // The fill's loop counts (matmul_coop.wgsl checks them against the tile).
+            let threads = tile.subgroups() * gpu.caps.subgroup_max_size;
+            let per_invocation = |items: u32| items.div_ceil(threads);
             gpu.pipeline(
                 &MATMUL_COOP,
                 &[
@@ -1277,6 +1281,8 @@ fn matmul_pipeline(
                     ("TK", tile.k_step.to_string()),
                     ("KK", (tile.k_step / 16).to_string()),
                     ("MOE", moe_flag),
+                    ("XH", per_invocation(tile.cols * tile.k_step / 4).to_string()),
+                    ("WPT", per_invocation(tile.rows * tile.k_step / 32).to_string()),
                 ],
                 &[],
             )
