@@ -11,7 +11,9 @@
 # Results land in $OUT (engine.log, qk-bench.json, llama-bench.md, llama-batched.txt, kernels.txt).
 # env: QK_SKIP_TESTS=1, QK_TEST_FILTER (a cargo test filter), QK_SKIP_LLAMA=1, QK_KERNELS=1 (kernel micro-benchmark;
 #      QK_KERNEL_SETS picks its parts),
-#      QK_BENCH_ARGS (extra engine_bench.py flags), QK_SPLIT=1 (the split bench).
+#      QK_BENCH_ARGS (extra engine_bench.py flags), QK_SPLIT=1 (the split bench),
+#      QK_LLAMA_PREFILL_ONLY=1 (llama.cpp: pp512, pp4096, tg128 and pp32768 only: a prefill change's
+#      side by side in less device time).
 set -uo pipefail
 WORK=/tmp/qk-bench
 case "${1:-start}" in
@@ -33,11 +35,12 @@ kernels)
       decode) export QK_BENCH_ONLY_DECODE=1 ;;
       prefill) export QK_BENCH_ONLY_PREFILL=1 QK_BENCH_NO_ATTENTION=1 ;;
       moe) export QK_BENCH_ONLY_MOE=1 QK_BENCH_NO_ATTENTION=1 ;;
+      deltanet) export QK_BENCH_ONLY_DELTANET=1 QK_BENCH_NO_ATTENTION=1 ;;
       attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
     esac
     echo "== kernel micro-benchmark ($set)"
     .device/kernels-bench > "$OUT/kernels-$set.txt" 2>&1; grep -v "^adapter\|^counters" "$OUT/kernels-$set.txt" | tail -150
-    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE
+    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE QK_BENCH_ONLY_DELTANET
   done
   exit 0 ;;
 start) ;;
@@ -79,18 +82,19 @@ if [ "${QK_SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${QK_KERNELS:-0}" = 1 ]; then
   # QK_KERNEL_SETS: "all", or any of decode (the decode MoE layer and norm-fused projection per
-  # launch shape), prefill (the prefill kernels), moe (the prefill MoE alone), attention; one
-  # kernels-<set>.txt each.
+  # launch shape), prefill (the prefill kernels), moe / deltanet (the prefill MoE / chunked
+  # DeltaNet alone), attention; one kernels-<set>.txt each.
   for set in ${QK_KERNEL_SETS:-all}; do
     echo "== kernel micro-benchmark (\$set)"
     case \$set in
       decode) export QK_BENCH_ONLY_DECODE=1 ;;
       prefill) export QK_BENCH_ONLY_PREFILL=1 QK_BENCH_NO_ATTENTION=1 ;;
       moe) export QK_BENCH_ONLY_MOE=1 QK_BENCH_NO_ATTENTION=1 ;;
+      deltanet) export QK_BENCH_ONLY_DELTANET=1 QK_BENCH_NO_ATTENTION=1 ;;
       attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
     esac
     .device/kernels-bench > kernels-\$set.txt 2>&1; grep -v "^adapter\|^counters" kernels-\$set.txt | tail -80
-    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE
+    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE QK_BENCH_ONLY_DELTANET
   done
 fi
 wait \$MAKE
@@ -105,11 +109,14 @@ wait \$BUILD
 if [ "${QK_SKIP_LLAMA:-0}" != 1 ]; then
   echo "== llama.cpp CUDA: llama-bench -fa 1"
   \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 512,4096 -n 128 -r 2 -o md 2>&1 | tee llama-bench.md
-  \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 0 -n 128 -d 8192,32000 -r 2 -o md 2>&1 | tee -a llama-bench.md
+  [ "${QK_LLAMA_PREFILL_ONLY:-0}" = 1 ] \
+    || \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 0 -n 128 -d 8192,32000 -r 2 -o md 2>&1 | tee -a llama-bench.md
   \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 32768 -n 0 -r 1 -o md 2>&1 | tee -a llama-bench.md
-  echo "== llama.cpp CUDA: llama-batched-bench, 8 streams"
-  \$B/bin/llama-batched-bench -m \$MODEL -ngl 99 -fa on -c 16384 -npp 64 -ntg 128 -npl 1,2,8 2>&1 \
-    | grep -E "^\|" | tee llama-batched.txt
+  if [ "${QK_LLAMA_PREFILL_ONLY:-0}" != 1 ]; then
+    echo "== llama.cpp CUDA: llama-batched-bench, 8 streams"
+    \$B/bin/llama-batched-bench -m \$MODEL -ngl 99 -fa on -c 16384 -npp 64 -ntg 128 -npl 1,2,8 2>&1 \
+      | grep -E "^\|" | tee llama-batched.txt
+  fi
 fi
 date -u
 EOF

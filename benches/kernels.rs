@@ -9,7 +9,8 @@
 //! QK_BENCH_TYPES=IQ4_XS,Q8_0 limits the mat-vec types, QK_BENCH_NO_MATMUL=1 skips mat-mat,
 //! QK_BENCH_ONLY_PREFILL=1 runs only the prefill cases (DeltaNet and MoE), QK_BENCH_ONLY_DECODE=1
 //! only the decode MoE layer (expert mat-vecs per launch shape), QK_BENCH_ONLY_ATTENTION=1
-//! only attention, QK_BENCH_ONLY_MOE=1 only the prefill MoE (with QK_BENCH_NO_ATTENTION=1),
+//! only attention, QK_BENCH_ONLY_MOE=1 / QK_BENCH_ONLY_DELTANET=1 only the prefill MoE / chunked
+//! DeltaNet (with QK_BENCH_NO_ATTENTION=1),
 //! QK_BENCH_NO_ATTENTION=1 skips attention. QK_MATVEC_NR /
 //! QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning runs).
 //! Mat-mat runs the f32 tiled kernel and, where the adapter offers them, the cooperative-matrix
@@ -180,6 +181,10 @@ fn main() {
     let mut rng = Rng(0x5eed);
     if flag("QK_BENCH_ONLY_MOE") {
         moe_prefill(&gpu, &mut rng);
+        return;
+    }
+    if flag("QK_BENCH_ONLY_DELTANET") {
+        deltanet_prefill(&gpu, &mut rng);
         return;
     }
     if !flag("QK_BENCH_ONLY_PREFILL") {

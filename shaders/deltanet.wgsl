@@ -28,6 +28,8 @@
 #include "common.wgsl"
 #define WG 64
 #define OP recurrent
+// Steps per unrolled iteration of the chunked kernels' inner loops (their loads issued together).
+#define UNROLL 8
 #variants OP=prep
 #variants OP=state
 
@@ -405,7 +407,17 @@ fn main(ids: ComputeIds) {
         let j = lid;
         if j < i {
             value = prep_t[i * CHUNK + j];
-            for (var m = j + 1u; m < i; m++) {
+            var m = j + 1u;
+            for (; m + {{UNROLL}}u <= i; m += {{UNROLL}}u) {
+#for u in 0..UNROLL
+                let a{{u}} = prep_t[i * CHUNK + m + {{u}}u];
+                let b{{u}} = prep_t[(m + {{u}}u) * CHUNK + j];
+#endfor
+#for u in 0..UNROLL
+                value += a{{u}} * b{{u}};
+#endfor
+            }
+            for (; m < i; m++) {
                 value += prep_t[i * CHUNK + m] * prep_t[m * CHUNK + j];
             }
         }
@@ -445,7 +457,17 @@ fn main(ids: ComputeIds) {
         {
             let i = ty + 16u * {{a}}u;
             var acc = prep_ka[i * SLICE_PITCH + tx];
-            for (var s = 0u; s < i; s++) {
+            var s = 0u;
+            for (; s + {{UNROLL}}u <= i; s += {{UNROLL}}u) {
+#for u in 0..UNROLL
+                let tt{{u}} = prep_t[i * CHUNK + s + {{u}}u];
+                let b{{u}} = prep_ka[(s + {{u}}u) * SLICE_PITCH + tx];
+#endfor
+#for u in 0..UNROLL
+                acc += tt{{u}} * b{{u}};
+#endfor
+            }
+            for (; s < i; s++) {
                 acc += prep_t[i * CHUNK + s] * prep_ka[s * SLICE_PITCH + tx];
             }
             if i < len && col < width {
@@ -508,7 +530,21 @@ fn main(ids: ComputeIds) {
         var ws = vec4<f32>(0.0);
         var qs = vec4<f32>(0.0);
         if r < len {
-            for (var i = 0u; i < dk; i++) {
+            // UNROLL steps' loads issued before their multiply-adds (same order of sums): the
+            // chain over chunks waits on each step's latency, not on its arithmetic.
+            var i = 0u;
+            for (; i + {{UNROLL}}u <= dk; i += {{UNROLL}}u) {
+#for u in 0..UNROLL
+                let s{{u}} = st_s[4u * (i + {{u}}u) + grp];
+                let w{{u}} = SCRATCH[base + r * dk + i + {{u}}u];
+                let q{{u}} = q_at(t0 + r, kh, i + {{u}}u);
+#endfor
+#for u in 0..UNROLL
+                ws += w{{u}} * s{{u}};
+                qs += q{{u}} * s{{u}};
+#endfor
+            }
+            for (; i < dk; i++) {
                 let s = st_s[4u * i + grp];
                 ws += SCRATCH[base + r * dk + i] * s;
                 qs += q_at(t0 + r, kh, i) * s;
@@ -528,7 +564,17 @@ fn main(ids: ComputeIds) {
         // Phase b: O = e^gamma q^ S + P V' (P is 0 above the diagonal).
         if r < len {
             var o = exp(SCRATCH[tail + r]) * SCRATCH[tail + CHUNK + r] * qs;
-            for (var s = 0u; s <= r; s++) {
+            var s = 0u;
+            for (; s + {{UNROLL}}u <= r + 1u; s += {{UNROLL}}u) {
+#for u in 0..UNROLL
+                let p{{u}} = SCRATCH[p_base + r * CHUNK + s + {{u}}u];
+                let v{{u}} = st_vp[4u * (s + {{u}}u) + grp];
+#endfor
+#for u in 0..UNROLL
+                o += p{{u}} * v{{u}};
+#endfor
+            }
+            for (; s <= r; s++) {
                 o += SCRATCH[p_base + r * CHUNK + s] * st_vp[4u * s + grp];
             }
             for (var q = 0u; q < 4u; q++) {
@@ -545,7 +591,18 @@ fn main(ids: ComputeIds) {
             let i = idx / 4u;
             let g4 = idx % 4u;
             var acc = decay * st_s[idx];
-            for (var s = 0u; s < len; s++) {
+            var s = 0u;
+            for (; s + {{UNROLL}}u <= len; s += {{UNROLL}}u) {
+#for u in 0..UNROLL
+                let k{{u}} = k_at(t0 + s + {{u}}u, kh, i);
+                let f{{u}} = st_kf[s + {{u}}u];
+                let v{{u}} = st_vp[4u * (s + {{u}}u) + g4];
+#endfor
+#for u in 0..UNROLL
+                acc += (k{{u}} * f{{u}}) * v{{u}};
+#endfor
+            }
+            for (; s < len; s++) {
                 acc += (k_at(t0 + s, kh, i) * st_kf[s]) * st_vp[4u * s + g4];
             }
             st_s[idx] = acc;
