@@ -1011,8 +1011,11 @@ impl CoopTile {
 
 /// K per step of the dense and grouped cooperative tiles (32 or 64): the same outputs either way
 /// (one chain of 16-wide multiply-adds); 64 halves the barriers per weight and doubles each
-/// invocation's loads in flight, at twice the workgroup memory. Not measured yet: benches/kernels.rs
-/// prints both per product (`coop…k64` beside `coop…`); set these from its numbers.
+/// invocation's loads in flight, at twice the workgroup memory. benches/kernels.rs prints both per
+/// product (`coop…k64` beside `coop…`): for the grouped MoE tiles 32 is faster where each runs
+/// (the narrow tile at 64 and 512 tokens, the wide one at 2048) on the H200 (RESULTS.md, 2026-12-01
+/// late night); the dense products were last compared
+/// before the fill loops were unrolled (64 ahead on some shapes then): re-measure before changing.
 const DENSE_K_STEP: u32 = 32;
 const MOE_K_STEP: u32 = 32;
 
