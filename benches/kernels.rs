@@ -10,9 +10,9 @@
 //! QK_BENCH_ONLY_PREFILL=1 runs only the prefill cases (DeltaNet and MoE), QK_BENCH_ONLY_DECODE=1
 //! only the decode MoE layer (expert mat-vecs per launch shape), QK_BENCH_ONLY_ATTENTION=1
 //! only attention, QK_BENCH_ONLY_MOE=1 / QK_BENCH_ONLY_DELTANET=1 only the prefill MoE / chunked
-//! DeltaNet (with QK_BENCH_NO_ATTENTION=1),
-//! QK_BENCH_NO_ATTENTION=1 skips attention. QK_MATVEC_NR /
-//! QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning runs).
+//! DeltaNet (with QK_BENCH_NO_ATTENTION=1), QK_BENCH_NO_ATTENTION=1 skips attention.
+//! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
+//! runs).
 //! Mat-mat runs the f32 tiled kernel and, where the adapter offers them, the cooperative-matrix
 //! tiles side by side; `fast` names the kernel a default (not precise) engine picks.
 //! QK_BENCH_MIB sets the mat-vec weight size (default 256 MiB; the H200 target is IQ4_XS and Q8_0

@@ -342,7 +342,7 @@ pub fn partial_len(decode_rows: u32, prefill_rows: u32, heads: u32, head_dim: u3
 
 /// (keys per split, splits) of a row (or prefill tile) over `n` keys: the shortest power-of-two
 /// multiple of `min_split` that needs at most `max_splits` splits. Mirrors `plan` in
-/// attention.wgsl; a row's plan depends on its own key count only, so its bytes do not depend on
+/// common_attention.wgsl; a row's plan depends on its own key count only, so its bytes do not depend on
 /// which other rows share the dispatch.
 pub fn split_plan(n: u32, min_split: u32, max_splits: u32) -> (u32, u32) {
     let mut len = min_split;
@@ -352,7 +352,7 @@ pub fn split_plan(n: u32, min_split: u32, max_splits: u32) -> (u32, u32) {
     (len, n.div_ceil(len))
 }
 
-/// Mirrors `CoreParams` in attention.wgsl.
+/// Mirrors `CoreParams` in common_attention.wgsl.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
 struct CoreParams {

@@ -1014,8 +1014,8 @@ impl CoopTile {
 /// invocation's loads in flight, at twice the workgroup memory. benches/kernels.rs prints both per
 /// product (`coop…k64` beside `coop…`): for the grouped MoE tiles 32 is faster where each runs
 /// (the narrow tile at 64 and 512 tokens, the wide one at 2048) on the H200 (RESULTS.md, 2026-12-01
-/// late night); the dense products were last compared
-/// before the fill loops were unrolled (64 ahead on some shapes then): re-measure before changing.
+/// late night); the dense products were last compared before the fill loops were unrolled (64
+/// ahead on some shapes then): re-measure before changing.
 const DENSE_K_STEP: u32 = 32;
 const MOE_K_STEP: u32 = 32;
 
