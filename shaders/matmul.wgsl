@@ -42,11 +42,15 @@
 const TM = 64u;
 // K per tile in vec4s (32 weights).
 const TK4 = 8u;
+// Tile row pitch in vec4s: TK4 + 1. With a pitch of TK4 (128 bytes) the 16 rows (columns) a warp's
+// vec4 loads of one k4 touch all sat in the same four banks (16-way conflicts); 144 bytes apart
+// they spread over all 32 (the 2 wavefronts a 16-address vec4 load needs at least).
+const LDT = TK4 + 1u;
 // X vec4 loads per invocation and K step.
 const XH = ({{TN}}u * TK4 + 255u) / 256u;
 
-var<workgroup> w_tile: array<vec4<f32>, 512>; // TM × TK4
-var<workgroup> x_tile: array<vec4<f32>, {{TN}} * 8>; // TN × TK4
+var<workgroup> w_tile: array<vec4<f32>, 64 * 9>; // TM × LDT
+var<workgroup> x_tile: array<vec4<f32>, {{TN}} * 9>; // TN × LDT
 
 @compute @workgroup_size(256)
 fn main(ids: ComputeIds) {
@@ -81,8 +85,8 @@ fn main(ids: ComputeIds) {
         if w_ok && g < groups {
             w = dq8_{{QTYPE}}(w_base, g);
         }
-        w_tile[w_row * TK4 + 2u * w_grp] = w.a;
-        w_tile[w_row * TK4 + 2u * w_grp + 1u] = w.b;
+        w_tile[w_row * LDT + 2u * w_grp] = w.a;
+        w_tile[w_row * LDT + 2u * w_grp + 1u] = w.b;
         for (var h = 0u; h < XH; h++) {
             let e = t + 256u * h;
             let xn = e / TK4;
@@ -92,7 +96,7 @@ fn main(ids: ComputeIds) {
                 if xn < tile.cols && k0 + 4u * xk4 < P.k {
                     v = X[(x_start[h] + k0) / 4u + xk4];
                 }
-                x_tile[xn * TK4 + xk4] = v;
+                x_tile[xn * LDT + xk4] = v;
             }
         }
         workgroupBarrier();
@@ -100,10 +104,10 @@ fn main(ids: ComputeIds) {
         for (var k4 = 0u; k4 < TK4; k4++) {
             var a: array<vec4<f32>, 4>;
 #for i in 0..4
-            a[{{i}}] = w_tile[(ty + 16u * {{i}}u) * TK4 + k4];
+            a[{{i}}] = w_tile[(ty + 16u * {{i}}u) * LDT + k4];
 #endfor
 #for j in 0..NJ
-            let b{{j}} = x_tile[(tx + 16u * {{j}}u) * TK4 + k4];
+            let b{{j}} = x_tile[(tx + 16u * {{j}}u) * LDT + k4];
             acc[{{j}}] += vec4<f32>(dot(a[0], b{{j}}), dot(a[1], b{{j}}), dot(a[2], b{{j}}), dot(a[3], b{{j}}));
 #endfor
         }
