@@ -32,10 +32,10 @@ enable wgpu_cooperative_matrix;
 #define MOE 0
 #define TK 32
 #define KK 2
-// Per-invocation loop counts of one K step's fill (X vec4, IQ4_XS sub-blocks), passed in so the
+// Per-invocation loop counts of one K step's fill (X vec4, IQ4_XS rows), passed in so the
 // loops unroll (`#for`) and their arrays stay in registers; checked against the tile below.
 #define XH 4
-#define WPT 1
+#define WPT 2
 #variants QTYPE=f32
 #variants QTYPE=f16
 #variants QTYPE=bf16
@@ -47,12 +47,12 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq4_xs ACC=f16
 #variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8
 #variants QTYPE=q6_k TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4
-#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 XH=1
+#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 XH=1 WPT=4
 #variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 ACC=f16 XH=1
-#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 TK=64 KK=4 XH=2 WPT=2
-#variants QTYPE=iq4_xs TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1
+#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 TK=64 KK=4 XH=2 WPT=8
+#variants QTYPE=iq4_xs TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1 WPT=4
 #variants QTYPE=q8_0 TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1 ACC=f16 TK=64 KK=4 XH=8 WPT=2
-#variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4 XH=8
+#variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4 XH=8 WPT=4
 #variants QTYPE=q4_1
 #variants QTYPE=q5_0
 #variants QTYPE=q5_1
@@ -94,42 +94,69 @@ var<workgroup> x_tile: array<f16, {{TN}} * ({{TK}} + 8)>; // TN × LD, column n 
 var<workgroup> c_stage: array<{{ACC}}, {{SGS}} * 256>;
 
 #if QTYPE == iq4_xs
-// 32-weight sub-blocks per row and K step, and per invocation (the fill's loop count).
-const WS32 = {{TK}}u / 32u;
+// The fill reads quant words the way memory lays them out: invocation t takes word j = t mod QW of
+// its rows' QW words per K step (a K step's quants are contiguous in a row's block), so a warp's
+// load covers 32/QW rows' consecutive words (8 segments of 16 bytes at TK 32) where one row per
+// invocation touched 32 rows per load (H200: the grouped MoE product at 2048 tokens 3.8 → 3.0 ms).
+// Rows r0 + ROW_STEP·i, i < WPT, are the invocation's, the same every K step, so each row's block
+// header (f16 d, u16 scales_h; scales_l) stays in registers and is read once per 256 weights.
+const QW = {{TK}}u / 8u;
+const ROW_STEP = THREADS / QW;
 const WPT = {{WPT}}u;
-const_assert WPT == ({{TM}}u * WS32 + THREADS - 1u) / THREADS;
-// kvalues_iq4nl as f32: one shared load per weight where dq8_iq4_xs runs a select chain.
-var<workgroup> iq4_table: array<f32, 16>;
+const_assert WPT == ({{TM}}u + ROW_STEP - 1u) / ROW_STEP;
+// kvalues_iq4nl (integers, exact in f16): one shared load per weight where dq8_iq4_xs runs a
+// select chain.
+var<workgroup> iq4_table: array<f16, 16>;
 
-// The words of one IQ4_XS sub-block: its block's header (f16 d, u16 scales_h; scales_l) and its
-// 16 quant bytes. Loaded a K step ahead of their use, so their latency hides behind the MMAs.
-struct Iq4Sub {
+// One row's registers: its block header (reloaded where a block starts) and this K step's word.
+struct Iq4Word {
     head: u32,
     lows: u32,
-    q: vec4<u32>,
+    q: u32,
 }
 
-// Sub-block s (32 weights) of the IQ4_XS row at byte `row` (4-aligned: 136-byte blocks).
-fn load_iq4_xs(row: u32, s: u32) -> Iq4Sub {
-    let blk = (row + 136u * (s >> 3u)) / 4u;
-    let q = blk + 2u + 4u * (s & 7u);
-    return Iq4Sub(W[blk], W[blk + 1u], vec4<u32>(W[q], W[q + 1u], W[q + 2u], W[q + 3u]));
+// This invocation's words of K step k0 (a row past the end keeps zeros: d = 0 stores zeros). The
+// header is read at the first step of each block and of the K range.
+fn prefetch_w(w_next: ptr<function, array<Iq4Word, WPT>>, tile: ColTile, m0: u32, k0: u32, k_first: u32,
+    t: u32) {
+    let new_block = (k0 & 255u) == 0u || k0 == k_first;
+#for ii in 0..WPT
+    {
+        let row = t / QW + ROW_STEP * {{ii}}u;
+        if row < {{TM}}u && m0 + row < P.rows {
+            let blk = (tile.w_base + (m0 + row) * P.row_bytes + 136u * (k0 >> 8u)) / 4u;
+            if new_block {
+                (*w_next)[{{ii}}].head = W[blk];
+                (*w_next)[{{ii}}].lows = W[blk + 1u];
+            }
+            (*w_next)[{{ii}}].q = W[blk + 2u + ((k0 & 255u) >> 3u) + t % QW];
+        }
+    }
+#endfor
 }
 
-// Sub-block `ib` (of its block) into w_tile, weight j at `at + j·LDM`, with the values and f32
-// products of dq8_iq4_xs (so the same f16s; iq4_xs_scale's scale from the same fields): weight
-// i < 16 is the low nibble of quant byte i, weight 16 + i its high nibble.
-fn store_iq4_xs(v: Iq4Sub, ib: u32, at: u32) {
+// Row `row`'s word of K step k0 into w_tile: word j holds sub-block (k0 mod 256)/32 + j/4's quant bytes 4(j mod 4)..+3, whose
+// low nibbles are weights 4(j mod 4) + b and high nibbles 16 + 4(j mod 4) + b of the sub-block.
+// Byte b goes in store (b + j/2) mod 4: the warp's eight (or four) words of one store then land
+// in distinct bank groups of the k-major tile. The sub-block scale is rounded to f16 and the
+// products taken in f16, two weights per multiply: an f32 product and its conversion per weight
+// made the fill the MoE products' bottleneck (H200: 2.32 → 2.07 ms at 512 tokens). A weight is
+// then f16(f16(d·(ls − 32))·q), within 1 ulp of f16 of the exact value where dq8's f16(d·(ls − 32)·q)
+// is within half of one (the coop NMSE stays ~1e-7 against the f64 reference).
+fn store_iq4_xs(v: Iq4Word, k0: u32, j: u32, row: u32) {
+    let ib = ((k0 & 255u) >> 5u) + j / 4u;
     let sl = (v.lows >> (8u * (ib >> 1u))) & 0xffu;
     let ls = ((sl >> (4u * (ib & 1u))) & 15u) | (((v.head >> (16u + 2u * ib)) & 3u) << 4u);
     let dl = unpack2x16float(v.head).x * (f32(ls) - 32.0);
-#for i in 0..4
+    let at = (32u * (j / 4u) + 4u * (j % 4u)) * LDM + row;
+    let dl16 = f16(dl);
+#for bb in 0..4
     {
-        let w = v.q[{{i}}];
-#for b in 0..4
-        w_tile[at + (4u * {{i}}u + {{b}}u) * LDM] = f16(dl * iq4_table[(w >> (8u * {{b}}u)) & 15u]);
-        w_tile[at + (16u + 4u * {{i}}u + {{b}}u) * LDM] = f16(dl * iq4_table[(w >> (8u * {{b}}u + 4u)) & 15u]);
-#endfor
+        let b = ({{bb}}u + j / 2u) & 3u;
+        let byte = v.q >> (8u * b);
+        let pair = vec2<f16>(iq4_table[byte & 15u], iq4_table[(byte >> 4u) & 15u]) * dl16;
+        w_tile[at + b * LDM] = pair.x;
+        w_tile[at + (16u + b) * LDM] = pair.y;
     }
 #endfor
 }
@@ -153,22 +180,6 @@ fn prefetch(x_next: ptr<function, array<vec4<f32>, XH>>, x_start: ptr<function, 
 #endfor
 }
 
-#if QTYPE == iq4_xs
-// This invocation's IQ4_XS sub-blocks of K step k0 (rows or K past the end are not read).
-fn prefetch_w(w_next: ptr<function, array<Iq4Sub, WPT>>, tile: ColTile, m0: u32, k0: u32, t: u32) {
-#for ii in 0..WPT
-    {
-        let i = {{ii}}u;
-        let e = t + THREADS * i;
-        let row = e / WS32;
-        let sub = e % WS32;
-        if e < {{TM}}u * WS32 && m0 + row < P.rows && k0 + 32u * sub < P.k {
-            (*w_next)[i] = load_iq4_xs(tile.w_base + (m0 + row) * P.row_bytes, k0 / 32u + sub);
-        }
-    }
-#endfor
-}
-#endif
 
 @compute @workgroup_size({{SGS}} * {{SG}})
 fn main(ids: ComputeIds) {
@@ -176,7 +187,7 @@ fn main(ids: ComputeIds) {
     let t = ids.lid;
 #if QTYPE == iq4_xs
     if t < 16u {
-        iq4_table[t] = kv_iq4nl4(vec4<u32>(t)).x;
+        iq4_table[t] = f16(kv_iq4nl4(vec4<u32>(t)).x);
     }
     workgroupBarrier();
 #endif
@@ -213,33 +224,23 @@ fn main(ids: ComputeIds) {
         // step's loads are in flight while the tensor cores work), stored to the tiles at its top.
         var x_next: array<vec4<f32>, XH>;
 #if QTYPE == iq4_xs
-        var w_next: array<Iq4Sub, WPT>;
+        var w_next: array<Iq4Word, WPT>;
 #endif
         for (var k0 = kr.x; k0 < kr.y; k0 += {{TK}}u) {
             if k0 == kr.x {
                 prefetch(&x_next, &x_start, tile, k0, t);
 #if QTYPE == iq4_xs
-                prefetch_w(&w_next, tile, m0, k0, t);
+                prefetch_w(&w_next, tile, m0, k0, kr.x, t);
 #endif
             }
 #if QTYPE == iq4_xs
-            // W: TM rows × WS32 sub-blocks, one per invocation (K is a multiple of 256 for IQ4_XS,
-            // so a sub-block is all in or all out, as dq8's groups of 8 would be).
+            // W: each of this invocation's rows' word (K is a multiple of 256 for IQ4_XS, so a
+            // K step is all in or all out, as dq8's groups of 8 would be).
 #for ii in 0..WPT
             {
-                let i = {{ii}}u;
-                let e = t + THREADS * i;
-                if e < {{TM}}u * WS32 {
-                    let row = e / WS32;
-                    let sub = e % WS32;
-                    let at = 32u * sub * LDM + row;
-                    if m0 + row < P.rows && k0 + 32u * sub < P.k {
-                        store_iq4_xs(w_next[i], (k0 / 32u + sub) & 7u, at);
-                    } else {
-                        for (var j = 0u; j < 32u; j++) {
-                            w_tile[at + j * LDM] = f16(0.0);
-                        }
-                    }
+                let row = t / QW + ROW_STEP * {{ii}}u;
+                if row < {{TM}}u {
+                    store_iq4_xs(w_next[{{ii}}], k0, t % QW, row);
                 }
             }
 #endfor
@@ -277,13 +278,13 @@ fn main(ids: ComputeIds) {
             }
 #endfor
             workgroupBarrier();
+            // The prefetch writes registers only: no barrier between it and the MMAs.
             if k0 + {{TK}}u < kr.y {
                 prefetch(&x_next, &x_start, tile, k0 + {{TK}}u, t);
 #if QTYPE == iq4_xs
-                prefetch_w(&w_next, tile, m0, k0 + {{TK}}u, t);
+                prefetch_w(&w_next, tile, m0, k0 + {{TK}}u, kr.x, t);
 #endif
             }
-            workgroupBarrier();
 #for kk in 0..KK
             {
 #for a in 0..AM

@@ -1285,7 +1285,7 @@ fn matmul_pipeline(
                     ("KK", (tile.k_step / 16).to_string()),
                     ("MOE", moe_flag),
                     ("XH", per_invocation(tile.cols * tile.k_step / 4).to_string()),
-                    ("WPT", per_invocation(tile.rows * tile.k_step / 32).to_string()),
+                    ("WPT", per_invocation(tile.rows * tile.k_step / 8).to_string()),
                 ],
                 &[],
             )
