@@ -135,14 +135,14 @@ fn prefetch_w(w_next: ptr<function, array<Iq4Word, WPT>>, tile: ColTile, m0: u32
 #endfor
 }
 
-// Row `row`'s word of K step k0 into w_tile: word j holds sub-block (k0 mod 256)/32 + j/4's quant bytes 4(j mod 4)..+3, whose
-// low nibbles are weights 4(j mod 4) + b and high nibbles 16 + 4(j mod 4) + b of the sub-block.
-// Byte b goes in store (b + j/2) mod 4: the warp's eight (or four) words of one store then land
-// in distinct bank groups of the k-major tile. The sub-block scale is rounded to f16 and the
-// products taken in f16, two weights per multiply: an f32 product and its conversion per weight
-// made the fill the MoE products' bottleneck (H200: 2.32 → 2.07 ms at 512 tokens). A weight is
-// then f16(f16(d·(ls − 32))·q), within 1 ulp of f16 of the exact value where dq8's f16(d·(ls − 32)·q)
-// is within half of one (the coop NMSE stays ~1e-7 against the f64 reference).
+// Row `row`'s word of K step k0 into w_tile: word j holds quant bytes 4(j mod 4)..+3 of sub-block
+// (k0 mod 256)/32 + j/4, whose low nibbles are weights 4(j mod 4) + b and high nibbles
+// 16 + 4(j mod 4) + b of the sub-block. Byte b goes in store (b + j/2) mod 4: the warp's eight (or
+// four) words of one store then land in distinct bank groups of the k-major tile. The sub-block
+// scale is rounded to f16 and the products taken in f16, two weights per multiply: an f32 product
+// and its conversion per weight made the fill the MoE products' bottleneck (H200: 2.32 → 2.07 ms
+// at 512 tokens). A weight is then f16(f16(d·(ls − 32))·q), within about one f16 ulp of the exact
+// value where dq8's f16(d·(ls − 32)·q) is within half of one (coop NMSE ~1e-7 against f64).
 fn store_iq4_xs(v: Iq4Word, k0: u32, j: u32, row: u32) {
     let ib = ((k0 & 255u) >> 5u) + j / 4u;
     let sl = (v.lows >> (8u * (ib >> 1u))) & 0xffu;
@@ -179,7 +179,6 @@ fn prefetch(x_next: ptr<function, array<vec4<f32>, XH>>, x_start: ptr<function, 
     }
 #endfor
 }
-
 
 @compute @workgroup_size({{SGS}} * {{SG}})
 fn main(ids: ComputeIds) {
