@@ -132,4 +132,8 @@ def test_llama_cpp_nmse_is_the_table():
         theirs = llama.logits(llama.load(path), tokens)
         err = llama.nmse(theirs, Model(path).forward(tokens))
         print(f"{name}: llama.cpp NMSE max {err.max():.3e} mean {err.mean():.3e}")
-        assert err.max() == pytest.approx(worst, rel=1e-3) and err.mean() == pytest.approx(mean, rel=1e-3)
+        # 1%: llama.cpp's CPU build picks its SIMD dot products from the machine it is built on, and
+        # they sum in different orders (Q4_K_M on an AVX-512 EPYC, 2026-12-02: max 5.918e-02, mean
+        # 1.137e-03 against the table's 5.899e-02, 1.135e-03; the other files equal to 4 digits).
+        # A stale table (another reference, fixture or oracle version) moves these far more.
+        assert err.max() == pytest.approx(worst, rel=1e-2) and err.mean() == pytest.approx(mean, rel=1e-2)
