@@ -324,12 +324,22 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
 fn kernel_name(kernel: MatmulKernel) -> String {
     match kernel {
         MatmulKernel::Tiled => "tiled".to_string(),
-        MatmulKernel::Coop(t) if t.k_step != 32 => format!("coop{}x{}k{}", t.rows, t.cols, t.k_step),
-        MatmulKernel::Coop(t) => format!("coop{}x{}", t.rows, t.cols),
+        MatmulKernel::Coop(t) => format!(
+            "coop{}x{}{}{}",
+            t.rows,
+            t.cols,
+            if t.k_step != 32 {
+                format!("k{}", t.k_step)
+            } else {
+                String::new()
+            },
+            if t.packed { "p" } else { "" }
+        ),
     }
 }
 
-/// The cooperative tiles this adapter runs, each with K steps 32 and 64.
+/// The cooperative tiles this adapter runs, each with K steps 32 and 64 (IQ4_XS products also
+/// list each tile packed: `coop…p`).
 fn coop_kernels(gpu: &Gpu, tiles: &[CoopTile]) -> Vec<MatmulKernel> {
     let mut out = Vec::new();
     for &tile in tiles {
@@ -386,6 +396,9 @@ fn projection_prefill(gpu: &Gpu, rng: &mut Rng) {
             .expect("partials");
         let mut kernels = vec![MatmulKernel::Tiled];
         kernels.extend(coop_kernels(gpu, &CoopTile::DENSE));
+        if ty == GgmlType::IQ4XS {
+            kernels.extend(coop_kernels(gpu, &CoopTile::DENSE.map(|t| t.with_packed(true))));
+        }
         for &ncols in pieces {
             let flops = 2.0 * rows as f64 * k as f64 * f64::from(ncols);
             let bytes = (w.rows * w.row_bytes) as f64;
@@ -860,7 +873,9 @@ fn moe_piece(gpu: &Gpu, rng: &mut Rng, tokens: u32) {
     });
     println!("moe grouping ({entries} entries): {:>9.1} µs", t * 1e6);
     let mut kernels = vec![MatmulKernel::Tiled];
-    kernels.extend(coop_kernels(gpu, &[CoopTile::MOE, CoopTile::MOE_WIDE]));
+    let tiles = [CoopTile::MOE, CoopTile::MOE_WIDE];
+    kernels.extend(coop_kernels(gpu, &tiles));
+    kernels.extend(coop_kernels(gpu, &tiles.map(|t| t.with_packed(true))));
     let run = |rec: &mut Recorder<'_>, kernel: MatmulKernel| {
         // Each kernel reads groups cut to its own tile width.
         let tile_cols = match kernel {
