@@ -126,6 +126,11 @@ var<workgroup> iq4_table: array<f32, 16>;
 var<workgroup> iq4_table: array<f16, 16>;
 #endif
 
+// Row (of the tile) `i` of invocation t: the same rows at the prefetch and at the fill.
+fn iq4_row(t: u32, i: u32) -> u32 {
+    return t / QW + ROW_STEP * i;
+}
+
 // One row's registers: its block header (reloaded where a block starts) and this K step's word.
 struct Iq4Word {
     head: u32,
@@ -140,7 +145,7 @@ fn prefetch_w(w_next: ptr<function, array<Iq4Word, WPT>>, tile: ColTile, m0: u32
     let new_block = (k0 & 255u) == 0u || k0 == k_first;
 #for ii in 0..WPT
     {
-        let row = t / QW + ROW_STEP * {{ii}}u;
+        let row = iq4_row(t, {{ii}}u);
         if row < {{TM}}u && m0 + row < P.rows {
             let blk = (tile.w_base + (m0 + row) * P.row_bytes + 136u * (k0 >> 8u)) / 4u;
             if new_block {
@@ -283,7 +288,7 @@ fn main(ids: ComputeIds) {
             // K step is all in or all out, as dq8's groups of 8 would be).
 #for ii in 0..WPT
             {
-                let row = t / QW + ROW_STEP * {{ii}}u;
+                let row = iq4_row(t, {{ii}}u);
                 if row < {{TM}}u {
 #if PACKED
                     store_iq4_xs_packed(w_next[{{ii}}], k0, t % QW, row);

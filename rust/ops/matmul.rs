@@ -1009,8 +1009,9 @@ impl CoopTile {
         (self.rows / self.sg_rows) * (self.cols / self.sg_cols)
     }
 
-    /// Workgroup memory: the two f16 tiles (pitch k_step + 8; IQ4_XS's k-major W tile, pitch
-    /// rows + 8, is no larger while rows ≥ k_step) and one 16×16 staging block per subgroup.
+    /// Workgroup memory: the two f16 tiles (pitch k_step + 8, the packed IQ4_XS tile too; the
+    /// k-major one, pitch rows + 8, is no larger while rows ≥ k_step) and one 16×16 staging block
+    /// per subgroup.
     fn workgroup_bytes(self, acc_bytes: u32) -> u32 {
         (self.rows + self.cols) * (self.k_step + 8) * 2 + self.subgroups() * 256 * acc_bytes
     }

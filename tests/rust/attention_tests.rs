@@ -10,7 +10,7 @@ use qk::ops::attention::{
 };
 use qk::ops::rope::freq_table;
 
-use crate::gpu_tests::test_gpu;
+use crate::gpu_tests::{same_bits, test_gpu};
 use crate::ops_tests::{Rng, nmse};
 
 const TYPES: [(KvType, KvType); 3] = [
@@ -615,10 +615,7 @@ fn gpu_attention_prefill_coop_matches_reference() {
         if n == 128 {
             let halves = run_pieces(gpu, &c, &pb, prefix, &[64, 64], PrefillKernel::Coop);
             for (r, (a, b)) in outs.iter().zip(&halves).enumerate() {
-                assert!(
-                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "row {r}: one piece and two pieces differ"
-                );
+                assert!(same_bits(a, b), "row {r}: one piece and two pieces differ");
             }
         }
     }

@@ -32,6 +32,11 @@ pub fn test_gpu(no_subgroups: bool) -> Option<&'static Gpu> {
     .as_ref()
 }
 
+/// Whether two runs gave the same floats bit for bit (pairwise, over the shorter).
+pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 fn run_scale(gpu: &Gpu, n: u32) {
     let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
     let xb = gpu.buffer_from_f32("x", &x).unwrap();

@@ -19,7 +19,7 @@ use qk::ops::matmul::{
     matmul, matmul_id, matmul_split, matmul_with, matvec, matvec_id,
 };
 
-use crate::gpu_tests::test_gpu;
+use crate::gpu_tests::{same_bits, test_gpu};
 
 const NMSE_MAX: f64 = 1e-9;
 
@@ -793,9 +793,8 @@ fn moe_matmul_wide_tile_gives_the_narrow_bytes() {
                 let want = matmul_id_outputs(gpu, ty, u64::MAX, MatmulKernel::Coop(narrow), 70);
                 let got = matmul_id_outputs(gpu, ty, u64::MAX, MatmulKernel::Coop(wide), 70);
                 for ((g, _), (w, _)) in got.iter().zip(&want) {
-                    let same = g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(
-                        same,
+                        same_bits(g, w),
                         "{ty} K step {k_step} subgroups_off={off}: the 64-wide tile changed the bytes"
                     );
                 }
@@ -809,7 +808,6 @@ fn coop_packed_iq4_xs_tile_gives_the_same_bytes() {
     // The packed IQ4_XS tile stages the k-major tile's f16 weights in another layout: no product may
     // change by a bit, dense (every tile, both K steps, whole and split over K from mid-block) or
     // grouped by expert.
-    let bytes_equal = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     for off in [false, true] {
         let Some(gpu) = test_gpu(off) else { return };
         let dense = CoopTile::DENSE.into_iter().flat_map(|t| [t, t.with_k_step(64)]);
@@ -829,7 +827,7 @@ fn coop_packed_iq4_xs_tile_gives_the_same_bytes() {
                 let got = matmul_id_outputs(gpu, GgmlType::IQ4XS, u64::MAX, kernel_packed, 70);
                 for ((g, _), (w, _)) in got.iter().zip(&want) {
                     assert!(
-                        bytes_equal(g, w),
+                        same_bits(g, w),
                         "{packed:?} subgroups_off={off}: grouped bytes changed"
                     );
                 }
@@ -844,7 +842,7 @@ fn coop_packed_iq4_xs_tile_gives_the_same_bytes() {
                 println!("packed {packed:?} splits {splits} (subgroups_off={off}): NMSE {e:e}");
                 assert!(e < coop_nmse_max(acc), "{tile:?} splits {splits}: NMSE {e:e}");
                 assert!(
-                    bytes_equal(&got, &want),
+                    same_bits(&got, &want),
                     "{packed:?} splits {splits} subgroups_off={off}: bytes changed"
                 );
             }
