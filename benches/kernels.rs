@@ -324,36 +324,19 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
 fn kernel_name(kernel: MatmulKernel) -> String {
     match kernel {
         MatmulKernel::Tiled => "tiled".to_string(),
-        MatmulKernel::Coop(t) => format!(
-            "coop{}x{}{}{}",
-            t.rows,
-            t.cols,
-            if t.k_step != 32 {
-                format!("k{}", t.k_step)
-            } else {
-                String::new()
-            },
-            if t.packed { "p" } else { "" }
-        ),
+        MatmulKernel::Coop(t) if t.k_step != 32 => format!("coop{}x{}k{}", t.rows, t.cols, t.k_step),
+        MatmulKernel::Coop(t) => format!("coop{}x{}", t.rows, t.cols),
     }
 }
 
-/// The cooperative tiles this adapter runs for `ty` weights, each with K steps 32 and 64, and for
-/// IQ4_XS each also with the packed W tile (`coop…p`).
-fn coop_kernels(gpu: &Gpu, tiles: &[CoopTile], ty: GgmlType) -> Vec<MatmulKernel> {
-    let layouts: &[bool] = if ty == GgmlType::IQ4XS {
-        &[false, true]
-    } else {
-        &[false]
-    };
+/// The cooperative tiles this adapter runs, each with K steps 32 and 64.
+fn coop_kernels(gpu: &Gpu, tiles: &[CoopTile]) -> Vec<MatmulKernel> {
     let mut out = Vec::new();
-    for &packed in layouts {
-        for &tile in tiles {
-            for k_step in [32, 64] {
-                let t = tile.with_k_step(k_step).with_packed(packed);
-                if coop_accumulator(gpu, t).is_some() {
-                    out.push(MatmulKernel::Coop(t));
-                }
+    for &tile in tiles {
+        for k_step in [32, 64] {
+            let t = tile.with_k_step(k_step);
+            if coop_accumulator(gpu, t).is_some() {
+                out.push(MatmulKernel::Coop(t));
             }
         }
     }
@@ -402,7 +385,7 @@ fn projection_prefill(gpu: &Gpu, rng: &mut Rng) {
             .buffer_zeroed("partials", u64::from(splits) * (rows * max_cols * 4) as u64)
             .expect("partials");
         let mut kernels = vec![MatmulKernel::Tiled];
-        kernels.extend(coop_kernels(gpu, &CoopTile::DENSE, ty));
+        kernels.extend(coop_kernels(gpu, &CoopTile::DENSE));
         for &ncols in pieces {
             let flops = 2.0 * rows as f64 * k as f64 * f64::from(ncols);
             let bytes = (w.rows * w.row_bytes) as f64;
@@ -877,7 +860,7 @@ fn moe_piece(gpu: &Gpu, rng: &mut Rng, tokens: u32) {
     });
     println!("moe grouping ({entries} entries): {:>9.1} µs", t * 1e6);
     let mut kernels = vec![MatmulKernel::Tiled];
-    kernels.extend(coop_kernels(gpu, &[CoopTile::MOE, CoopTile::MOE_WIDE], ty));
+    kernels.extend(coop_kernels(gpu, &[CoopTile::MOE, CoopTile::MOE_WIDE]));
     let run = |rec: &mut Recorder<'_>, kernel: MatmulKernel| {
         // Each kernel reads groups cut to its own tile width.
         let tile_cols = match kernel {

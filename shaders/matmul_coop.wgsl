@@ -36,7 +36,6 @@ enable wgpu_cooperative_matrix;
 // loops unroll (`#for`) and their arrays stay in registers; checked against the tile below.
 #define XH 4
 #define WPT 2
-#define PACKED 0
 #variants QTYPE=f32
 #variants QTYPE=f16
 #variants QTYPE=bf16
@@ -68,10 +67,6 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq3_s
 #variants QTYPE=mxfp4
 #variants QTYPE=iq4_xs TM=128 TN=64 WM=32 WN=32 AM=2 AN=2 SGS=8 MOE=1 XH=2
-#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 XH=1 WPT=4 PACKED=1
-#variants QTYPE=iq4_xs TM=128 TN=64 WM=32 WN=32 AM=2 AN=2 SGS=8 MOE=1 XH=2 PACKED=1
-#variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4 XH=8 WPT=4 PACKED=1
-#variants QTYPE=iq4_xs ACC=f16 PACKED=1
 
 // Row pitch of the f16 tiles in halves: TK + 8 keeps every 16×16 load 16-byte aligned (80- or
 // 144-byte rows) while shifting successive rows across memory banks (LDM, TM + 8, likewise).
@@ -87,19 +82,10 @@ const XH = {{XH}}u;
 const_assert XH == ({{TN}}u * XK4 + THREADS - 1u) / THREADS;
 
 #if QTYPE == iq4_xs
-#if PACKED
-// PACKED: the IQ4_XS tile row-major as f16 pairs in u32 words (row pitch LDP words), filled a word
-// (two weights) per store and loaded as f16 matrices from the u32 array (SPIR-V's cooperative load
-// takes any scalar pointee, its stride in pointee units): half the stores and none of the per-weight
-// address arithmetic of the k-major tile below. The same f16 values, so the same outputs.
-const LDP = LD / 2u;
-var<workgroup> w_pack: array<u32, {{TM}} * ({{TK}} + 8) / 2>; // TM × LDP, (m, k pair)
-#else
 // IQ4_XS tiles are k-major: a warp's f16 stores of one weight index land in neighbouring halves
 // (row-major, rows LD apart fell in 8 banks: 4-way conflicts).
 const LDM = {{TM}}u + 8u;
 var<workgroup> w_tile: array<f16, {{TK}} * ({{TM}} + 8)>; // TK × LDM, (k, m)
-#endif
 #else
 var<workgroup> w_tile: array<f16, {{TM}} * ({{TK}} + 8)>; // TM × LD, row-major (m, k)
 #endif
@@ -119,12 +105,8 @@ const ROW_STEP = THREADS / QW;
 const WPT = {{WPT}}u;
 const_assert WPT == ({{TM}}u + ROW_STEP - 1u) / ROW_STEP;
 // kvalues_iq4nl (integers, exact in f16): one shared load per weight where dq8_iq4_xs runs a
-// select chain. The packed tile takes them as f32 (see store_iq4_xs_packed).
-#if PACKED
-var<workgroup> iq4_table: array<f32, 16>;
-#else
+// select chain.
 var<workgroup> iq4_table: array<f16, 16>;
-#endif
 
 // Row (of the tile) `i` of invocation t: the same rows at the prefetch and at the fill.
 fn iq4_row(t: u32, i: u32) -> u32 {
@@ -158,33 +140,6 @@ fn prefetch_w(w_next: ptr<function, array<Iq4Word, WPT>>, tile: ColTile, m0: u32
 #endfor
 }
 
-// The scale of row `row`'s sub-block for word j of K step k0, as f16 (see store_iq4_xs).
-fn iq4_scale16(v: Iq4Word, k0: u32, j: u32) -> f16 {
-    let ib = ((k0 & 255u) >> 5u) + j / 4u;
-    let sl = (v.lows >> (8u * (ib >> 1u))) & 0xffu;
-    let ls = ((sl >> (4u * (ib & 1u))) & 15u) | (((v.head >> (16u + 2u * ib)) & 3u) << 4u);
-    return f16(unpack2x16float(v.head).x * (f32(ls) - 32.0));
-}
-
-#if PACKED
-// store_iq4_xs's values into the packed tile: the word's low nibbles are 4 consecutive weights
-// k = 32(j/4) + 4(j mod 4) + b, its high nibbles the 4 at k + 16: two u32 pairs each. The product of
-// the f16 scale and a 7-bit value is exact in f32, and pack2x16float rounds it once: the f16 product
-// of store_iq4_xs, bit for bit (naga has no bitcast from vec2<f16> to u32).
-fn store_iq4_xs_packed(v: Iq4Word, k0: u32, j: u32, row: u32) {
-    let d = f32(iq4_scale16(v, k0, j));
-    let q = v.q;
-    let lo = vec4<f32>(iq4_table[q & 15u], iq4_table[(q >> 8u) & 15u], iq4_table[(q >> 16u) & 15u],
-        iq4_table[(q >> 24u) & 15u]) * d;
-    let hi = vec4<f32>(iq4_table[(q >> 4u) & 15u], iq4_table[(q >> 12u) & 15u], iq4_table[(q >> 20u) & 15u],
-        iq4_table[q >> 28u]) * d;
-    let at = row * LDP + 16u * (j / 4u) + 2u * (j % 4u);
-    w_pack[at] = pack2x16float(lo.xy);
-    w_pack[at + 1u] = pack2x16float(lo.zw);
-    w_pack[at + 8u] = pack2x16float(hi.xy);
-    w_pack[at + 9u] = pack2x16float(hi.zw);
-}
-#else
 // Row `row`'s word of K step k0 into w_tile: word j holds quant bytes 4(j mod 4)..+3 of sub-block
 // (k0 mod 256)/32 + j/4, whose low nibbles are weights 4(j mod 4) + b and high nibbles
 // 16 + 4(j mod 4) + b of the sub-block. Byte b goes in store (b + j/2) mod 4: the warp's eight (or
@@ -194,8 +149,12 @@ fn store_iq4_xs_packed(v: Iq4Word, k0: u32, j: u32, row: u32) {
 // at 512 tokens). A weight is then f16(f16(d·(ls − 32))·q), within about one f16 ulp of the exact
 // value where dq8's f16(d·(ls − 32)·q) is within half of one (coop NMSE ~1e-7 against f64).
 fn store_iq4_xs(v: Iq4Word, k0: u32, j: u32, row: u32) {
+    let ib = ((k0 & 255u) >> 5u) + j / 4u;
+    let sl = (v.lows >> (8u * (ib >> 1u))) & 0xffu;
+    let ls = ((sl >> (4u * (ib & 1u))) & 15u) | (((v.head >> (16u + 2u * ib)) & 3u) << 4u);
+    let dl = unpack2x16float(v.head).x * (f32(ls) - 32.0);
     let at = (32u * (j / 4u) + 4u * (j % 4u)) * LDM + row;
-    let dl16 = iq4_scale16(v, k0, j);
+    let dl16 = f16(dl);
 #for bb in 0..4
     {
         let b = ({{bb}}u + j / 2u) & 3u;
@@ -206,7 +165,6 @@ fn store_iq4_xs(v: Iq4Word, k0: u32, j: u32, row: u32) {
     }
 #endfor
 }
-#endif
 #endif
 
 // This invocation's X values of K step k0 (zero outside the tile's columns or K).
@@ -233,11 +191,7 @@ fn main(ids: ComputeIds) {
     let t = ids.lid;
 #if QTYPE == iq4_xs
     if t < 16u {
-#if PACKED
-        iq4_table[t] = kv_iq4nl4(vec4<u32>(t)).x;
-#else
         iq4_table[t] = f16(kv_iq4nl4(vec4<u32>(t)).x);
-#endif
     }
     workgroupBarrier();
 #endif
@@ -290,11 +244,7 @@ fn main(ids: ComputeIds) {
             {
                 let row = iq4_row(t, {{ii}}u);
                 if row < {{TM}}u {
-#if PACKED
-                    store_iq4_xs_packed(w_next[{{ii}}], k0, t % QW, row);
-#else
                     store_iq4_xs(w_next[{{ii}}], k0, t % QW, row);
-#endif
                 }
             }
 #endfor
@@ -343,11 +293,7 @@ fn main(ids: ComputeIds) {
             {
 #for a in 0..AM
 #if QTYPE == iq4_xs
-#if PACKED
-                let a{{a}} = coopLoadT<coop_mat16x16<f16, A>>(&w_pack[(sm + 16u * {{a}}u) * LDP + 8u * {{kk}}u], LDP);
-#else
                 let a{{a}} = coopLoad<coop_mat16x16<f16, A>>(&w_tile[16u * {{kk}}u * LDM + sm + 16u * {{a}}u], LDM);
-#endif
 #else
                 let a{{a}} = coopLoadT<coop_mat16x16<f16, A>>(&w_tile[(sm + 16u * {{a}}u) * LD + 16u * {{kk}}u], LD);
 #endif

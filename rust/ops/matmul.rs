@@ -944,10 +944,6 @@ pub struct CoopTile {
     pub sg_cols: u32,
     /// K per step between barriers: 32 or 64 (the outputs are the same either way).
     pub k_step: u32,
-    /// IQ4_XS weights staged as f16 pairs in u32 words, row-major, instead of a k-major f16 tile
-    /// (matmul_coop.wgsl `PACKED`; the same values, so the same outputs). Other types ignore it.
-    /// Compared in benches/kernels.rs before the engine takes it.
-    pub packed: bool,
 }
 
 impl CoopTile {
@@ -958,18 +954,12 @@ impl CoopTile {
             sg_rows,
             sg_cols,
             k_step,
-            packed: false,
         }
     }
 
     /// This tile with another K step (32 or 64); benches/kernels.rs compares them.
     pub const fn with_k_step(self, k_step: u32) -> Self {
         CoopTile { k_step, ..self }
-    }
-
-    /// This tile with the packed IQ4_XS tile on or off.
-    pub const fn with_packed(self, packed: bool) -> Self {
-        CoopTile { packed, ..self }
     }
 
     /// 4 subgroups of 32×32: the first cooperative kernel's shape.
@@ -991,27 +981,24 @@ impl CoopTile {
     /// The dense tiles, largest first.
     pub const DENSE: [CoopTile; 3] = [CoopTile::SQUARE_128, CoopTile::RECT_128X64, CoopTile::SQUARE_64];
 
-    /// One of the DENSE tiles, whatever its K step and W tile layout.
+    /// One of the DENSE tiles, whatever its K step.
     fn is_dense(self) -> bool {
-        CoopTile::DENSE
-            .iter()
-            .any(|t| t.with_k_step(self.k_step).with_packed(self.packed) == self)
+        CoopTile::DENSE.iter().any(|t| t.with_k_step(self.k_step) == self)
     }
 
-    /// One of the MOE tiles, whatever its K step and W tile layout.
+    /// One of the MOE tiles, whatever its K step.
     fn is_moe(self) -> bool {
         [CoopTile::MOE, CoopTile::MOE_WIDE]
             .iter()
-            .any(|t| t.with_k_step(self.k_step).with_packed(self.packed) == self)
+            .any(|t| t.with_k_step(self.k_step) == self)
     }
 
     pub fn subgroups(self) -> u32 {
         (self.rows / self.sg_rows) * (self.cols / self.sg_cols)
     }
 
-    /// Workgroup memory: the two f16 tiles (pitch k_step + 8, the packed IQ4_XS tile too; the
-    /// k-major one, pitch rows + 8, is no larger while rows ≥ k_step) and one 16×16 staging block
-    /// per subgroup.
+    /// Workgroup memory: the two f16 tiles (pitch k_step + 8; the IQ4_XS W tile is k-major, pitch
+    /// rows + 8, no larger while rows ≥ k_step) and one 16×16 staging block per subgroup.
     fn workgroup_bytes(self, acc_bytes: u32) -> u32 {
         (self.rows + self.cols) * (self.k_step + 8) * 2 + self.subgroups() * 256 * acc_bytes
     }
@@ -1299,7 +1286,6 @@ fn matmul_pipeline(
                     ("MOE", moe_flag),
                     ("XH", per_invocation(tile.cols * tile.k_step / 4).to_string()),
                     ("WPT", per_invocation(tile.rows * tile.k_step / 8).to_string()),
-                    ("PACKED", u32::from(tile.packed).to_string()),
                 ],
                 &[],
             )
