@@ -13,11 +13,14 @@
 // * prep + state: the chunked WY/UT form for chunks of 64 tokens starting at token first_token of
 //   the call, which the caller puts on an absolute multiple of 64.
 //   prep (grid (chunks, v_heads), 256 invocations, every chunk at once) stages 16-wide slices of
-//   q, k and v in workgroup memory and works as small mat-mats: K^ K^T and Q^ K^T (64 x 64, each
-//   invocation a 4 x 4 block), the triangular solve T = (I + A)^-1 (row by row, one invocation
-//   per column), then W = T diag(beta e^gamma) K^ and U = T diag(beta) V slice by slice. It
-//   writes W, U, the masked decayed q.k matrix P, the cumulative log-decays and the inverse norms
-//   to scratch.
+//   q and k in workgroup memory and works as small mat-mats: K^ K^T and Q^ K^T (64 x 64, each
+//   invocation a 4 x 4 block), then the triangular solve T = (I + A)^-1 (by 16 x 16 blocks). It
+//   writes T, the masked decayed q.k matrix P, the cumulative log-decays, the inverse norms and
+//   the row scales of W and U to scratch.
+//   wu (grid (chunks, v_heads, column blocks of 64 over W then U), 256 invocations) computes
+//   W = T diag(beta e^gamma) K^ and U = T diag(beta) V, a 64-column block per workgroup: apart
+//   from the prep, so four workgroups share a chunk's products where one ran them after its solve
+//   (the H200 held one prep workgroup per SM at a time).
 //   state (grid (ceil(dv / 16), v_heads), 256 invocations) walks the chunks in order, carrying a
 //   dk x 16 column block of S in workgroup memory: V' = U - W S, O = e^gamma Q S + P V',
 //   S = e^gamma_C S + K^T diag(.) V'; an invocation owns one chunk row and 4 value columns.
@@ -31,6 +34,7 @@
 // Steps per unrolled iteration of the chunked kernels' inner loops (their loads issued together).
 #define UNROLL 8
 #variants OP=prep
+#variants OP=wu
 #variants OP=state
 
 struct DeltaParams {
@@ -75,13 +79,18 @@ const CHUNK_WG: u32 = 256u;
 const STATE_COLS: u32 = 16u;
 const SLICE: u32 = 16u;
 const SLICE_PITCH: u32 = 17u;
+// wu: columns per workgroup, and the row pitch of its operand tile.
+const WU_COLS: u32 = 64u;
+const WU_B_PITCH: u32 = 68u;
 
 var<immediate> P: DeltaParams;
 @group(0) @binding(0) var<storage, read> QKV: array<f32>;
 #if OP != state
+#if OP != wu
 @group(0) @binding(1) var<storage, read> BA: array<f32>;
 @group(0) @binding(2) var<storage, read> SSM_A: array<f32>;
 @group(0) @binding(3) var<storage, read> DT_BIAS: array<f32>;
+#endif
 #endif
 #if OP == recurrent
 @group(0) @binding(4) var<storage, read_write> STATE: array<f32>;
@@ -89,6 +98,9 @@ var<immediate> P: DeltaParams;
 #endif
 #if OP == prep
 @group(0) @binding(4) var<storage, read_write> SCRATCH: array<f32>;
+#endif
+#if OP == wu
+@group(0) @binding(1) var<storage, read_write> SCRATCH: array<f32>;
 #endif
 #if OP == state
 @group(0) @binding(1) var<storage, read> SCRATCH: array<f32>;
@@ -115,6 +127,13 @@ var<workgroup> prep_inv_q: array<f32, CHUNK>;
 var<workgroup> prep_inv_k: array<f32, CHUNK>;
 // beta e^gamma / |k| per row: the scale of k^ in W.
 var<workgroup> prep_wk: array<f32, CHUNK>;
+#endif
+
+#if OP == wu
+// The operand rows (W's scaled k^ or U's scaled v), 64 x WU_B_PITCH. T is read from scratch
+// through the cache: staged here as well it cost occupancy (H200: W and U of a 2048-row piece
+// 619 µs staged, 340 read through the cache).
+var<workgroup> wu_b: array<f32, 4352>;
 #endif
 
 #if OP == state
@@ -146,6 +165,7 @@ fn v_at(t: u32, n: u32, j: u32) -> f32 {
 }
 
 #if OP != state
+#if OP != wu
 fn ba_index(t: u32, n: u32, which_offset: u32) -> u32 {
     return t * P.ba_token_stride + which_offset + (n / P.ba_group) * P.ba_group_stride
         + n % P.ba_group;
@@ -163,6 +183,7 @@ fn log_decay_of(t: u32, n: u32) -> f32 {
     return SSM_A[n] * softplus;
 }
 
+#endif
 #endif
 
 fn state_index(n: u32, j: u32, i: u32) -> u32 {
@@ -263,10 +284,23 @@ fn main(ids: ComputeIds) {
 
 #endif
 
-// Scratch of chunk c, v-head n: W (64 x dk), U (64 x dv), P (64 x 64), gamma, inv_q, inv_k (64 each).
-fn scratch_base(c: u32, n: u32) -> u32 {
-    let stride = CHUNK * (P.dk + P.dv + CHUNK + 3u);
-    return (c * P.v_heads + n) * stride;
+// Scratch of chunk c, v-head n: W (64 x dk), U (64 x dv), P (64 x 64), T (64 x 64), then 64 each
+// of gamma, inv_q, inv_k, W's row scales (beta e^gamma / |k|) and U's (beta).
+struct ChunkScratch {
+    w: u32,
+    u: u32,
+    p: u32,
+    t: u32,
+    tail: u32,
+}
+
+fn chunk_scratch(c: u32, n: u32) -> ChunkScratch {
+    let stride = CHUNK * (P.dk + P.dv + 2u * CHUNK + 5u);
+    let w = (c * P.v_heads + n) * stride;
+    let u = w + CHUNK * P.dk;
+    let p = u + CHUNK * P.dv;
+    let t = p + CHUNK * CHUNK;
+    return ChunkScratch(w, u, p, t, t + CHUNK * CHUNK);
 }
 
 #if OP == prep
@@ -280,11 +314,9 @@ fn main(ids: ComputeIds) {
     let dv = P.dv;
     let t0 = P.first_token + c * CHUNK;
     let len = min(CHUNK, P.tokens - c * CHUNK);
-    let base = scratch_base(c, n);
-    let w_base = base;
-    let u_base = base + CHUNK * dk;
-    let p_base = u_base + CHUNK * dv;
-    let tail = p_base + CHUNK * CHUNK;
+    let sc = chunk_scratch(c, n);
+    let p_base = sc.p;
+    let tail = sc.tail;
 
     // Squared norms of q and k: four invocations per row, each every fourth element, partial sums
     // through prep_t (free until A is written).
@@ -338,6 +370,8 @@ fn main(ids: ComputeIds) {
         SCRATCH[tail + lid] = gamma;
         SCRATCH[tail + CHUNK + lid] = prep_inv_q[lid];
         SCRATCH[tail + 2u * CHUNK + lid] = prep_inv_k[lid];
+        SCRATCH[tail + 3u * CHUNK + lid] = prep_wk[lid];
+        SCRATCH[tail + 4u * CHUNK + lid] = prep_beta[lid];
     }
 
     // K K^T and Q K^T of the raw rows over dk, a 16-wide slice at a time; invocation (tx, ty) owns
@@ -400,88 +434,148 @@ fn main(ids: ComputeIds) {
 #endfor
     workgroupBarrier();
 
-    // T = (I + A)^-1 in place, row by row: T[i][j] = -(A[i][j] + sum_{j<m<i} A[i][m] T[m][j]).
-    // Rows past the chunk's end stay 0.
-    for (var i = 1u; i < len; i++) {
-        var value = 0.0;
-        let j = lid;
-        if j < i {
-            value = prep_t[i * CHUNK + j];
-            var m = j + 1u;
-            for (; m + {{UNROLL}}u <= i; m += {{UNROLL}}u) {
-#for u in 0..UNROLL
-                let a{{u}} = prep_t[i * CHUNK + m + {{u}}u];
-                let b{{u}} = prep_t[(m + {{u}}u) * CHUNK + j];
-#endfor
-#for u in 0..UNROLL
-                value += a{{u}} * b{{u}};
-#endfor
+    // T = (I + A)^-1 in place (strictly lower; the unit diagonal implicit), by 16 x 16 blocks:
+    // the four diagonal blocks row by row at once (T[i][j] = -(A[i][j] + sum_{j<m<i} A[i][m]
+    // T[m][j]) within a block), then block row by block row X_IJ = sum_{J<=M<I} A_IM T_MJ and
+    // T_IJ = -T_II X_IJ. A chain of 15 + 3 short steps instead of 63 rows (the H200 spent 54 µs
+    // of a chunk's prep in the row-by-row solve). Rows past the chunk's end stay 0.
+    {
+        let b = lid / 16u;
+        let jj = lid % 16u;
+        let r0 = 16u * b;
+        for (var i = 1u; i < 16u; i++) {
+            let owns = lid < 64u && jj < i;
+            var value = 0.0;
+            if owns {
+                let row = (r0 + i) * CHUNK + r0;
+                value = prep_t[row + jj];
+                for (var m = jj + 1u; m < i; m++) {
+                    value += prep_t[row + m] * prep_t[(r0 + m) * CHUNK + r0 + jj];
+                }
             }
-            for (; m < i; m++) {
-                value += prep_t[i * CHUNK + m] * prep_t[m * CHUNK + j];
+            workgroupBarrier();
+            if owns {
+                prep_t[(r0 + i) * CHUNK + r0 + jj] = -value;
             }
+            workgroupBarrier();
         }
-        workgroupBarrier();
-        if j < i {
-            prep_t[i * CHUNK + j] = -value;
+    }
+    {
+        // Invocation (ri, cj) owns element (ri, cj) of each block of the block row; X goes to
+        // prep_ka (free after the slices above), T_IJ over A_IJ once the row's X are all taken.
+        let ri = lid / 16u;
+        let cj = lid % 16u;
+        for (var bi = 1u; bi < 4u; bi++) {
+            let row = (16u * bi + ri) * CHUNK;
+            for (var bj = 0u; bj < bi; bj++) {
+                let c = 16u * bj + cj;
+                var x = prep_t[row + c];
+                for (var m = 16u * bj; m < 16u * bi; m++) {
+                    x += prep_t[row + m] * prep_t[m * CHUNK + c];
+                }
+                prep_ka[bj * 256u + lid] = x;
+            }
+            workgroupBarrier();
+            for (var bj = 0u; bj < bi; bj++) {
+                var t = prep_ka[bj * 256u + lid];
+                for (var m = 0u; m < ri; m++) {
+                    t += prep_t[row + 16u * bi + m] * prep_ka[bj * 256u + m * 16u + cj];
+                }
+                prep_t[row + 16u * bj + cj] = -t;
+            }
+            workgroupBarrier();
         }
-        workgroupBarrier();
     }
 
-    // W = T diag(beta e^gamma / |k|) K and U = T diag(beta) V, a 16-wide column slice at a time
-    // (the dk slices of W, then the dv slices of U); invocation (tx, ty) owns column tx of rows
-    // ty + 16 a.
-    let w_slices = (dk + SLICE - 1u) / SLICE;
-    let slices = w_slices + (dv + SLICE - 1u) / SLICE;
-    for (var sl = 0u; sl < slices; sl++) {
-        let is_w = sl < w_slices;
-        let c0 = select((sl - w_slices) * SLICE, sl * SLICE, is_w);
-        let width = select(dv, dk, is_w);
-        workgroupBarrier();
-        for (var e = lid; e < CHUNK * SLICE; e += CHUNK_WG) {
-            let r = e / SLICE;
-            let col = c0 + e % SLICE;
-            var bv = 0.0;
-            if r < len && col < width {
-                if is_w {
-                    bv = prep_wk[r] * k_at(t0 + r, kh, col);
-                } else {
-                    bv = prep_beta[r] * v_at(t0 + r, n, col);
-                }
-            }
-            prep_ka[r * SLICE_PITCH + e % SLICE] = bv;
-        }
-        workgroupBarrier();
-        let col = c0 + tx;
-#for a in 0..4
-        {
-            let i = ty + 16u * {{a}}u;
-            var acc = prep_ka[i * SLICE_PITCH + tx];
-            var s = 0u;
-            for (; s + {{UNROLL}}u <= i; s += {{UNROLL}}u) {
-#for u in 0..UNROLL
-                let tt{{u}} = prep_t[i * CHUNK + s + {{u}}u];
-                let b{{u}} = prep_ka[(s + {{u}}u) * SLICE_PITCH + tx];
-#endfor
-#for u in 0..UNROLL
-                acc += tt{{u}} * b{{u}};
-#endfor
-            }
-            for (; s < i; s++) {
-                acc += prep_t[i * CHUNK + s] * prep_ka[s * SLICE_PITCH + tx];
-            }
-            if i < len && col < width {
-                if is_w {
-                    SCRATCH[w_base + i * dk + col] = acc;
-                } else {
-                    SCRATCH[u_base + i * dv + col] = acc;
-                }
-            }
-        }
-#endfor
+    for (var e = lid; e < CHUNK * CHUNK; e += CHUNK_WG) {
+        SCRATCH[sc.t + e] = prep_t[e];
     }
 }
+#endif
 
+// W = T diag(beta e^gamma / |k|) K and U = T diag(beta) V for 64 columns (block wid.z of W's
+// columns, then of U's); invocation (tx, ty) owns rows ty + 16 a and columns tx + 16 b.
+// Row i's sum runs s = 0, 1, ... in order (T's zeros above the diagonal and past the chunk's end
+// add exact zeros).
+#if OP == wu
+// The chunk and v-head of workgroup (c, n, ·).
+struct Chunk {
+    n: u32,
+    kh: u32,
+    t0: u32,
+    len: u32,
+    sc: ChunkScratch,
+}
+
+fn chunk_of(wid: vec3<u32>) -> Chunk {
+    let c = wid.x;
+    return Chunk(wid.y, k_head_of(wid.y), P.first_token + c * CHUNK, min(CHUNK, P.tokens - c * CHUNK),
+        chunk_scratch(c, wid.y));
+}
+
+// Row r, column col of W's operand diag(beta e^gamma / |k|) K or U's diag(beta) V (0 outside).
+fn wu_operand(ch: Chunk, is_w: bool, width: u32, r: u32, col: u32) -> f32 {
+    var bv = 0.0;
+    if r < ch.len && col < width {
+        if is_w {
+            bv = SCRATCH[ch.sc.tail + 3u * CHUNK + r] * k_at(ch.t0 + r, ch.kh, col);
+        } else {
+            bv = SCRATCH[ch.sc.tail + 4u * CHUNK + r] * v_at(ch.t0 + r, ch.n, col);
+        }
+    }
+    return bv;
+}
+
+@compute @workgroup_size(256)
+fn main(ids: ComputeIds) {
+    let lid = ids.lid;
+    let ch = chunk_of(ids.wid);
+    let w_blocks = (P.dk + WU_COLS - 1u) / WU_COLS;
+    let is_w = ids.wid.z < w_blocks;
+    let c0 = select((ids.wid.z - w_blocks) * WU_COLS, ids.wid.z * WU_COLS, is_w);
+    let width = select(P.dv, P.dk, is_w);
+    for (var e = lid; e < CHUNK * WU_COLS; e += CHUNK_WG) {
+        let r = e / WU_COLS;
+        wu_b[r * WU_B_PITCH + e % WU_COLS] = wu_operand(ch, is_w, width, r, c0 + e % WU_COLS);
+    }
+    workgroupBarrier();
+    let tx = lid % 16u;
+    let ty = lid / 16u;
+    var acc: array<f32, 16>;
+#for a in 0..4
+#for b in 0..4
+    acc[{{a}}u * 4u + {{b}}u] = wu_b[(ty + 16u * {{a}}u) * WU_B_PITCH + tx + 16u * {{b}}u];
+#endfor
+#endfor
+    for (var s = 0u; s < ch.len; s++) {
+#for a in 0..4
+        let ti{{a}} = SCRATCH[ch.sc.t + (ty + 16u * {{a}}u) * CHUNK + s];
+#endfor
+#for b in 0..4
+        let b{{b}} = wu_b[s * WU_B_PITCH + tx + 16u * {{b}}u];
+#endfor
+#for a in 0..4
+#for b in 0..4
+        acc[{{a}}u * 4u + {{b}}u] += ti{{a}} * b{{b}};
+#endfor
+#endfor
+    }
+#for a in 0..4
+#for b in 0..4
+    {
+        let i = ty + 16u * {{a}}u;
+        let col = c0 + tx + 16u * {{b}}u;
+        if i < ch.len && col < width {
+            if is_w {
+                SCRATCH[ch.sc.w + i * P.dk + col] = acc[{{a}}u * 4u + {{b}}u];
+            } else {
+                SCRATCH[ch.sc.u + i * P.dv + col] = acc[{{a}}u * 4u + {{b}}u];
+            }
+        }
+    }
+#endfor
+#endfor
+}
 #endif
 
 #if OP == state
@@ -512,10 +606,11 @@ fn main(ids: ComputeIds) {
     for (var c = 0u; c < P.chunks; c++) {
         let len = min(CHUNK, P.tokens - c * CHUNK);
         let t0 = P.first_token + c * CHUNK;
-        let base = scratch_base(c, n);
-        let u_base = base + CHUNK * dk;
-        let p_base = u_base + CHUNK * dv;
-        let tail = p_base + CHUNK * CHUNK;
+        let sc = chunk_scratch(c, n);
+        let base = sc.w;
+        let u_base = sc.u;
+        let p_base = sc.p;
+        let tail = sc.tail;
         let gamma_last = SCRATCH[tail + len - 1u];
         workgroupBarrier();
         if lid < CHUNK {

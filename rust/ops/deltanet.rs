@@ -17,6 +17,8 @@ pub const FILE: ShaderFile = crate::shader_file!("deltanet");
 pub const CHUNK: u32 = 64;
 /// Value columns per workgroup of the recurrent and chunk-state entry points.
 pub const COLUMNS_PER_WORKGROUP: u32 = 16;
+/// W and U columns per workgroup of the chunked form's `wu` entry point.
+const WU_COLUMNS: u32 = 64;
 /// Largest key head dim the shader's register and workgroup arrays hold.
 pub const MAX_DK: u32 = 128;
 
@@ -72,7 +74,7 @@ impl DeltaParams {
     /// f32 count of the chunked form's scratch for `tokens` tokens.
     pub fn scratch_len(&self, tokens: u32) -> u64 {
         let chunks = tokens.div_ceil(CHUNK) as u64;
-        chunks * self.v_heads as u64 * (CHUNK * (self.dk + self.dv + CHUNK + 3)) as u64
+        chunks * self.v_heads as u64 * (CHUNK * (self.dk + self.dv + 2 * CHUNK + 5)) as u64
     }
 
     pub fn validate(&self) -> crate::Result<()> {
@@ -180,7 +182,7 @@ pub fn record_recurrent(
 }
 
 /// Record the chunked form for tokens `p.first_token ..` (`p.tokens` of them, the first on an
-/// absolute multiple of 64): the prep pass over all chunks, then the state pass.
+/// absolute multiple of 64): the prep pass over all chunks, W and U, then the state pass.
 pub fn record_chunked(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -209,6 +211,17 @@ pub fn record_chunked(
         ],
         bytemuck::bytes_of(&p),
         [p.chunks, p.v_heads, 1],
+    )?;
+    let wu = gpu.pipeline(&FILE, &[("OP", "wu".into())], &[])?;
+    rec.dispatch(
+        &wu,
+        &[args.qkv.all(), scratch.all()],
+        bytemuck::bytes_of(&p),
+        [
+            p.chunks,
+            p.v_heads,
+            p.dk.div_ceil(WU_COLUMNS) + p.dv.div_ceil(WU_COLUMNS),
+        ],
     )?;
     let state = gpu.pipeline(&FILE, &[("OP", "state".into())], &[])?;
     rec.dispatch(
