@@ -5,7 +5,7 @@
 //! Prefill is cut internally into pieces of up to `prefill_rows` positions (512 or 2048 by default)
 //! at absolute multiples of 64 (the DeltaNet chunk; `piece_len`), so a prompt gives the same bytes
 //! however it is cut into calls at multiples of 64 and whatever the piece size; each piece is one
-//! recorded command sequence, one submit and one readback.
+//! recorded command sequence (submitted in parts while it is recorded) and one readback.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -501,7 +501,7 @@ impl Engine {
         self.model.ctx
     }
 
-    /// Most positions per prefill piece (one submit each).
+    /// Most positions per prefill piece (one readback each).
     pub fn prefill_rows(&self) -> u32 {
         self.prefill_rows
     }
@@ -663,8 +663,8 @@ impl Engine {
     }
 
     /// [`Engine::stage_run`] profiled like [`Engine::profile_step`]: the dispatches of every
-    /// prefill piece (one submit per piece of at most [`Engine::prefill_rows`] rows) in one profile, host
-    /// times summed over the pieces.
+    /// prefill piece (profiled, a piece of at most [`Engine::prefill_rows`] rows is one submit) in
+    /// one profile, host times summed over the pieces.
     pub fn profile_stage_run(
         &mut self,
         slot: usize,

@@ -218,7 +218,7 @@ class LocalDriver:
 
     def __init__(self, engine: EngineLike) -> None:
         self.engine = engine
-        # The engine's own prefill piece (2048 rows on a big GPU): one submit per call.
+        # The engine's own prefill piece (2048 rows on a big GPU): one readback per call.
         self.prefill_rows = int(engine.info().get("prefill_rows", 512))
         self.supports_snapshots = all(
             callable(getattr(engine, name, None)) for name in ("state_save", "state_load", "state_drop")

@@ -266,6 +266,28 @@ impl Recorder<'_> {
         Ok(self.reads.len() - 1)
     }
 
+    /// Submit what is recorded so far and go on recording into a new encoder, so the GPU starts on
+    /// the first part of a long recording while the rest is recorded (queued readbacks stay for
+    /// the final submit, which still waits for everything). No-op for a profiling recorder, whose
+    /// timestamps are resolved in its one encoder.
+    pub fn flush(&mut self) -> Result<()> {
+        if self.profile.is_some() {
+            return Ok(());
+        }
+        self.end_pass();
+        let enc = self.encoder.take().ok_or_else(finished)?;
+        self.gpu.queue.submit([enc.finish()]);
+        Counters::bump(&self.gpu.counters.submits);
+        self.encoder = Some(
+            self.gpu
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("qk step"),
+                }),
+        );
+        Ok(())
+    }
+
     /// Submit without waiting (no readbacks allowed).
     pub fn submit(mut self) -> Result<()> {
         if !self.reads.is_empty() {

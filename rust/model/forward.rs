@@ -357,6 +357,9 @@ pub(crate) fn attn_proj_width(cfg: &ModelConfig) -> u32 {
 
 /// A decode step's `[slot, pos]` rows into `s.attn_rows` (once per step, before the layers); a
 /// stage without attention layers has nothing to write.
+/// Layers of a prefill piece recorded per submit (see [`Model::record_layers`]).
+const PREFILL_LAYERS_PER_SUBMIT: usize = 4;
+
 pub fn write_step_rows(gpu: &Gpu, s: &Scratch, states: &[&SlotState], positions: &[u32]) -> Result<()> {
     let mut rows = Vec::with_capacity(2 * positions.len());
     for (st, &pos) in states.iter().zip(positions) {
@@ -529,10 +532,19 @@ impl Model {
             write_step_rows(gpu, s, states, positions)?;
         }
         let mut cur = 0usize;
+        let flush = matches!(batch, Batch::Prefill { .. });
         for (li, lw) in self.weights.layers.iter().enumerate() {
             let layer_states: Vec<&LayerState> = states.iter().map(|st| &st.layers[li]).collect();
             self.record_layer(gpu, rec, s, lw, &layer_states, batch, cur)?;
             cur = 1 - cur;
+            // A prefill piece is ~27 dispatches per layer at several µs of host time each: handed
+            // to the GPU after its first layer and then every few layers, the rest is recorded
+            // while the GPU runs (one submit after the whole piece left the GPU idle for the
+            // piece's recording). The commands and their order are the same: so are the bytes.
+            let boundary = li == 0 || (li + 1) % PREFILL_LAYERS_PER_SUBMIT == 0;
+            if flush && boundary && li + 1 < self.weights.layers.len() {
+                rec.flush()?;
+            }
         }
         Ok(cur)
     }
