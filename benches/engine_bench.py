@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -294,6 +295,8 @@ def main() -> None:
 
     res = {
         "adapter": info.get("adapter"),
+        # GpuOptions::from_env's reading of the switch (the A/B of benches/RESULTS.md).
+        "unchecked_shaders": os.environ.get("QK_UNCHECKED_SHADERS", "").lower() in ("1", "true"),
         "model": a.model,
         "layers": info.get("n_layer"),
         "precise": a.precise,

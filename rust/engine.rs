@@ -1259,10 +1259,10 @@ impl Engine {
 /// pipelines are compiled once per process (lavapipe compiles slowly) and two stages in one
 /// process (tests of split ≡ unsplit) see the same kernels.
 fn shared_gpu(opts: &GpuOptions) -> Result<Arc<Gpu>> {
-    type Key = (Option<String>, bool);
+    type Key = (Option<String>, bool, bool);
     type Registry = Mutex<Vec<(Key, Weak<Gpu>)>>;
     static GPUS: OnceLock<Registry> = OnceLock::new();
-    let key = (opts.device.clone(), opts.no_subgroups);
+    let key = (opts.device.clone(), opts.no_subgroups, opts.unchecked_shaders);
     let mut gpus = GPUS
         .get_or_init(|| Mutex::new(Vec::new()))
         .lock()

@@ -5,21 +5,30 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{QkError, Result};
 
-/// How to pick and open a device. `from_env` reads `QK_DEVICE` and `QK_NO_SUBGROUPS`.
+/// How to pick and open a device. `from_env` reads `QK_DEVICE`, `QK_NO_SUBGROUPS` and
+/// `QK_UNCHECKED_SHADERS`.
 #[derive(Clone, Debug, Default)]
 pub struct GpuOptions {
     /// Adapter index (as listed by [`adapters`]) or a case-insensitive substring of its name.
     pub device: Option<String>,
     /// Do not request subgroup operations even where offered (kernels use their shared-memory path).
     pub no_subgroups: bool,
+    /// Compile qk's kernels without the checks wgpu adds to every shader by default: an index
+    /// clamp on each dynamic array access (workgroup and local arrays too), a counter in every
+    /// loop, a guard on every integer division. The kernels are qk's own and the host checks each
+    /// binding's size before a dispatch; off by default until measured (benches/RESULTS.md).
+    pub unchecked_shaders: bool,
 }
 
 impl GpuOptions {
     pub fn from_env() -> Self {
         let device = std::env::var("QK_DEVICE").ok().filter(|s| !s.trim().is_empty());
-        let no_subgroups =
-            std::env::var("QK_NO_SUBGROUPS").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
-        GpuOptions { device, no_subgroups }
+        let flag = |name: &str| std::env::var(name).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+        GpuOptions {
+            device,
+            no_subgroups: flag("QK_NO_SUBGROUPS"),
+            unchecked_shaders: flag("QK_UNCHECKED_SHADERS"),
+        }
     }
 }
 
@@ -193,10 +202,12 @@ pub struct Gpu {
     pub(crate) counters: Counters,
     pub(crate) cache: super::pipelines::Cache,
     pub(crate) next_id: AtomicU64,
+    /// [`GpuOptions::unchecked_shaders`].
+    pub unchecked_shaders: bool,
 }
 
 impl Gpu {
-    /// Open the device chosen by `QK_DEVICE` / `QK_NO_SUBGROUPS`.
+    /// Open the device chosen by `QK_DEVICE` / `QK_NO_SUBGROUPS` / `QK_UNCHECKED_SHADERS`.
     pub fn from_env() -> Result<Gpu> {
         Gpu::new(&GpuOptions::from_env())
     }
@@ -304,6 +315,7 @@ impl Gpu {
             counters: Counters::default(),
             cache: Default::default(),
             next_id: AtomicU64::new(1),
+            unchecked_shaders: opts.unchecked_shaders,
         })
     }
 

@@ -231,10 +231,24 @@ impl Gpu {
         let workgroup_size = ep.workgroup_size;
 
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let shader = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        let desc = wgpu::ShaderModuleDescriptor {
             label: Some(&label),
             source: wgpu::ShaderSource::Wgsl(wgsl.into()),
-        });
+        };
+        let shader = if self.unchecked_shaders {
+            // SAFETY: the module is one of qk's own kernels (shaders/, validated by naga above) and
+            // every binding's size is checked on the host before a dispatch. What the checks
+            // guarded against would be a kernel bug either way: a loop that never ends, an index
+            // past a workgroup array (now undefined, before clamped), a division by zero (now an
+            // unspecified value); tests compare checked and unchecked bytes
+            // (GpuOptions::unchecked_shaders).
+            unsafe {
+                self.device
+                    .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+            }
+        } else {
+            self.device.create_shader_module(desc)
+        };
         let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
             .iter()
             .enumerate()

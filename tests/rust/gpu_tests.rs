@@ -32,6 +32,22 @@ pub fn test_gpu(no_subgroups: bool) -> Option<&'static Gpu> {
     .as_ref()
 }
 
+/// A device whose kernels are compiled without wgpu's runtime checks
+/// (`GpuOptions::unchecked_shaders`), beside [`test_gpu`]'s checked ones.
+pub fn unchecked_test_gpu() -> Option<&'static Gpu> {
+    static UNCHECKED: OnceLock<Option<Gpu>> = OnceLock::new();
+    test_gpu(false)?;
+    UNCHECKED
+        .get_or_init(|| {
+            let opts = GpuOptions {
+                unchecked_shaders: true,
+                ..GpuOptions::from_env()
+            };
+            Some(Gpu::new(&opts).expect("a second device on the test adapter"))
+        })
+        .as_ref()
+}
+
 /// Whether two runs gave the same floats bit for bit (pairwise, over the shorter).
 pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
@@ -134,7 +150,7 @@ fn bad_device_selector_is_a_device_error() {
     }
     let opts = GpuOptions {
         device: Some("no-such-adapter-xyz".into()),
-        no_subgroups: false,
+        ..GpuOptions::from_env()
     };
     match Gpu::new(&opts) {
         Err(qk::QkError::Device(msg)) => assert!(msg.contains("available"), "{msg}"),
