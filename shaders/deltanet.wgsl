@@ -495,8 +495,8 @@ fn main(ids: ComputeIds) {
 
 // W = T diag(beta e^gamma / |k|) K and U = T diag(beta) V for 64 columns (block wid.z of W's
 // columns, then of U's); invocation (tx, ty) owns rows ty + 16 a and columns tx + 16 b.
-// Row i's sum runs s = 0, 1, ... in order (T's zeros above the diagonal and past the chunk's end
-// add exact zeros).
+// Row i's sum runs s = 0, 1, ... < len in order (T's zeros on and above the diagonal add exact
+// zeros).
 #if OP == wu
 // The chunk and v-head of workgroup (c, n, ·).
 struct Chunk {

@@ -69,15 +69,17 @@ struct Profiling {
 }
 
 impl Gpu {
-    pub fn recorder(&self) -> Recorder<'_> {
-        let encoder = self
-            .device
+    fn step_encoder(&self) -> wgpu::CommandEncoder {
+        self.device
             .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("qk step"),
-            });
+            })
+    }
+
+    pub fn recorder(&self) -> Recorder<'_> {
         Recorder {
             gpu: self,
-            encoder: Some(encoder),
+            encoder: Some(self.step_encoder()),
             pass: None,
             reads: Vec::new(),
             op: OpLabel::default(),
@@ -278,13 +280,7 @@ impl Recorder<'_> {
         let enc = self.encoder.take().ok_or_else(finished)?;
         self.gpu.queue.submit([enc.finish()]);
         Counters::bump(&self.gpu.counters.submits);
-        self.encoder = Some(
-            self.gpu
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("qk step"),
-                }),
-        );
+        self.encoder = Some(self.gpu.step_encoder());
         Ok(())
     }
 
