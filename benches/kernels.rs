@@ -488,20 +488,26 @@ fn deltanet_prefill(gpu: &Gpu, rng: &mut Rng) {
             out: &out,
             scratch: Some(&scratch),
         };
-        let t = time_submit(gpu, 5, |rec| {
-            deltanet::record_chunked(gpu, rec, &p, &args).expect("deltanet")
-        });
-        let chunks = tokens.div_ceil(deltanet::CHUNK);
-        println!(
-            "deltanet chunked {tokens} tokens ({nv} v-heads, {nk} k-heads, dk {dk}, dv {dv}): {:>9.1} µs per \
-             layer, {:>7.2} µs per chunk, {:>10.0} tokens/s per layer",
-            t * 1e6,
-            t * 1e6 / f64::from(chunks),
-            f64::from(tokens) / t
-        );
-        print_kernel_times(&kernel_times(gpu, |rec| {
-            deltanet::record_chunked(gpu, rec, &p, &args).expect("deltanet")
-        }));
+        for loads in [deltanet::StateLoads::Scalar, deltanet::StateLoads::Vec4] {
+            let record = |rec: &mut Recorder<'_>| {
+                deltanet::record_chunked_with(gpu, rec, &p, &args, loads).expect("deltanet")
+            };
+            let t = time_submit(gpu, 5, record);
+            let chunks = tokens.div_ceil(deltanet::CHUNK);
+            let engine = if loads == deltanet::STATE_LOADS {
+                ", engine"
+            } else {
+                ""
+            };
+            println!(
+                "deltanet chunked {tokens} tokens ({nv} v-heads, {nk} k-heads, dk {dk}, dv {dv}), state \
+                 loads {loads:?}{engine}: {:>9.1} µs per layer, {:>7.2} µs per chunk, {:>10.0} tokens/s per layer",
+                t * 1e6,
+                t * 1e6 / f64::from(chunks),
+                f64::from(tokens) / t
+            );
+            print_kernel_times(&kernel_times(gpu, record));
+        }
     }
 }
 

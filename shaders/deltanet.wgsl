@@ -33,9 +33,13 @@
 #define OP recurrent
 // Steps per unrolled iteration of the chunked kernels' inner loops (their loads issued together).
 #define UNROLL 8
+// state: W, q and P rows read as vec4 (a second, vec4 view of the same read-only buffers): a quarter
+// of the loads; the same products summed in the same order, so the same bytes.
+#define VEC4 0
 #variants OP=prep
 #variants OP=wu
 #variants OP=state
+#variants OP=state VEC4=1
 
 struct DeltaParams {
     tokens: u32,
@@ -106,6 +110,10 @@ var<immediate> P: DeltaParams;
 @group(0) @binding(1) var<storage, read> SCRATCH: array<f32>;
 @group(0) @binding(2) var<storage, read_write> STATE: array<f32>;
 @group(0) @binding(3) var<storage, read_write> OUT: array<f32>;
+#if VEC4
+@group(0) @binding(4) var<storage, read> QKV4: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read> SCRATCH4: array<vec4<f32>>;
+#endif
 #endif
 
 #if OP == recurrent
@@ -624,6 +632,28 @@ fn main(ids: ComputeIds) {
         // Phase a: W S and q S over the key rows; V' = U - W S.
         var ws = vec4<f32>(0.0);
         var qs = vec4<f32>(0.0);
+#if VEC4
+        // Rows of dk / 4 vec4, 4 per iteration (the host asks dk % 16 == 0).
+        if r < len {
+            let w_row = (base + r * dk) / 4u;
+            let q_row = ((t0 + r) * P.qkv_token_stride + P.q_offset + kh * dk) / 4u;
+            for (var i4 = 0u; i4 < dk / 4u; i4 += 4u) {
+#for u in 0..4
+                let w{{u}} = SCRATCH4[w_row + i4 + {{u}}u];
+                let q{{u}} = QKV4[q_row + i4 + {{u}}u];
+#endfor
+#for u in 0..4
+#for e in 0..4
+                {
+                    let sv = st_s[4u * (4u * (i4 + {{u}}u) + {{e}}u) + grp];
+                    ws += w{{u}}[{{e}}] * sv;
+                    qs += q{{u}}[{{e}}] * sv;
+                }
+#endfor
+#endfor
+            }
+        }
+#else
         if r < len {
             // UNROLL steps' loads issued before their multiply-adds (same order of sums): the
             // chain over chunks waits on each step's latency, not on its arithmetic.
@@ -645,6 +675,7 @@ fn main(ids: ComputeIds) {
                 qs += q_at(t0 + r, kh, i) * s;
             }
         }
+#endif
         var vp = vec4<f32>(0.0);
         if r < len {
             for (var q = 0u; q < 4u; q++) {
@@ -660,6 +691,21 @@ fn main(ids: ComputeIds) {
         if r < len {
             var o = exp(SCRATCH[tail + r]) * SCRATCH[tail + CHUNK + r] * qs;
             var s = 0u;
+#if VEC4
+            // P's row as vec4, 8 per iteration (p_base and CHUNK are multiples of 4); the scalar
+            // loops below take the rest.
+            let p_row = (p_base + r * CHUNK) / 4u;
+            for (; s + 8u <= r + 1u; s += 8u) {
+                let pa = SCRATCH4[p_row + s / 4u];
+                let pb = SCRATCH4[p_row + s / 4u + 1u];
+#for e in 0..4
+                o += pa[{{e}}] * st_vp[4u * (s + {{e}}u) + grp];
+#endfor
+#for e in 0..4
+                o += pb[{{e}}] * st_vp[4u * (s + 4u + {{e}}u) + grp];
+#endfor
+            }
+#endif
             for (; s + {{UNROLL}}u <= r + 1u; s += {{UNROLL}}u) {
 #for u in 0..UNROLL
                 let p{{u}} = SCRATCH[p_base + r * CHUNK + s + {{u}}u];

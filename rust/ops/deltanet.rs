@@ -181,6 +181,18 @@ pub fn record_recurrent(
     )
 }
 
+/// How the chunked form's state pass reads the W, q and P rows (the same bytes either way).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateLoads {
+    Scalar,
+    /// As vec4 through a second view of the read-only buffers, where the rows are 16-byte aligned
+    /// (dk a multiple of 16, the qkv token stride and q offset multiples of 4); Scalar elsewhere.
+    Vec4,
+}
+
+/// What the engine's state pass uses (benches/RESULTS.md compares them).
+pub const STATE_LOADS: StateLoads = StateLoads::Scalar;
+
 /// Record the chunked form for tokens `p.first_token ..` (`p.tokens` of them, the first on an
 /// absolute multiple of 64): the prep pass over all chunks, W and U, then the state pass.
 pub fn record_chunked(
@@ -188,6 +200,17 @@ pub fn record_chunked(
     rec: &mut Recorder<'_>,
     p: &DeltaParams,
     args: &DeltaArgs<'_>,
+) -> crate::Result<()> {
+    record_chunked_with(gpu, rec, p, args, STATE_LOADS)
+}
+
+/// [`record_chunked`] with the state pass's loads chosen.
+pub fn record_chunked_with(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &DeltaParams,
+    args: &DeltaArgs<'_>,
+    loads: StateLoads,
 ) -> crate::Result<()> {
     check(p, args)?;
     let mut p = *p;
@@ -223,10 +246,21 @@ pub fn record_chunked(
             p.dk.div_ceil(WU_COLUMNS) + p.dv.div_ceil(WU_COLUMNS),
         ],
     )?;
-    let state = gpu.pipeline(&FILE, &[("OP", "state".into())], &[])?;
+    let aligned =
+        p.dk.is_multiple_of(16) && p.qkv_token_stride.is_multiple_of(4) && p.q_offset.is_multiple_of(4);
+    let vec4 = loads == StateLoads::Vec4 && aligned;
+    let state = gpu.pipeline(
+        &FILE,
+        &[("OP", "state".into()), ("VEC4", u32::from(vec4).to_string())],
+        &[],
+    )?;
+    let mut bindings = vec![args.qkv.all(), scratch.all(), args.state.all(), args.out.all()];
+    if vec4 {
+        bindings.extend([args.qkv.all(), scratch.all()]);
+    }
     rec.dispatch(
         &state,
-        &[args.qkv.all(), scratch.all(), args.state.all(), args.out.all()],
+        &bindings,
         bytemuck::bytes_of(&p),
         [p.dv.div_ceil(COLUMNS_PER_WORKGROUP), p.v_heads, 1],
     )

@@ -432,6 +432,30 @@ impl DeltaGpu {
 }
 
 #[test]
+fn deltanet_state_loads_give_the_same_bytes() {
+    // The state pass reading W, q and P as vec4 sums the same products in the same order: the
+    // same outputs and states, at dk 32 and 128 (both multiples of 16), over 150 tokens.
+    let Some(gpu) = test_gpu(false) else { return };
+    for (nk, nv, dk, dv) in [(2, 4, 32, 24), (1, 2, 128, 128)] {
+        let case = DeltaCase::new(21, 150, nk, nv, dk, dv, deltanet::HeadPairing::Grouped);
+        let run = |loads| {
+            let bufs = DeltaGpu::new(gpu, &case);
+            let mut rec = gpu.recorder();
+            deltanet::record_chunked_with(gpu, &mut rec, &case.params, &bufs.args(), loads).unwrap();
+            rec.submit().unwrap();
+            (
+                download(gpu, &bufs.out, case.out_len()),
+                download(gpu, &bufs.state, case.state.len()),
+            )
+        };
+        let (out, state) = run(deltanet::StateLoads::Scalar);
+        let (out4, state4) = run(deltanet::StateLoads::Vec4);
+        assert!(same_bits(&out, &out4), "dk {dk}: outputs changed");
+        assert!(same_bits(&state, &state4), "dk {dk}: states changed");
+    }
+}
+
+#[test]
 fn unchecked_shaders_give_the_same_bytes() {
     // Without wgpu's index clamps, loop counters and division guards the kernels must compute the
     // same bytes: the chunked DeltaNet (workgroup arrays, data-dependent loops, divisions by
