@@ -33,8 +33,9 @@
 #define OP recurrent
 // Steps per unrolled iteration of the chunked kernels' inner loops (their loads issued together).
 #define UNROLL 8
-// state: W, q and P rows read as vec4 (a second, vec4 view of the same read-only buffers): a quarter
-// of the loads; the same products summed in the same order, so the same bytes.
+// state: W, q and P rows and 4 key rows of k read as vec4 (a second, vec4 view of the same
+// read-only buffers): a quarter of the loads; the same products summed in the same order, so the
+// same bytes.
 #define VEC4 0
 #variants OP=prep
 #variants OP=wu
@@ -728,6 +729,40 @@ fn main(ids: ComputeIds) {
         // Phase c (invocation = key row, column group): S = e^gamma_C S + sum_s k_s kf_s V'_s.
         // Phase a's reads of st_s are behind the barrier above.
         let decay = exp(gamma_last);
+#if VEC4
+        // Invocation = 4 key rows (one vec4 of each token's k) and a column group.
+        for (var item = lid; item < dk; item += CHUNK_WG) {
+            let i4 = item / 4u;
+            let g4 = item % 4u;
+            let k_base = (t0 * P.qkv_token_stride + P.k_offset + kh * dk) / 4u + i4;
+            let k_stride = P.qkv_token_stride / 4u;
+#for e in 0..4
+            var acc{{e}} = decay * st_s[4u * (4u * i4 + {{e}}u) + g4];
+#endfor
+            var s = 0u;
+            for (; s + 4u <= len; s += 4u) {
+#for u in 0..4
+                let k{{u}} = QKV4[k_base + (s + {{u}}u) * k_stride];
+                let f{{u}} = st_kf[s + {{u}}u];
+                let v{{u}} = st_vp[4u * (s + {{u}}u) + g4];
+#endfor
+#for u in 0..4
+#for e in 0..4
+                acc{{e}} += (k{{u}}[{{e}}] * f{{u}}) * v{{u}};
+#endfor
+#endfor
+            }
+            for (; s < len; s++) {
+                let kv = QKV4[k_base + s * k_stride];
+#for e in 0..4
+                acc{{e}} += (kv[{{e}}] * st_kf[s]) * st_vp[4u * s + g4];
+#endfor
+            }
+#for e in 0..4
+            st_s[4u * (4u * i4 + {{e}}u) + g4] = acc{{e}};
+#endfor
+        }
+#else
         for (var idx = lid; idx < dk * 4u; idx += CHUNK_WG) {
             let i = idx / 4u;
             let g4 = idx % 4u;
@@ -748,6 +783,7 @@ fn main(ids: ComputeIds) {
             }
             st_s[idx] = acc;
         }
+#endif
     }
     workgroupBarrier();
     for (var idx = lid; idx < dk * 4u; idx += CHUNK_WG) {

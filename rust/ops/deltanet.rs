@@ -181,12 +181,13 @@ pub fn record_recurrent(
     )
 }
 
-/// How the chunked form's state pass reads the W, q and P rows (the same bytes either way).
+/// How the chunked form's state pass reads the W, q, P and k rows (the same bytes either way).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StateLoads {
     Scalar,
-    /// As vec4 through a second view of the read-only buffers, where the rows are 16-byte aligned
-    /// (dk a multiple of 16, the qkv token stride and q offset multiples of 4); Scalar elsewhere.
+    /// As vec4 through a second view of the read-only buffers (k too, 4 key rows at a time), where
+    /// the rows are 16-byte aligned (dk a multiple of 16, the qkv token stride and the q and k
+    /// offsets multiples of 4); Scalar elsewhere.
     Vec4,
 }
 
@@ -246,8 +247,10 @@ pub fn record_chunked_with(
             p.dk.div_ceil(WU_COLUMNS) + p.dv.div_ceil(WU_COLUMNS),
         ],
     )?;
-    let aligned =
-        p.dk.is_multiple_of(16) && p.qkv_token_stride.is_multiple_of(4) && p.q_offset.is_multiple_of(4);
+    let aligned = p.dk.is_multiple_of(16)
+        && [p.qkv_token_stride, p.q_offset, p.k_offset]
+            .iter()
+            .all(|v| v.is_multiple_of(4));
     let vec4 = loads == StateLoads::Vec4 && aligned;
     let state = gpu.pipeline(
         &FILE,
