@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -295,8 +294,7 @@ def main() -> None:
 
     res = {
         "adapter": info.get("adapter"),
-        # GpuOptions::from_env's reading of the switch (the A/B of benches/RESULTS.md).
-        "unchecked_shaders": os.environ.get("QK_UNCHECKED_SHADERS", "").lower() in ("1", "true"),
+        "unchecked_shaders": info.get("unchecked_shaders"),
         "model": a.model,
         "layers": info.get("n_layer"),
         "precise": a.precise,

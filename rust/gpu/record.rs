@@ -276,11 +276,17 @@ impl Recorder<'_> {
         if self.profile.is_some() {
             return Ok(());
         }
+        self.submit_encoder()?;
+        self.encoder = Some(self.gpu.step_encoder());
+        Ok(())
+    }
+
+    /// End the pass and submit the encoder's commands, leaving the recorder without one.
+    fn submit_encoder(&mut self) -> Result<()> {
         self.end_pass();
         let enc = self.encoder.take().ok_or_else(finished)?;
         self.gpu.queue.submit([enc.finish()]);
         Counters::bump(&self.gpu.counters.submits);
-        self.encoder = Some(self.gpu.step_encoder());
         Ok(())
     }
 
@@ -291,11 +297,7 @@ impl Recorder<'_> {
                 "submit(): readbacks queued; use finish_and_read()".into(),
             ));
         }
-        self.end_pass();
-        let enc = self.encoder.take().ok_or_else(finished)?;
-        self.gpu.queue.submit([enc.finish()]);
-        Counters::bump(&self.gpu.counters.submits);
-        Ok(())
+        self.submit_encoder()
     }
 
     /// Submit, wait, and return the queued readbacks in order (one staging buffer, one map).

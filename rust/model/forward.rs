@@ -355,11 +355,11 @@ pub(crate) fn attn_proj_width(cfg: &ModelConfig) -> u32 {
     2 * cfg.heads * cfg.head_dim + 2 * cfg.kv_row()
 }
 
-/// A decode step's `[slot, pos]` rows into `s.attn_rows` (once per step, before the layers); a
-/// stage without attention layers has nothing to write.
 /// Layers of a prefill piece recorded per submit (see [`Model::record_layers`]).
 const PREFILL_LAYERS_PER_SUBMIT: usize = 4;
 
+/// A decode step's `[slot, pos]` rows into `s.attn_rows` (once per step, before the layers); a
+/// stage without attention layers has nothing to write.
 pub fn write_step_rows(gpu: &Gpu, s: &Scratch, states: &[&SlotState], positions: &[u32]) -> Result<()> {
     let mut rows = Vec::with_capacity(2 * positions.len());
     for (st, &pos) in states.iter().zip(positions) {

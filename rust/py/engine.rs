@@ -320,6 +320,7 @@ impl PyEngine {
         d.set_item("ctx", eng.ctx())?;
         d.set_item("prefill_rows", eng.prefill_rows())?;
         d.set_item("adapter", eng.gpu.adapter.name.clone())?;
+        d.set_item("unchecked_shaders", eng.gpu.unchecked_shaders)?;
         let (k_type, v_type) = eng.kv_types();
         d.set_item("cache_type_k", k_type.name())?;
         d.set_item("cache_type_v", v_type.name())?;

@@ -433,7 +433,7 @@ impl DeltaGpu {
 
 #[test]
 fn deltanet_state_loads_give_the_same_bytes() {
-    // The state pass reading W, q and P as vec4 sums the same products in the same order: the
+    // The state pass reading W, q, P and k as vec4 sums the same products in the same order: the
     // same outputs and states, at dk 32 and 128 (both multiples of 16), over 150 tokens.
     let Some(gpu) = test_gpu(false) else { return };
     for (nk, nv, dk, dv) in [(2, 4, 32, 24), (1, 2, 128, 128)] {
