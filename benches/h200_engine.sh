@@ -13,9 +13,9 @@
 #      QK_KERNEL_SETS picks its parts),
 #      QK_BENCH_ARGS (extra engine_bench.py flags), QK_SPLIT=1 (the split bench),
 #      QK_LLAMA_PREFILL_ONLY=1 (llama.cpp: pp512, pp4096, tg128 and pp32768 only: a prefill change's
-#      side by side in less device time), QK_AB_UNCHECKED=1 (every kernel bench set and the engine
-#      bench run again with QK_UNCHECKED_SHADERS=1: kernels-<set>-unchecked.txt,
-#      qk-bench-unchecked.json).
+#      side by side in less device time), QK_AB_CHECKED=1 (every kernel bench set and the engine
+#      bench run again with wgpu's shader checks, QK_CHECKED_SHADERS=1: kernels-<set>-checked.txt,
+#      qk-bench-checked.json).
 set -uo pipefail
 WORK=/tmp/qk-bench
 case "${1:-start}" in
@@ -42,10 +42,10 @@ kernels)
     esac
     echo "== kernel micro-benchmark ($set)"
     .device/kernels-bench > "$OUT/kernels-$set.txt" 2>&1; grep -v "^adapter\|^counters" "$OUT/kernels-$set.txt" | tail -150
-    if [ "${QK_AB_UNCHECKED:-0}" = 1 ]; then
-      echo "== kernel micro-benchmark ($set), unchecked shaders"
-      QK_UNCHECKED_SHADERS=1 .device/kernels-bench > "$OUT/kernels-$set-unchecked.txt" 2>&1
-      grep -v "^adapter\|^counters" "$OUT/kernels-$set-unchecked.txt" | tail -150
+    if [ "${QK_AB_CHECKED:-0}" = 1 ]; then
+      echo "== kernel micro-benchmark ($set), checked shaders"
+      QK_CHECKED_SHADERS=1 .device/kernels-bench > "$OUT/kernels-$set-checked.txt" 2>&1
+      grep -v "^adapter\|^counters" "$OUT/kernels-$set-checked.txt" | tail -150
     fi
     unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE QK_BENCH_ONLY_DELTANET
   done
@@ -108,10 +108,10 @@ wait \$MAKE
 echo "== qk engine (release wheel), $LAYERS layers"
 python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192,32000 --long 4096,32768 --slots 8 --ctx 33792 --profile --top 12} \
   > qk-bench.json 2> qk-bench.err; echo "rc=\$?"; grep -v "^qk: layer" qk-bench.err | tail -80; cat qk-bench.json
-if [ "${QK_AB_UNCHECKED:-0}" = 1 ]; then
-  echo "== qk engine (release wheel), $LAYERS layers, unchecked shaders"
-  QK_UNCHECKED_SHADERS=1 python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192,32000 --long 4096,32768 --slots 8 --ctx 33792 --profile --top 12} \
-    > qk-bench-unchecked.json 2> qk-bench-unchecked.err; echo "rc=\$?"; grep -v "^qk: layer" qk-bench-unchecked.err | tail -40; cat qk-bench-unchecked.json
+if [ "${QK_AB_CHECKED:-0}" = 1 ]; then
+  echo "== qk engine (release wheel), $LAYERS layers, checked shaders"
+  QK_CHECKED_SHADERS=1 python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192,32000 --long 4096,32768 --slots 8 --ctx 33792 --profile --top 12} \
+    > qk-bench-checked.json 2> qk-bench-checked.err; echo "rc=\$?"; grep -v "^qk: layer" qk-bench-checked.err | tail -40; cat qk-bench-checked.json
 fi
 if [ "${QK_SPLIT:-0}" = 1 ]; then
   echo "== split serving on one GPU"

@@ -1262,7 +1262,7 @@ fn shared_gpu(opts: &GpuOptions) -> Result<Arc<Gpu>> {
     type Key = (Option<String>, bool, bool);
     type Registry = Mutex<Vec<(Key, Weak<Gpu>)>>;
     static GPUS: OnceLock<Registry> = OnceLock::new();
-    let key = (opts.device.clone(), opts.no_subgroups, opts.unchecked_shaders);
+    let key = (opts.device.clone(), opts.no_subgroups, opts.checked_shaders);
     let mut gpus = GPUS
         .get_or_init(|| Mutex::new(Vec::new()))
         .lock()

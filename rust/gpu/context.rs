@@ -6,18 +6,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::error::{QkError, Result};
 
 /// How to pick and open a device. `from_env` reads `QK_DEVICE`, `QK_NO_SUBGROUPS` and
-/// `QK_UNCHECKED_SHADERS`.
+/// `QK_CHECKED_SHADERS`.
 #[derive(Clone, Debug, Default)]
 pub struct GpuOptions {
     /// Adapter index (as listed by [`adapters`]) or a case-insensitive substring of its name.
     pub device: Option<String>,
     /// Do not request subgroup operations even where offered (kernels use their shared-memory path).
     pub no_subgroups: bool,
-    /// Compile qk's kernels without the checks wgpu adds to every shader by default: an index
-    /// clamp on each dynamic array access (workgroup and local arrays too), a counter in every
-    /// loop, a guard on every integer division. The kernels are qk's own and the host checks each
-    /// binding's size before a dispatch; off by default until measured (benches/RESULTS.md).
-    pub unchecked_shaders: bool,
+    /// Compile qk's kernels with the checks wgpu adds to every shader by default: an index clamp
+    /// on each dynamic array access (workgroup and local arrays too), a counter in every loop, a
+    /// guard on every integer division. Off by default: the kernels are qk's own, the host checks
+    /// each binding's size before a dispatch, tests require the same bytes either way, and on the
+    /// H200 the checks cost 5–50% per kernel (benches/RESULTS.md, 2026-12-02).
+    pub checked_shaders: bool,
 }
 
 impl GpuOptions {
@@ -27,7 +28,7 @@ impl GpuOptions {
         GpuOptions {
             device,
             no_subgroups: flag("QK_NO_SUBGROUPS"),
-            unchecked_shaders: flag("QK_UNCHECKED_SHADERS"),
+            checked_shaders: flag("QK_CHECKED_SHADERS"),
         }
     }
 }
@@ -202,12 +203,12 @@ pub struct Gpu {
     pub(crate) counters: Counters,
     pub(crate) cache: super::pipelines::Cache,
     pub(crate) next_id: AtomicU64,
-    /// [`GpuOptions::unchecked_shaders`].
+    /// Kernels compiled without wgpu's runtime checks (not [`GpuOptions::checked_shaders`]).
     pub unchecked_shaders: bool,
 }
 
 impl Gpu {
-    /// Open the device chosen by `QK_DEVICE` / `QK_NO_SUBGROUPS` / `QK_UNCHECKED_SHADERS`.
+    /// Open the device chosen by `QK_DEVICE` / `QK_NO_SUBGROUPS` / `QK_CHECKED_SHADERS`.
     pub fn from_env() -> Result<Gpu> {
         Gpu::new(&GpuOptions::from_env())
     }
@@ -315,7 +316,7 @@ impl Gpu {
             counters: Counters::default(),
             cache: Default::default(),
             next_id: AtomicU64::new(1),
-            unchecked_shaders: opts.unchecked_shaders,
+            unchecked_shaders: !opts.checked_shaders,
         })
     }
 

@@ -241,7 +241,7 @@ impl Gpu {
             // guarded against would be a kernel bug either way: a loop that never ends, an index
             // past a workgroup array (now undefined, before clamped), a division by zero (now an
             // unspecified value); tests compare checked and unchecked bytes
-            // (GpuOptions::unchecked_shaders).
+            // (GpuOptions::checked_shaders).
             unsafe {
                 self.device
                     .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())

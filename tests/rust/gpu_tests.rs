@@ -32,15 +32,15 @@ pub fn test_gpu(no_subgroups: bool) -> Option<&'static Gpu> {
     .as_ref()
 }
 
-/// A device whose kernels are compiled without wgpu's runtime checks
-/// (`GpuOptions::unchecked_shaders`), beside [`test_gpu`]'s checked ones.
-pub fn unchecked_test_gpu() -> Option<&'static Gpu> {
-    static UNCHECKED: OnceLock<Option<Gpu>> = OnceLock::new();
+/// A device whose kernels are compiled with wgpu's runtime checks
+/// (`GpuOptions::checked_shaders`), beside [`test_gpu`]'s unchecked ones (the default).
+pub fn checked_test_gpu() -> Option<&'static Gpu> {
+    static CHECKED: OnceLock<Option<Gpu>> = OnceLock::new();
     test_gpu(false)?;
-    UNCHECKED
+    CHECKED
         .get_or_init(|| {
             let opts = GpuOptions {
-                unchecked_shaders: true,
+                checked_shaders: true,
                 ..GpuOptions::from_env()
             };
             Some(Gpu::new(&opts).expect("a second device on the test adapter"))

@@ -19,7 +19,7 @@ use qk::ops::matmul::{
     matmul, matmul_id, matmul_split, matmul_with, matvec, matvec_id,
 };
 
-use crate::gpu_tests::{same_bits, test_gpu, unchecked_test_gpu};
+use crate::gpu_tests::{checked_test_gpu, same_bits, test_gpu};
 
 const NMSE_MAX: f64 = 1e-9;
 
@@ -807,12 +807,12 @@ fn moe_matmul_wide_tile_gives_the_narrow_bytes() {
 fn unchecked_shaders_give_the_same_mat_mat_bytes() {
     // The tiled and (where the adapter has them) cooperative mat-mats, dense split over K and
     // grouped by expert, compiled without wgpu's runtime checks: the same bytes.
-    let (Some(gpu), Some(unchecked)) = (test_gpu(false), unchecked_test_gpu()) else {
+    let (Some(checked), Some(unchecked)) = (checked_test_gpu(), test_gpu(false)) else {
         return;
     };
     let with_coop = |tile: CoopTile| {
         let mut kernels = vec![MatmulKernel::Tiled];
-        kernels.extend(coop_accumulator(gpu, tile).map(|_| MatmulKernel::Coop(tile)));
+        kernels.extend(coop_accumulator(checked, tile).map(|_| MatmulKernel::Coop(tile)));
         kernels
     };
     let (m, k) = (130, 768);
@@ -822,13 +822,13 @@ fn unchecked_shaders_give_the_same_mat_mat_bytes() {
             run_split(g, &case, m, k, 70, kernel, 2).1
         };
         assert!(
-            same_bits(&dense(gpu), &dense(unchecked)),
+            same_bits(&dense(checked), &dense(unchecked)),
             "{kernel:?}: dense bytes changed"
         );
     }
     for kernel in with_coop(CoopTile::MOE) {
         let grouped = |g: &Gpu| matmul_id_outputs(g, GgmlType::IQ4XS, u64::MAX, kernel, 70);
-        for ((a, _), (b, _)) in grouped(gpu).iter().zip(&grouped(unchecked)) {
+        for ((a, _), (b, _)) in grouped(checked).iter().zip(&grouped(unchecked)) {
             assert!(same_bits(a, b), "{kernel:?}: grouped bytes changed");
         }
     }

@@ -4,7 +4,7 @@
 use qk::gpu::{Gpu, GpuBuffer};
 use qk::ops::{conv, deltanet, elementwise, norm, router, topk};
 
-use crate::gpu_tests::{same_bits, test_gpu, unchecked_test_gpu};
+use crate::gpu_tests::{checked_test_gpu, same_bits, test_gpu};
 
 /// Deterministic pseudo-random numbers in [-1, 1) (xorshift), so failures reproduce.
 pub struct Rng(u64);
@@ -460,10 +460,10 @@ fn unchecked_shaders_give_the_same_bytes() {
     // Without wgpu's index clamps, loop counters and division guards the kernels must compute the
     // same bytes: the chunked DeltaNet (workgroup arrays, data-dependent loops, divisions by
     // parameters) over 150 tokens at the real head size, and the recurrent form after it.
-    let (Some(gpu), Some(unchecked)) = (test_gpu(false), unchecked_test_gpu()) else {
+    let (Some(checked), Some(unchecked)) = (checked_test_gpu(), test_gpu(false)) else {
         return;
     };
-    assert!(unchecked.unchecked_shaders && !gpu.unchecked_shaders);
+    assert!(unchecked.unchecked_shaders && !checked.unchecked_shaders);
     let case = DeltaCase::new(21, 150, 1, 2, 128, 128, deltanet::HeadPairing::Grouped);
     let run = |g: &Gpu| {
         let bufs = DeltaGpu::new(g, &case);
@@ -474,7 +474,7 @@ fn unchecked_shaders_give_the_same_bytes() {
         let recurrent = download(g, &bufs.out, case.out_len());
         (chunked, recurrent)
     };
-    let ((out, state), rec) = run(gpu);
+    let ((out, state), rec) = run(checked);
     let ((out_u, state_u), rec_u) = run(unchecked);
     assert!(
         same_bits(&out, &out_u) && same_bits(&state, &state_u),
