@@ -1,29 +1,30 @@
 // One decode position of a gated DeltaNet layer for every row of a step, from the conv output to the
-// gated output (docs/numerics.md "Gated DeltaNet"): the L2 norms of q and k, beta and the decay,
-// the delta-rule update of the v-head's state S, its read-out, and the per-head gated RMSNorm
-// (RMSNorm(o) · NORM · SiLU(z)) — the work of the recurrent kernel plus the gated norm, in one
-// dispatch over all slots. Grid (v_heads, rows); row r is slot SLOTS[slots_offset + r], whose
-// states start at float slot · state_stride. A workgroup owns one whole head, so the norm over the
-// head's outputs needs no second kernel.
+// gated output before its norm (docs/numerics.md "Gated DeltaNet"): the L2 norms of q and k, beta
+// and the decay, the delta-rule update of the v-head's state S, its read-out o, and the gate
+// o · NORM · SiLU(z). Grid (v_heads · parts, rows): a workgroup owns COLS value columns of one head
+// (part g of head n takes columns g · COLS ..), so a one-row step spreads over v_heads · dv / COLS
+// workgroups instead of one per head; row r is slot SLOTS[slots_offset + r], whose states start at
+// float slot · state_stride. The per-head RMS of o needs every column, so each workgroup writes its
+// columns' sum of o² to SQ[sq_offset + r · sq_stride + n · parts + g] and the output projection
+// (matvec.wgsl PRE=head_rms) finishes the norm.
 //
 // S is value-major ((n · dv + j) · dk + i: a value column's dk floats are contiguous), so LANES
 // neighbouring invocations share a column, each holding every LANES-th key row: their loads of a
 // column are one contiguous run, and the column's dot products are subgroup sums (LANES is the
-// subgroup size; without subgroups LANES = 1 and an invocation holds a whole column). The workgroup
-// walks the head's columns in PASSES passes of WG / LANES columns; every S load is issued first.
+// subgroup size; without subgroups LANES = 1 and an invocation holds a whole column). Every S load
+// is issued first.
 //
 // Layouts as shaders/deltanet.wgsl: q, k, v of row r at qkv_offset + r · qkv_stride +
 // {q,k,v}_offset; beta/alpha logits as DeltaParams; z of row r at z_offset + r · z_stride + n · dv
 // + j; the output likewise at out_offset + r · out_stride.
 #include "common.wgsl"
 #include "common_reduce.wgsl"
-#define WG 256
+#define WG 128
 #define LANES 1
-// Key rows per invocation (MAX_DK / LANES) and column passes (MAX_DV · LANES / WG).
+// Key rows per invocation (MAX_DK / LANES); a workgroup's columns are WG / LANES.
 #define ROWS 128
-#define PASSES 1
-#variants LANES=32 ROWS=4 PASSES=4 WG=1024 SUBGROUPS=1
-#variants LANES=8 ROWS=16 PASSES=1 WG=1024 SUBGROUPS=1
+#variants LANES=32 ROWS=4 WG=256 SUBGROUPS=1
+#variants LANES=8 ROWS=16 WG=256 SUBGROUPS=1
 
 struct StepParams {
     rows: u32,
@@ -52,9 +53,12 @@ struct StepParams {
     out_stride: u32,
     state_stride: u32,
     slots_offset: u32,
+    // Workgroups per head (ceil(dv / COLS)), and where the sums of o² go (see above).
+    parts: u32,
+    sq_offset: u32,
+    sq_stride: u32,
     eps: f32,
     q_scale: f32,
-    norm_eps: f32,
 }
 
 const COLS: u32 = {{WG}}u / {{LANES}}u;
@@ -69,6 +73,7 @@ var<immediate> P: StepParams;
 @group(0) @binding(6) var<storage, read> SLOTS: array<u32>;
 @group(0) @binding(7) var<storage, read_write> STATE: array<f32>;
 @group(0) @binding(8) var<storage, read_write> OUT: array<f32>;
+@group(0) @binding(9) var<storage, read_write> SQ: array<f32>;
 
 fn k_head_of(n: u32) -> u32 {
     if P.pairing == 0u {
@@ -92,36 +97,31 @@ fn column_sum(v: f32) -> f32 {
 
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
-    let n = ids.wid.x;
+    let n = ids.wid.x / P.parts;
+    let part = ids.wid.x % P.parts;
     let r = ids.wid.y;
     let lane = ids.lid % {{LANES}}u;
-    let cg = ids.lid / {{LANES}}u;
+    let j = part * COLS + ids.lid / {{LANES}}u;
+    let valid = j < P.dv;
     let dk = P.dk;
     let kh = k_head_of(n);
     let qkv = P.qkv_offset + r * P.qkv_stride;
     let st = SLOTS[P.slots_offset + r] * P.state_stride + n * P.dv * dk;
 
-    // Every S load first: column j = pass · COLS + cg, key rows lane + t · LANES.
-    var s: array<array<f32, {{ROWS}}>, {{PASSES}}>;
-#for p in 0..PASSES
-    {
-        let j = {{p}}u * COLS + cg;
+    // Every S load first: column j, key rows lane + t · LANES.
+    var s: array<f32, {{ROWS}}>;
 #for t in 0..ROWS
-        if j < P.dv && lane + {{t}}u * {{LANES}}u < dk {
-            s[{{p}}][{{t}}] = STATE[st + j * dk + lane + {{t}}u * {{LANES}}u];
-        }
-#endfor
+    if valid && lane + {{t}}u * {{LANES}}u < dk {
+        s[{{t}}] = STATE[st + j * dk + lane + {{t}}u * {{LANES}}u];
     }
 #endfor
-    // The columns' v and z too: a load inside each pass would wait a memory round trip per pass.
-    var vs: array<f32, {{PASSES}}>;
-    var zs: array<f32, {{PASSES}}>;
-#for p in 0..PASSES
-    if {{p}}u * COLS + cg < P.dv {
-        vs[{{p}}] = QKV[qkv + P.v_offset + n * P.dv + {{p}}u * COLS + cg];
-        zs[{{p}}] = Z[P.z_offset + r * P.z_stride + n * P.dv + {{p}}u * COLS + cg];
+    // The column's v and z too, before any arithmetic waits on a load.
+    var v = 0.0;
+    var z = 0.0;
+    if valid {
+        v = QKV[qkv + P.v_offset + n * P.dv + j];
+        z = Z[P.z_offset + r * P.z_stride + n * P.dv + j];
     }
-#endfor
     var q: array<f32, {{ROWS}}>;
     var k: array<f32, {{ROWS}}>;
     var qq = 0.0;
@@ -148,44 +148,28 @@ fn main(ids: ComputeIds) {
     let decay = exp(SSM_A[n] * softplus);
     let beta = 1.0 / (1.0 + exp(-ba_at(r, n, P.beta_offset)));
 
-    var o: array<f32, {{PASSES}}>;
-    var sq = 0.0;
-#for p in 0..PASSES
-    {
-        let j = {{p}}u * COLS + cg;
-        let valid = j < P.dv;
-        var kv = 0.0;
+    var kv = 0.0;
 #for t in 0..ROWS
-        s[{{p}}][{{t}}] *= decay;
-        kv += s[{{p}}][{{t}}] * k[{{t}}];
+    s[{{t}}] *= decay;
+    kv += s[{{t}}] * k[{{t}}];
 #endfor
-        kv = column_sum(kv);
-        let delta = beta * (vs[{{p}}] - kv);
-        var op = 0.0;
+    kv = column_sum(kv);
+    let delta = beta * (v - kv);
+    var op = 0.0;
 #for t in 0..ROWS
-        s[{{p}}][{{t}}] += k[{{t}}] * delta;
-        op += s[{{p}}][{{t}}] * q[{{t}}];
-        if valid && lane + {{t}}u * {{LANES}}u < dk {
-            STATE[st + j * dk + lane + {{t}}u * {{LANES}}u] = s[{{p}}][{{t}}];
-        }
-#endfor
-        o[{{p}}] = column_sum(op);
-        if valid && lane == 0u {
-            sq += o[{{p}}] * o[{{p}}];
-        }
+    s[{{t}}] += k[{{t}}] * delta;
+    op += s[{{t}}] * q[{{t}}];
+    if valid && lane + {{t}}u * {{LANES}}u < dk {
+        STATE[st + j * dk + lane + {{t}}u * {{LANES}}u] = s[{{t}}];
     }
 #endfor
-    // Gated RMSNorm over the head's dv outputs (lane 0 of each valid column contributes).
-    let inv = inverseSqrt(wg_sum(sq, ids) / f32(P.dv) + P.norm_eps);
-    if lane == 0u {
-#for p in 0..PASSES
-        {
-            let j = {{p}}u * COLS + cg;
-            if j < P.dv {
-                let z = zs[{{p}}];
-                OUT[P.out_offset + r * P.out_stride + n * P.dv + j] = o[{{p}}] * inv * NORM[j] * (z / (1.0 + exp(-z)));
-            }
-        }
-#endfor
+    let o = column_sum(op);
+    // This part's sum of o² (lane 0 of each valid column contributes), for the norm downstream.
+    let sq = wg_sum(select(0.0, o * o, valid && lane == 0u), ids);
+    if ids.lid == 0u {
+        SQ[P.sq_offset + r * P.sq_stride + n * P.parts + part] = sq;
+    }
+    if valid && lane == 0u {
+        OUT[P.out_offset + r * P.out_stride + n * P.dv + j] = o * NORM[j] * (z / (1.0 + exp(-z)));
     }
 }

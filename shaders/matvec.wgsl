@@ -16,6 +16,10 @@
 //   workgroup sums the squares of its columns itself (K floats from cache) instead of waiting on a
 //   norm kernel. XN_STORE=1 also has workgroup 0 write the normalised columns to XN (packed, K
 //   floats each) for the kernels that read them next.
+// * PRE=head_rms: the RMS norm of each HD4 · 4-float head of a column finished from sums of squares
+//   computed upstream (shaders/gdn_step.wgsl): head h of column c is scaled by 1/sqrt(Σ_g
+//   SQ[sq_offset + c · sq_stride + h · head_parts + g] / (4 · HD4) + eps), g < head_parts. The
+//   HEADS · NC scales are computed once per workgroup into workgroup memory.
 // * PRE=silu_mul: a column is a gate ‖ up pair (the expert's gate_up output), read as
 //   silu(gate) * up with up P.pre_offset floats after gate: the MoE down projection's input.
 // * EPI=add: Y = RES + W·x (RES laid out like Y): the residual stream update.
@@ -24,8 +28,12 @@
 //   (P.taps taps, CONV_W[ch * taps + j], tap taps-1 the current input) and SiLU run here and the
 //   slot's conv state (STATE[SLOTS[c] * state_stride + j * conv_rows + ch], oldest first) advances;
 //   each channel has one owner, so the update needs no synchronisation. Rows above are stored as is.
-// Extra bindings follow W, X, Y in the order IDS, NORM, XN, RES, CONV_W, STATE, SLOTS (those the
-// mode uses); their numbers come from the B_* defines the host computes.
+// * EXTRA=1 (dense, EPI=store or conv): the workgroups past the matrix's own (group index ≥
+//   ceil(rows / NR)) compute P.extra_rows more rows from W2 (F32, K floats per row from vec4
+//   P.extra_offset) on the same input, stored as is after the matrix's rows (Y row P.rows + i):
+//   the decode step's F32 beta/alpha projection rides in the q‖k‖v‖z dispatch.
+// Extra bindings follow W, X, Y in the order IDS, NORM or SQ, XN, RES, CONV_W, STATE, SLOTS, W2
+// (those the mode uses); their numbers come from the B_* defines the host computes.
 #include "common.wgsl"
 #include "common_dequant.wgsl"
 #include "common_reduce.wgsl"
@@ -45,11 +53,17 @@
 #define NC4 1
 #define B_IDS 3
 #define B_NORM 3
+#define B_SQ 3
+// PRE=head_rms: vec4s per head and heads per column.
+#define HD4 32
+#define HEADS 32
 #define B_XN 4
 #define B_RES 3
 #define B_CW 3
 #define B_ST 4
 #define B_SL 5
+#define EXTRA 0
+#define B_W2 3
 // MOE with ROUTE=1: the token's experts are picked here from the router logits (common_route.wgsl:
 // subgroup 0 of each workgroup routes, RSG its size, PER_LANE = ceil(experts / RSG)) instead of by a
 // router dispatch, and one workgroup per token writes the picks for the kernels after it.
@@ -94,7 +108,9 @@
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 PRE=rms
 #variants QTYPE=f32 NC=6 NR=2 ACC4=3 NC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4
 #variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
+#variants QTYPE=iq4_xs NR=4 WG=128 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 EPI=add B_RES=3
+#variants QTYPE=iq4_xs NR=4 WG=256 PRE=head_rms EPI=add B_SQ=3 B_RES=4
 #variants QTYPE=q6_k MOE=1 PRE=silu_mul B_IDS=3
 #variants QTYPE=iq4_xs MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=2 WG=128
 #variants QTYPE=q8_0 MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=4 WG=64
@@ -140,6 +156,13 @@ struct MatvecParams {
     route_stride: u32,
     route_experts: u32,
     route_shared: u32,
+    // PRE=head_rms: partial sums per head, column 0's first sum, floats between columns' sums.
+    head_parts: u32,
+    sq_offset: u32,
+    sq_stride: u32,
+    // EXTRA: W2's rows and the vec4 index of its first.
+    extra_rows: u32,
+    extra_offset: u32,
 }
 
 var<immediate> P: MatvecParams;
@@ -164,11 +187,18 @@ var<workgroup> moe_expert: u32;
 #if PRE == rms
 @group(0) @binding({{B_NORM}}) var<storage, read> NORM: array<vec4<f32>>;
 #endif
+#if PRE == head_rms
+@group(0) @binding({{B_SQ}}) var<storage, read> SQ: array<f32>;
+var<workgroup> head_inv: array<f32, {{NC}} * {{HEADS}}>;
+#endif
 #if XN_STORE
 @group(0) @binding({{B_XN}}) var<storage, read_write> XN: array<vec4<f32>>;
 #endif
 #if EPI == add
 @group(0) @binding({{B_RES}}) var<storage, read> RES: array<f32>;
+#endif
+#if EXTRA
+@group(0) @binding({{B_W2}}) var<storage, read> W2: array<vec4<f32>>;
 #endif
 #if EPI == conv
 @group(0) @binding({{B_CW}}) var<storage, read> CONV_W: array<f32>;
@@ -212,12 +242,16 @@ fn x_at(c: u32, v: u32) -> vec4<f32> {
 #if PRE == rms
     return X[x_base + c * x_col + v] * (NORM[v] * inv_rms[c]);
 #else
+#if PRE == head_rms
+    return X[x_base + c * x_col + v] * head_inv[c * {{HEADS}}u + v / {{HD4}}u];
+#else
 #if PRE == silu_mul
     let g = X[x_base + c * x_col + v];
     let u = X[x_base + c * x_col + v + P.pre_offset / 4u];
     return g / (vec4<f32>(1.0) + exp(-g)) * u;
 #else
     return X[x_base + c * x_col + v];
+#endif
 #endif
 #endif
 }
@@ -338,9 +372,23 @@ fn main(ids: ComputeIds) {
     let x_col0 = 0u;
     let y_base = P.y_offset;
 #endif
+#if EXTRA
+    let main_groups = (P.rows + {{NR}}u - 1u) / {{NR}}u;
+    let extra_wg = group_index(ids) >= main_groups;
+    let extra_row0 = select(0u, group_index(ids) - main_groups, extra_wg) * {{NR}}u;
+    if select(row0 >= P.rows, extra_row0 >= P.extra_rows, extra_wg) {
+        return;
+    }
+    // Where this workgroup's results go and where its rows end.
+    let out_row0 = select(row0, P.rows + extra_row0, extra_wg);
+    let row_end = select(P.rows, P.rows + P.extra_rows, extra_wg);
+#else
     if row0 >= P.rows {
         return;
     }
+    let out_row0 = row0;
+    let row_end = P.rows;
+#endif
     var acc: array<vec4<f32>, {{ACC4}}>;
     x_base = (P.x_offset + x_col0 * P.x_stride) / 4u;
     x_col = P.x_stride / 4u;
@@ -363,6 +411,19 @@ fn main(ids: ComputeIds) {
         inv_rms[{{c}}] = inverseSqrt(sq[{{c}}u / 4u][{{c}}u % 4u] / f32(P.k) + P.eps);
 #endfor
     }
+#endif
+#if PRE == head_rms
+    for (var i = ids.lid; i < {{NC}}u * {{HEADS}}u; i += {{WG}}u) {
+        let at = P.sq_offset + (x_col0 + i / {{HEADS}}u) * P.sq_stride + (i % {{HEADS}}u) * P.head_parts;
+        var sum = 0.0;
+        for (var g = 0u; g < P.head_parts; g++) {
+            sum += SQ[at + g];
+        }
+        head_inv[i] = inverseSqrt(sum / f32(4u * {{HD4}}u) + P.eps);
+    }
+    workgroupBarrier();
+#endif
+#if PRE == rms
 #if XN_STORE
     if group_index(ids) == 0u {
         for (var v = ids.lid; v < P.k / 4u; v += {{WG}}u) {
@@ -379,6 +440,26 @@ fn main(ids: ComputeIds) {
     let rb{{r}} = w_base + min(row0 + {{r}}u, P.rows - 1u) * P.row_bytes;
 #endfor
     var generic = true;
+#if EXTRA
+    if extra_wg {
+        generic = false;
+        let k4 = P.k / 4u;
+        for (var v = ids.lid; v < k4; v += {{WG}}u) {
+            var xv: array<vec4<f32>, {{NC}}>;
+#for c in 0..NC
+            xv[{{c}}] = x_at({{c}}u, v);
+#endfor
+#for r in 0..NR
+            {
+                let wv = W2[P.extra_offset + min(extra_row0 + {{r}}u, P.extra_rows - 1u) * k4 + v];
+#for c in 0..NC
+                acc[({{r}}u * {{NC}}u + {{c}}u) / 4u][({{r}}u * {{NC}}u + {{c}}u) % 4u] += dot(wv, xv[{{c}}]);
+#endfor
+            }
+#endfor
+        }
+    } else {
+#endif
 #if QTYPE == iq4_xs
     // Invocation p takes quant words 2p, 2p+1 of the row (block p / 16, words i, i+1 of its 32),
     // so a subgroup reads 256 contiguous quant bytes per load pair and each block header as a
@@ -610,6 +691,9 @@ fn main(ids: ComputeIds) {
 #endfor
     }
 #endif
+#if EXTRA
+    }
+#endif
     if generic {
         let ng = P.k / 8u;
         for (var v = ids.lid; v < ng * picks; v += {{WG}}u) {
@@ -640,8 +724,8 @@ fn main(ids: ComputeIds) {
     for (var i = ids.lid; i < {{NR}}u * {{NC}}u; i += {{WG}}u) {
         let r = i / {{NC}}u;
         let c = i % {{NC}}u;
-        if row0 + r < P.rows {
-            let o = y_base + c * P.y_stride + row0 + r;
+        if out_row0 + r < row_end {
+            let o = y_base + c * P.y_stride + out_row0 + r;
             let y = acc[i / 4u][i % 4u];
 #if EPI == add
             Y[o] = RES[o] + y;
@@ -650,7 +734,7 @@ fn main(ids: ComputeIds) {
             Y[o] += y;
 #else
 #if EPI == conv
-            let ch = row0 + r;
+            let ch = out_row0 + r;
             if ch < P.conv_rows {
                 // As shaders/conv.wgsl: the current input's tap first, then the history, oldest first.
                 let st = SLOTS[P.slots_offset + c] * P.state_stride + ch;

@@ -1,8 +1,10 @@
 //! The decode step's layers: one position for each of several slots, recorded from fused kernels.
 //! Per layer, the norms run inside the mat-vecs that consume them, the GDN conv in its projection's
-//! epilogue, the delta rule and gated norm in one dispatch over every row, the residual adds in the
-//! output projections, and the shared expert as one more routed pick (its rows appended to the
-//! expert tensors at load), so a multi-slot step issues the same dispatches as a one-slot step.
+//! epilogue (an F32 beta/alpha projection in extra workgroups of the same dispatch), the delta rule
+//! and output gate in one dispatch over every row (the gated norm's per-head RMS finished in the
+//! output projection), the residual adds in the output projections, and the shared expert as one
+//! more routed pick (its rows appended to the expert tensors at load), so a multi-slot step issues
+//! the same dispatches as a one-slot step.
 //! A layer the fused path cannot take (a legacy `ssm_in` projection, head dims beyond one
 //! workgroup) runs the general recording of `forward.rs` instead; layers hand over through the
 //! hidden state in `x`, so the two mix freely.
@@ -21,7 +23,8 @@ use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::gdn_step::{self, GdnStepArgs, GdnStepParams};
 use crate::ops::matmul::{
     Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecOutput, MoeInput, MoeRoute, matvec, matvec_fused,
-    matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, route_lanes,
+    matvec_fused_with_f32_rows, matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, route_lanes,
+    takes_f32_rows,
 };
 use crate::ops::router::{self, RouterParams, SharedSlot};
 
@@ -98,15 +101,28 @@ impl Model {
             eps: self.cfg.eps,
             store: None,
         };
-        // The mixer's output projection adds the residual: x_next = x + mixer(x).
-        let (out_w, out_x, out_k) = match &lw.mixer {
+        // The mixer's output projection adds the residual: x_next = x + mixer(x). After the GDN
+        // step it also finishes the gated norm (each head's RMS from the step's sums of squares).
+        let (out_w, out_x, out_k, out_input) = match &lw.mixer {
             Mixer::DeltaNet(w) => {
                 self.decode_deltanet(gpu, rec, s, w, states, normed, x, t, layer)?;
-                (&w.out, &s.gated, self.cfg.value_dim())
+                let (nv, dv) = (self.cfg.v_heads, self.cfg.dv);
+                let parts = gdn_step::parts(gpu, dv);
+                let head_rms = MatvecInput::HeadRms {
+                    sums: &s.gated_sums,
+                    heads: nv,
+                    head_dim: dv,
+                    parts,
+                    offset: 0,
+                    stride: nv * parts,
+                    eps: self.cfg.eps,
+                };
+                (&w.out, &s.gated, self.cfg.value_dim(), head_rms)
             }
             Mixer::Attention(w) => {
                 self.decode_attention(gpu, rec, s, w, states, positions, normed, x, t, layer)?;
-                (&w.out, &s.attn_out, self.cfg.heads * self.cfg.head_dim)
+                let hd = self.cfg.heads * self.cfg.head_dim;
+                (&w.out, &s.attn_out, hd, MatvecInput::Plain)
             }
         };
         rec.op(
@@ -119,7 +135,7 @@ impl Model {
             dense_bytes(out_w),
         );
         let add = MatvecFusion {
-            input: MatvecInput::Plain,
+            input: out_input,
             output: MatvecOutput::AddTo { residual: x },
         };
         matvec_fused(
@@ -175,21 +191,39 @@ impl Model {
             input: normed,
             output: MatvecOutput::Store,
         };
+        // An F32 beta/alpha projection (as GGUF files keep it) rides in the dispatch of the
+        // product whose rows its own follow: one dispatch fewer per layer.
+        let f32_ba = match &w.ba {
+            BetaAlpha::Grouped(ba) => Some(ba),
+            BetaAlpha::Split { .. } => None,
+        };
+        let last = stacked.as_ref().unwrap_or(gate);
+        let ba_rides = f32_ba.filter(|ba| takes_f32_rows(last, ba));
+        let ba_bytes = ba_rides.map_or(0, dense_bytes);
         match stacked {
             // q ‖ k ‖ v ‖ z in one product; the conv runs on the first cd rows.
             Some(both) => {
-                rec.op("dn.qkvz", layer, dense_bytes(both));
-                matvec_fused(gpu, rec, both, xc, cols(&s.dn_proj, 0, pw), t, &conv_fusion)?;
+                rec.op("dn.qkvz", layer, dense_bytes(both) + ba_bytes);
+                let y = cols(&s.dn_proj, 0, pw);
+                match ba_rides {
+                    Some(ba) => matvec_fused_with_f32_rows(gpu, rec, both, ba, xc, y, t, &conv_fusion)?,
+                    None => matvec_fused(gpu, rec, both, xc, y, t, &conv_fusion)?,
+                }
             }
             None => {
                 rec.op("dn.qkv", layer, dense_bytes(qkv));
                 matvec_fused(gpu, rec, qkv, xc, cols(&s.dn_proj, 0, pw), t, &conv_fusion)?;
-                rec.op("dn.gate", layer, dense_bytes(gate));
-                matvec_fused(gpu, rec, gate, xc, cols(&s.dn_proj, cd, pw), t, &plain_norm)?;
+                rec.op("dn.gate", layer, dense_bytes(gate) + ba_bytes);
+                let y = cols(&s.dn_proj, cd, pw);
+                match ba_rides {
+                    Some(ba) => matvec_fused_with_f32_rows(gpu, rec, gate, ba, xc, y, t, &plain_norm)?,
+                    None => matvec_fused(gpu, rec, gate, xc, y, t, &plain_norm)?,
+                }
             }
         }
         let ba_at = cd + vd;
         match &w.ba {
+            BetaAlpha::Grouped(_) if ba_rides.is_some() => {}
             BetaAlpha::Grouped(ba) => {
                 rec.op("dn.ba", layer, dense_bytes(ba));
                 matvec_fused(gpu, rec, ba, xc, cols(&s.dn_proj, ba_at, pw), t, &plain_norm)?;
@@ -234,9 +268,11 @@ impl Model {
             out_stride: vd,
             state_stride: (ssm_bytes(cfg) / 4) as u32,
             slots_offset: 0,
+            parts: 0,
+            sq_offset: 0,
+            sq_stride: nv * gdn_step::parts(gpu, dp.dv),
             eps: dp.eps,
             q_scale: dp.q_scale,
-            norm_eps: cfg.eps,
         };
         rec.op("dn.step", layer, 2 * ssm_bytes(cfg) * u64::from(t));
         gdn_step::record(
@@ -250,6 +286,7 @@ impl Model {
                 dt_bias: &w.dt_bias,
                 z: &s.dn_proj,
                 norm: &w.norm,
+                sq: &s.gated_sums,
                 slots: &s.slots,
                 state: ssm,
                 out: &s.gated,

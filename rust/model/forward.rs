@@ -166,6 +166,8 @@ pub struct Scratch {
     pub(crate) z: GpuBuffer,
     pub(crate) dn_out: GpuBuffer,
     pub(crate) gated: GpuBuffer,
+    /// Decode: each row's sums of o² per (v-head, part) from the GDN step (ops/gdn_step.rs).
+    pub(crate) gated_sums: GpuBuffer,
     pub(crate) dn_scratch: GpuBuffer,
     /// Attention: [q+gate | K | V] per row, prepared q, gated output, split partials (ops/attention.rs).
     pub(crate) aproj: GpuBuffer,
@@ -267,6 +269,8 @@ impl Scratch {
             z: buf("gdn.z", r * u64::from(cfg.value_dim()))?,
             dn_out: buf("gdn.out", r * u64::from(cfg.value_dim()))?,
             gated: buf("gdn.gated", r * u64::from(cfg.value_dim()))?,
+            // At most one part per value column.
+            gated_sums: buf("gdn.gated_sums", r * u64::from(cfg.value_dim()))?,
             dn_scratch: buf("gdn.scratch", dparams.scratch_len(rows.max(deltanet::CHUNK)))?,
             aproj: buf("attn.proj", r * aw)?,
             q: buf("attn.q", r * hd)?,

@@ -1,5 +1,7 @@
 //! One decode position of a gated DeltaNet layer for every row of a step (shaders/gdn_step.wgsl):
-//! delta rule and gated RMSNorm in one dispatch, each row on its own slot's state.
+//! delta rule and output gate in one dispatch, each row on its own slot's state, a head's columns
+//! spread over several workgroups; the gated norm's per-head RMS is finished by the output
+//! projection (`MatvecInput::HeadRms`) from the sums of squares this step writes.
 
 use bytemuck::{Pod, Zeroable};
 
@@ -8,10 +10,9 @@ use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
 pub const FILE: ShaderFile = crate::shader_file!("gdn_step");
-/// Largest workgroup: one workgroup holds a whole head (up to 128 columns), so a one-row step has
-/// only v_heads workgroups; the widest workgroup the device allows (up to every column at once)
-/// keeps the most of the head's state loads in flight and the fewest passes in its serial chain.
-const MAX_WG: u32 = 1024;
+/// Largest workgroup: 8 columns of a head at 32 lanes each, so a one-row step of 32 heads of 128
+/// columns is 512 workgroups (one workgroup per head left most of an H200 idle: 18 µs per step).
+const MAX_WG: u32 = 256;
 /// Largest key and value head dims one workgroup holds.
 pub const MAX_DK: u32 = 128;
 pub const MAX_DV: u32 = 128;
@@ -59,9 +60,13 @@ pub struct GdnStepParams {
     pub out_stride: u32,
     pub state_stride: u32,
     pub slots_offset: u32,
+    /// Workgroups per head; set by [`record`] (any value passed is replaced).
+    pub parts: u32,
+    /// Row r's sums of o², one per (head, part), at `sq[sq_offset + r · sq_stride ..]`.
+    pub sq_offset: u32,
+    pub sq_stride: u32,
     pub eps: f32,
     pub q_scale: f32,
-    pub norm_eps: f32,
 }
 
 /// The buffers of a step.
@@ -75,6 +80,8 @@ pub struct GdnStepArgs<'a> {
     pub z: &'a GpuBuffer,
     /// The gated norm's weight (dv floats).
     pub norm: &'a GpuBuffer,
+    /// Where the sums of o² go (see [`GdnStepParams::sq_offset`]).
+    pub sq: &'a GpuBuffer,
     /// Row r's slot at `slots[slots_offset + r]`.
     pub slots: &'a GpuBuffer,
     /// Every slot's S (slot s at float s · state_stride).
@@ -86,7 +93,18 @@ fn extent(rows: u32, offset: u32, stride: u32, width: u32) -> u64 {
     u64::from(offset) + u64::from(rows.saturating_sub(1)) * u64::from(stride) + u64::from(width)
 }
 
-/// Record the step for `p.rows` rows (grid: v_heads × rows).
+/// Workgroups per head of `dv` columns on this device (the `parts` of [`GdnStepParams`]): the
+/// output projection's norm sums that many partial sums per head.
+pub fn parts(gpu: &Gpu, dv: u32) -> u32 {
+    dv.div_ceil(workgroup(gpu) / lanes(gpu))
+}
+
+fn workgroup(gpu: &Gpu) -> u32 {
+    let lanes = lanes(gpu);
+    prev_power_of_two(MAX_WG.min(gpu.caps.max_invocations).min(MAX_DV * lanes)).max(lanes)
+}
+
+/// Record the step for `p.rows` rows (grid: v_heads · parts × rows).
 pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepArgs<'_>) -> Result<()> {
     crate::ensure!(
         p.dk >= 1
@@ -138,15 +156,28 @@ pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepA
         QkError::Engine("gdn step: state stride smaller than one slot's S".into())
     );
     require_len("gdn step state", a.state, u64::from(p.state_stride))?;
+    let parts = parts(gpu, p.dv);
+    crate::ensure!(
+        p.sq_stride >= p.v_heads * parts,
+        QkError::Engine(format!(
+            "gdn step: {} sums of squares per row, stride {}",
+            p.v_heads * parts,
+            p.sq_stride
+        ))
+    );
+    require_len(
+        "gdn step sums of squares",
+        a.sq,
+        extent(p.rows, p.sq_offset, p.sq_stride, p.v_heads * parts),
+    )?;
+    let p = GdnStepParams { parts, ..*p };
     let lanes = lanes(gpu);
-    let wg = prev_power_of_two(MAX_WG.min(gpu.caps.max_invocations).min(MAX_DV * lanes)).max(lanes);
     let pipe = gpu.pipeline(
         &FILE,
         &[
-            ("WG", wg.to_string()),
+            ("WG", workgroup(gpu).to_string()),
             ("LANES", lanes.to_string()),
             ("ROWS", (MAX_DK / lanes).to_string()),
-            ("PASSES", (MAX_DV * lanes).div_ceil(wg).to_string()),
         ],
         &[],
     )?;
@@ -162,8 +193,9 @@ pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepA
             a.slots.all(),
             a.state.all(),
             a.out.all(),
+            a.sq.all(),
         ],
-        bytemuck::bytes_of(p),
-        [p.v_heads, p.rows, 1],
+        bytemuck::bytes_of(&p),
+        [p.v_heads * parts, p.rows, 1],
     )
 }

@@ -94,6 +94,11 @@ struct MatvecParams {
     route_stride: u32,
     route_experts: u32,
     route_shared: u32,
+    head_parts: u32,
+    sq_offset: u32,
+    sq_stride: u32,
+    extra_rows: u32,
+    extra_offset: u32,
 }
 
 /// What a mat-vec does to its activation columns before the product (matvec.wgsl `PRE`).
@@ -111,6 +116,19 @@ pub enum MatvecInput<'a> {
     /// Each column is a gate ‖ up pair with `up` floats from gate to up; the input is
     /// silu(gate) · up (K = the pair's half).
     SiluMul { up: u32 },
+    /// Each column is `heads` heads of `head_dim` floats (K = heads · head_dim, head_dim a
+    /// multiple of 4), head h of column c scaled by 1/sqrt(S / head_dim + eps), S the sum over
+    /// g < `parts` of sums[offset + c · stride + h · parts + g]: the RMS norm of each head,
+    /// finished from sums of squares an earlier kernel wrote (the gated DeltaNet step's).
+    HeadRms {
+        sums: &'a GpuBuffer,
+        heads: u32,
+        head_dim: u32,
+        parts: u32,
+        offset: u32,
+        stride: u32,
+        eps: f32,
+    },
 }
 
 /// Where a mat-vec's results go (matvec.wgsl `EPI`).
@@ -162,6 +180,12 @@ impl<'a> MatvecFusion<'a> {
                 }
             }
             MatvecInput::SiluMul { .. } => d.push(("PRE", "silu_mul".into())),
+            MatvecInput::HeadRms { heads, head_dim, .. } => {
+                d.push(("PRE", "head_rms".into()));
+                d.push(("HEADS", heads.to_string()));
+                d.push(("HD4", (head_dim / 4).to_string()));
+                d.push(("B_SQ", take()));
+            }
         }
         match self.output {
             MatvecOutput::Store => {}
@@ -182,9 +206,13 @@ impl<'a> MatvecFusion<'a> {
     /// The extra bindings, in the order `defines` numbered them.
     fn bindings(&self) -> Vec<Binding<'a>> {
         let mut b = Vec::new();
-        if let MatvecInput::Rms { weight, store, .. } = self.input {
-            b.push(weight.all());
-            b.extend(store.map(GpuBuffer::all));
+        match self.input {
+            MatvecInput::Rms { weight, store, .. } => {
+                b.push(weight.all());
+                b.extend(store.map(GpuBuffer::all));
+            }
+            MatvecInput::HeadRms { sums, .. } => b.push(sums.all()),
+            MatvecInput::Plain | MatvecInput::SiluMul { .. } => {}
         }
         match self.output {
             MatvecOutput::Store => {}
@@ -205,6 +233,18 @@ impl<'a> MatvecFusion<'a> {
             MatvecInput::Plain => {}
             MatvecInput::Rms { eps, .. } => p.eps = eps,
             MatvecInput::SiluMul { up } => p.pre_offset = up,
+            MatvecInput::HeadRms {
+                parts,
+                offset,
+                stride,
+                eps,
+                ..
+            } => {
+                p.eps = eps;
+                p.head_parts = parts;
+                p.sq_offset = offset;
+                p.sq_stride = stride;
+            }
         }
         if let MatvecOutput::Conv {
             slots_offset,
@@ -326,19 +366,8 @@ impl MatvecShape {
     }
 }
 
-fn matvec_pipeline(
-    gpu: &Gpu,
-    ty: GgmlType,
-    ncols: u32,
-    moe: bool,
-    shape: MatvecShape,
-    fusion: &MatvecFusion<'_>,
-) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
-    matvec_pipeline_with(gpu, ty, ncols, moe, shape, fusion, &[])
-}
-
 #[allow(clippy::too_many_arguments)]
-fn matvec_pipeline_with(
+fn matvec_pipeline(
     gpu: &Gpu,
     ty: GgmlType,
     ncols: u32,
@@ -421,7 +450,7 @@ pub fn matvec(
     y: Columns<'_>,
     ncols: u32,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, &MatvecFusion::default(), None)
+    matvec_with(gpu, rec, w, x, y, ncols, &MatvecFusion::default(), None, None)
 }
 
 /// [`matvec_fused`] with a launch shape other than the default (tuning runs); None is the default.
@@ -436,7 +465,7 @@ pub fn matvec_shaped(
     fusion: &MatvecFusion<'_>,
     shape: Option<MatvecShape>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, shape)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, shape, None)
 }
 
 /// [`matvec`] with fused input and output stages (see [`MatvecFusion`]).
@@ -449,7 +478,38 @@ pub fn matvec_fused(
     ncols: u32,
     fusion: &MatvecFusion<'_>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, None)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, None)
+}
+
+/// [`matvec_fused`] of `w` and, in the same dispatch, of the F32 matrix `extra` over the same
+/// input (same K, one binding, its rows written after `w`'s in each output column, no output
+/// stage applied to them): the decode step's beta/alpha projection beside q‖k‖v‖z. `fusion`'s
+/// output must store (or conv) rather than add.
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_fused_with_f32_rows(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    extra: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    fusion: &MatvecFusion<'_>,
+) -> Result<()> {
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, Some(extra))
+}
+
+/// Whether [`matvec_fused_with_f32_rows`] takes `extra` beside `w`.
+pub fn takes_f32_rows(w: &WeightTensor, extra: &WeightTensor) -> bool {
+    let [win] = extra.windows.as_slice() else {
+        return false;
+    };
+    extra.ty == GgmlType::F32
+        && extra.experts == 1
+        && extra.cols == w.cols
+        && w.windows.len() == 1
+        && w.cols.is_multiple_of(4)
+        && win.offset.is_multiple_of(16)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -462,9 +522,24 @@ fn matvec_with(
     ncols: u32,
     fusion: &MatvecFusion<'_>,
     shape: Option<MatvecShape>,
+    extra: Option<&WeightTensor>,
 ) -> Result<()> {
     check_dense("matvec", "; use matvec_id", w, &x, &y, ncols)?;
     check_fusion(w, fusion, ncols)?;
+    let extra_rows = match extra {
+        None => 0,
+        Some(e) => {
+            if !takes_f32_rows(w, e) || matches!(fusion.output, MatvecOutput::AddTo { .. }) {
+                return Err(QkError::Engine(format!(
+                    "{}: {} cannot ride in its mat-vec (F32, same K, one binding each, a \
+                     storing output)",
+                    w.name, e.name
+                )));
+            }
+            check_columns(&w.name, &y, w.rows + e.rows, u64::from(ncols), false)?;
+            as_u32(e.rows, "extra rows")?
+        }
+    };
     if let MatvecInput::SiluMul { up } = fusion.input {
         check_columns(&w.name, &x, silu_mul_len(w, up)?, u64::from(ncols), true)?;
     }
@@ -478,10 +553,20 @@ fn matvec_with(
                 w.rows,
                 w.cols,
                 nc,
-                matches!(fusion.input, MatvecInput::Rms { .. }),
+                matches!(
+                    fusion.input,
+                    MatvecInput::Rms { .. } | MatvecInput::HeadRms { .. }
+                ),
             ))
             .clamped();
-        let pipe = matvec_pipeline(gpu, w.ty, nc, false, shape, fusion)?;
+        let extra_defines = match extra {
+            None => vec![],
+            Some(_) => {
+                let binding = 3 + fusion.bindings().len();
+                vec![("EXTRA", "1".into()), ("B_W2", binding.to_string())]
+            }
+        };
+        let pipe = matvec_pipeline(gpu, w.ty, nc, false, shape, fusion, &extra_defines)?;
         for win in &w.windows {
             let mut p = MatvecParams {
                 k,
@@ -495,12 +580,21 @@ fn matvec_with(
                 ..Default::default()
             };
             fusion.params(&mut p);
-            // This chunk's columns: where the normalised ones are stored, which slots they are.
+            // This chunk's columns: where the normalised ones are stored, which slots they are,
+            // where their heads' sums of squares are.
             p.pre_offset += done * k;
             p.slots_offset += done;
+            p.sq_offset += done * p.sq_stride;
             let mut bindings = vec![win.buffer.all(), x.buf.all(), y.buf.all()];
             bindings.extend(fusion.bindings());
-            let groups = as_u32(win.n_rows.div_ceil(u64::from(shape.rows)), "workgroups")?;
+            let mut groups = as_u32(win.n_rows.div_ceil(u64::from(shape.rows)), "workgroups")?;
+            if let Some(e) = extra {
+                let ewin = &e.windows[0];
+                p.extra_rows = extra_rows;
+                p.extra_offset = as_u32(ewin.offset / 16, "extra offset")?;
+                bindings.push(ewin.buffer.all());
+                groups += extra_rows.div_ceil(shape.rows);
+            }
             rec.dispatch(&pipe, &bindings, bytemuck::bytes_of(&p), gpu.grid(groups))?;
         }
         done += nc;
@@ -541,6 +635,32 @@ fn check_fusion(w: &WeightTensor, fusion: &MatvecFusion<'_>, ncols: u32) -> Resu
                 "normalised-input store of {} bytes is too small",
                 st.size
             ));
+        }
+    }
+    if let MatvecInput::HeadRms {
+        sums,
+        heads,
+        head_dim,
+        parts,
+        offset,
+        stride,
+        ..
+    } = fusion.input
+    {
+        let per_column = u64::from(heads) * u64::from(parts);
+        if u64::from(heads) * u64::from(head_dim) != w.cols
+            || !head_dim.is_multiple_of(4)
+            || heads == 0
+            || parts == 0
+            || (ncols > 1 && u64::from(stride) < per_column)
+        {
+            return bad(format!(
+                "head norm of {heads} heads × {head_dim} ({parts} sums each, stride {stride})"
+            ));
+        }
+        let end = u64::from(offset) + u64::from(ncols.max(1) - 1) * u64::from(stride) + per_column;
+        if sums.size < end * 4 {
+            return bad(format!("head sums of {} bytes, need {}", sums.size, end * 4));
         }
     }
     if let MatvecOutput::Conv {
@@ -798,7 +918,7 @@ fn expert_matvec(
     let x_len = match pre {
         MatvecInput::Plain => w.cols,
         MatvecInput::SiluMul { up } => silu_mul_len(w, up)?,
-        MatvecInput::Rms { .. } => {
+        MatvecInput::Rms { .. } | MatvecInput::HeadRms { .. } => {
             return Err(QkError::Engine(format!(
                 "{}: expert mat-vec input must be plain or silu·mul",
                 w.name
@@ -881,7 +1001,7 @@ fn expert_matvec(
         ];
         route_params = [r.offset, r.stride, r.experts, u32::from(r.shared)];
     }
-    let pipe = matvec_pipeline_with(gpu, w.ty, 1, true, shape, &fusion, &extra)?;
+    let pipe = matvec_pipeline(gpu, w.ty, 1, true, shape, &fusion, &extra)?;
     // Picks past the grid's y axis are walked inside the workgroup with SUM.
     let grid_slots = if call.sum.is_some() { 1 } else { n_used };
     for (win, expert_first, expert_count) in expert_windows(w)? {

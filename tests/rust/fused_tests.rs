@@ -226,6 +226,83 @@ fn fused_conv_advances_each_columns_slot_state() {
 }
 
 #[test]
+fn f32_rows_ride_in_the_normed_conv_product_without_changing_it() {
+    // The decode step's beta/alpha (F32) computed by extra workgroups of the q‖k‖v‖z product: the
+    // product's own rows and conv states keep their bytes, and the extra rows are the F32 matrix
+    // times the same normalised input, stored after them. 3 columns on slots 1, 0, 2.
+    use qk::ops::matmul::matvec_fused_with_f32_rows;
+    let Some(gpu) = test_gpu(false) else { return };
+    let (m, k, extra, channels, taps, cols) = (48usize, 256usize, 10usize, 40usize, 4usize, 3usize);
+    let stride = (taps - 1) * channels;
+    let (w, _) = upload(gpu, GgmlType::IQ4XS, m, k, 1, 23);
+    let (ba, ba_dense) = upload(gpu, GgmlType::F32, extra, k, 1, 24);
+    let cwb = gpu
+        .buffer_from_f32("cw", &floats(channels * taps, 4, 1.0))
+        .unwrap();
+    let state = floats(3 * stride, 6, 1.0);
+    let slb = gpu.buffer_from_u32("slots", &[1, 0, 2]).unwrap();
+    let norm_w = floats(k, 5, 1.0);
+    let nb = gpu.buffer_from_f32("norm", &norm_w).unwrap();
+    let x = floats(k * cols, 30, 1.0);
+    let xb = gpu.buffer_from_f32("x", &x).unwrap();
+    // Output columns of m + extra + 2 floats (the pad stays zero).
+    let width = m + extra + 2;
+    let run = |with_extra: bool| {
+        let sb = gpu.buffer_from_f32("state", &state).unwrap();
+        let yb = gpu.buffer_zeroed("y", (width * cols * 4) as u64).unwrap();
+        let fusion = MatvecFusion {
+            input: MatvecInput::Rms {
+                weight: &nb,
+                eps: EPS,
+                store: None,
+            },
+            output: MatvecOutput::Conv {
+                weights: &cwb,
+                state: &sb,
+                slots: &slb,
+                slots_offset: 0,
+                channels: channels as u32,
+                taps: taps as u32,
+                state_stride: stride as u32,
+            },
+        };
+        let mut rec = gpu.recorder();
+        let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, width as u32));
+        if with_extra {
+            matvec_fused_with_f32_rows(gpu, &mut rec, &w, &ba, xc, yc, cols as u32, &fusion).unwrap();
+        } else {
+            matvec_fused(gpu, &mut rec, &w, xc, yc, cols as u32, &fusion).unwrap();
+        }
+        rec.submit().unwrap();
+        (read(gpu, &yb, width * cols), read(gpu, &sb, 3 * stride))
+    };
+    let (y0, state0) = run(false);
+    let (y1, state1) = run(true);
+    for c in 0..cols {
+        let col = c * width;
+        assert!(
+            crate::gpu_tests::same_bits(&y0[col..col + m], &y1[col..col + m]),
+            "column {c}: rows changed"
+        );
+        assert_eq!(
+            y1[col + m + extra..col + width],
+            [0.0, 0.0],
+            "column {c}: wrote past the rows"
+        );
+        let xn = normed(&x[c * k..(c + 1) * k], &norm_w, k);
+        let want: Vec<f64> = (0..extra)
+            .map(|r| dot(&ba_dense[r * k..(r + 1) * k], &xn))
+            .collect();
+        let e = nmse(&y1[col + m..col + m + extra], &want);
+        assert!(e < NMSE_MAX, "column {c}: extra rows NMSE {e:e}");
+    }
+    assert!(
+        crate::gpu_tests::same_bits(&state0, &state1),
+        "conv states changed"
+    );
+}
+
+#[test]
 fn expert_down_reads_silu_of_gate_times_up() {
     let Some(gpu) = test_gpu(false) else { return };
     // Down projection of 3 experts (m = 64 out, k = 256 ff) over 2 tokens × 2 used: the input
@@ -411,8 +488,11 @@ fn router_appends_the_shared_expert_as_the_last_pick() {
 }
 
 #[test]
-fn gdn_step_matches_the_recurrent_reference_and_gated_norm_per_slot() {
-    // Subgroups on: a column shared by a subgroup's lanes; off: one invocation per column.
+fn gdn_step_then_head_norm_projection_match_the_recurrent_reference_per_slot() {
+    // The decode step's GDN path: the step (delta rule + gate, a head's columns over several
+    // workgroups) and the output projection that finishes the gated norm from the step's sums of
+    // squares and adds the residual. Subgroups on: a column shared by a subgroup's lanes; off: one
+    // invocation per column.
     for no_subgroups in [false, true] {
         if let Some(gpu) = test_gpu(no_subgroups) {
             gdn_step_case(gpu);
@@ -422,13 +502,17 @@ fn gdn_step_matches_the_recurrent_reference_and_gated_norm_per_slot() {
 
 fn gdn_step_case(gpu: &Gpu) {
     use qk::ops::deltanet::{DeltaParams, reference};
-    use qk::ops::gdn_step::{GdnStepArgs, GdnStepParams, record};
+    use qk::ops::gdn_step::{GdnStepArgs, GdnStepParams, parts, record};
     // qwen3next grouping: 2 k-heads, 4 v-heads, dk = dv = 64; 3 rows on slots 1, 3, 0 of 4; two steps.
     let (nk, nv, dk, dv, rows, n_slots) = (2u32, 4u32, 64u32, 64u32, 3u32, 4u32);
     let (key_dim, vd) = (nk * dk, nv * dv);
     let cd = 2 * key_dim + vd;
     let (bstride, zstride) = (cd + 2 * nv, vd);
     let r = nv / nk;
+    let parts = parts(gpu, dv);
+    // The output projection: 40 rows of IQ4_XS over the vd gated values, a residual beside it.
+    let m = 40usize;
+    let (w, dense) = upload(gpu, GgmlType::IQ4XS, m, vd as usize, 1, 7);
     let p = GdnStepParams {
         rows,
         k_heads: nk,
@@ -453,9 +537,11 @@ fn gdn_step_case(gpu: &Gpu) {
         out_stride: vd,
         state_stride: vd * dk,
         slots_offset: 1,
+        parts: 0,
+        sq_offset: 3,
+        sq_stride: nv * parts + 5,
         eps: 1e-6,
         q_scale: 1.0 / (dk as f32).sqrt(),
-        norm_eps: 1e-6,
     };
     let slots = [9u32, 1, 3, 0];
     let ssm_a = floats(nv as usize, 3, 1.0)
@@ -473,6 +559,12 @@ fn gdn_step_case(gpu: &Gpu) {
     );
     let slb = gpu.buffer_from_u32("slots", &slots).unwrap();
     let ob = gpu.buffer_zeroed("out", u64::from(rows * vd) * 4).unwrap();
+    let sqb = gpu
+        .buffer_zeroed("sums", u64::from(3 + rows * p.sq_stride) * 4)
+        .unwrap();
+    let res = floats(rows as usize * m, 8, 1.0);
+    let resb = gpu.buffer_from_f32("res", &res).unwrap();
+    let yb = gpu.buffer_zeroed("y", (rows as usize * m * 4) as u64).unwrap();
     for step in 0..2u64 {
         let qkv = floats((rows * bstride) as usize, 10 + step, 1.0);
         let z = floats((rows * zstride) as usize, 20 + step, 2.0);
@@ -488,11 +580,26 @@ fn gdn_step_case(gpu: &Gpu) {
             dt_bias: &db,
             z: &zb,
             norm: &nb,
+            sq: &sqb,
             slots: &slb,
             state: &sb,
             out: &ob,
         };
         record(gpu, &mut rec, &p, &args).unwrap();
+        let fusion = MatvecFusion {
+            input: MatvecInput::HeadRms {
+                sums: &sqb,
+                heads: nv,
+                head_dim: dv,
+                parts,
+                offset: p.sq_offset,
+                stride: p.sq_stride,
+                eps: 1e-6,
+            },
+            output: MatvecOutput::AddTo { residual: &resb },
+        };
+        let (xc, yc) = (Columns::packed(&ob, vd), Columns::packed(&yb, m as u32));
+        matvec_fused(gpu, &mut rec, &w, xc, yc, rows, &fusion).unwrap();
         rec.submit().unwrap();
         let mut want = vec![0f64; (rows * vd) as usize];
         for row in 0..rows as usize {
@@ -536,9 +643,17 @@ fn gdn_step_case(gpu: &Gpu) {
                 }
             }
         }
-        // f32 against the f64 recurrence over 64-long dot products and a norm: ~1e-12 NMSE.
-        let e = nmse(&read(gpu, &ob, (rows * vd) as usize), &want);
-        assert!(e < NMSE_MAX, "step {step}: out NMSE {e:e}");
+        // f32 against the f64 recurrence over 64-long dot products, a norm and a 256-long product:
+        // ~1e-12 NMSE.
+        let want_y: Vec<f64> = (0..rows as usize * m)
+            .map(|i| {
+                let (c, row) = (i / m, i % m);
+                let x = &want[c * vd as usize..][..vd as usize];
+                f64::from(res[i]) + dot(&dense[row * vd as usize..][..vd as usize], x)
+            })
+            .collect();
+        let e = nmse(&read(gpu, &yb, rows as usize * m), &want_y);
+        assert!(e < NMSE_MAX, "step {step}: projected output NMSE {e:e}");
         let want_state: Vec<f64> = state.iter().map(|&v| f64::from(v)).collect();
         let e = nmse(&read(gpu, &sb, state.len()), &want_state);
         assert!(e < NMSE_MAX, "step {step}: state NMSE {e:e}");
