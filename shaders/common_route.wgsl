@@ -58,7 +58,10 @@ fn route_token(lane: u32, a: RouteArgs) -> u32 {
     var wanted = ROUTE_NO_EXPERT;
     var sum = 0.0;
     let writer = a.write && lane == 0u;
-    for (var it = 0u; it < a.k; it++) {
+    // A subgroup that writes no picks stops at the one it wants; the shared expert (pick k) and a
+    // pick past the end need no round.
+    let rounds = select(select(a.want + 1u, 0u, a.want >= a.k), a.k, a.write);
+    for (var it = 0u; it < rounds; it++) {
         // Within a lane experts ascend with j, so the strict comparison keeps the lowest id.
         var best_value = ROUTE_TAKEN;
         var best_id = ROUTE_NO_EXPERT;
