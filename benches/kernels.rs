@@ -193,8 +193,10 @@ fn main() {
         return;
     }
     if !flag("QK_BENCH_ONLY_PREFILL") {
+        dispatch_floor(&gpu);
         moe_decode(&gpu, &mut rng);
         norm_projection_decode(&gpu, &mut rng);
+        gdn_step_decode(&gpu);
     }
     if flag("QK_BENCH_ONLY_DECODE") {
         return;
@@ -554,16 +556,40 @@ fn random_picks(rng: &mut Rng, tokens: u32, k: u32, experts: u32, last: Option<u
     ids
 }
 
-/// The DeltaNet layer's first decode product at the Qwen3-Next-80B shape: q ‖ k ‖ v ‖ z (12,288
-/// rows × 2048, IQ4_XS) with the RMSNorm folded in, for 1 and 8 columns, per launch shape (every
-/// workgroup computes its columns' norms, so rows per workgroup trade those re-reads against
-/// parallelism).
+/// The decode step's norm-fused dense products at the Qwen3-Next-80B shape, for 1 and 8 columns, per
+/// launch shape (every workgroup computes its columns' norms, so rows per workgroup trade those
+/// re-reads against parallelism): the DeltaNet layer's q ‖ k ‖ v ‖ z (12,288 rows × 2048, IQ4_XS)
+/// and the MoE router with the shared expert's gate (513 × 2048, F32).
 fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
-    let (rows, k) = if smoke() { (96u32, 256u32) } else { (12288, 2048) };
-    let ty = GgmlType::IQ4XS;
+    // (rows, width, steps per iteration) per workgroup.
+    let shapes = |list: &[(u32, u32, u32)]| -> Vec<Option<MatvecShape>> {
+        list.iter()
+            .map(|&(rows, wg, unroll)| Some(MatvecShape { rows, wg, unroll }))
+            .collect()
+    };
+    #[rustfmt::skip]
+    let qkvz = shapes(&[(1, 128, 1), (2, 128, 1), (4, 64, 1), (4, 128, 1), (4, 256, 1), (8, 128, 1), (8, 256, 1), (8, 32, 2)]);
+    #[rustfmt::skip]
+    let router = shapes(&[(1, 64, 1), (1, 128, 1), (1, 256, 1), (2, 64, 1), (2, 128, 1), (2, 256, 1), (4, 64, 1), (4, 128, 1), (8, 32, 1), (8, 64, 1)]);
+    let small = smoke();
+    let (rows, k) = if small { (96u32, 256u32) } else { (12288, 2048) };
+    norm_projection_shapes(gpu, rng, "norm+qkvz", GgmlType::IQ4XS, rows, k, &qkvz);
+    let (rows, k) = if small { (33u32, 256u32) } else { (513, 2048) };
+    norm_projection_shapes(gpu, rng, "norm+router", GgmlType::F32, rows, k, &router);
+}
+
+fn norm_projection_shapes(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    label: &str,
+    ty: GgmlType,
+    rows: u32,
+    k: u32,
+    shapes: &[Option<MatvecShape>],
+) {
     let w = gpu
         .upload_weight(
-            "bench_qkvz",
+            label,
             ty,
             u64::from(k),
             u64::from(rows),
@@ -574,18 +600,6 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
     let norm = gpu
         .buffer_from_f32("norm_w", &vec![1.0; k as usize])
         .expect("norm");
-    let shape = |rows, wg, unroll| Some(MatvecShape { rows, wg, unroll });
-    let shapes = [
-        None,
-        shape(1, 128, 1),
-        shape(2, 128, 1),
-        shape(4, 64, 1),
-        shape(4, 128, 1),
-        shape(4, 256, 1),
-        shape(8, 128, 1),
-        shape(8, 256, 1),
-        shape(8, 32, 2),
-    ];
     let iters = if smoke() { 1 } else { 20 };
     let bytes = (w.rows * w.row_bytes) as f64;
     for cols in [1u32, 8] {
@@ -602,18 +616,130 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
             },
             output: MatvecOutput::Store,
         };
-        for s in shapes {
+        for s in std::iter::once(&None).chain(shapes) {
             let t = time_submit(gpu, iters, |rec| {
                 let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
-                matvec_shaped(gpu, rec, &w, xc, yc, cols, &fusion, s).expect("matvec");
+                matvec_shaped(gpu, rec, &w, xc, yc, cols, &fusion, *s).expect("matvec");
             });
             let name = match s {
                 None => "default".to_string(),
                 Some(s) => format!("{}x{}u{}", s.rows, s.wg, s.unroll),
             };
             println!(
-                "norm+qkvz decode {cols} column(s) ({rows}x{k} {}) {name:<10} {:>8.1} µs  {:>7.1} GB/s",
+                "{label} decode {cols} column(s) ({rows}x{k} {}) {name:<10} {:>8.1} µs  {:>7.1} GB/s",
                 ty.name(),
+                t * 1e6,
+                bytes / t / 1e9
+            );
+        }
+    }
+}
+
+/// What a tiny dispatch (one workgroup of the example kernel) costs in a row of 20 in one submit:
+/// each writing the buffers the one before wrote (wgpu puts a barrier between them: a decode step's
+/// dependent dispatches), and each writing its own buffers (no barrier), for the floor under every
+/// decode kernel.
+fn dispatch_floor(gpu: &Gpu) {
+    use qk::gpu::example::{ScaleParams, scale_add};
+    let n = 64u32;
+    let x = gpu.buffer_from_f32("x", &vec![1.0; n as usize]).expect("x");
+    let outs: Vec<(GpuBuffer, GpuBuffer)> = (0..20)
+        .map(|_| {
+            (
+                gpu.buffer_zeroed("y", u64::from(n) * 4).expect("y"),
+                gpu.buffer_zeroed("partial", 4).expect("partial"),
+            )
+        })
+        .collect();
+    let params = ScaleParams { n, a: 2.0, b: 1.0 };
+    let iters = if smoke() { 2 } else { 20 };
+    hold_clocks(gpu);
+    let same = time_submit(gpu, iters, |rec| {
+        scale_add(gpu, rec, &x, &outs[0].0, &outs[0].1, params).expect("scale")
+    });
+    let mut i = 0;
+    let distinct = time_submit(gpu, iters, |rec| {
+        let (y, partial) = &outs[i % outs.len()];
+        i += 1;
+        scale_add(gpu, rec, &x, y, partial, params).expect("scale")
+    });
+    println!(
+        "dispatch floor (one workgroup, 20 in a pass): dependent {:>6.2} µs, independent {:>6.2} µs",
+        same * 1e6,
+        distinct * 1e6
+    );
+}
+
+/// The GDN decode step (delta rule + gate, ops/gdn_step.rs) at the Qwen3-Next-80B shape (32 v-heads,
+/// 16 k-heads, dk = dv = 128) for 1 and 8 rows, per workgroup width (a head's columns spread over
+/// dv / (width / lanes) workgroups).
+fn gdn_step_decode(gpu: &Gpu) {
+    use qk::ops::gdn_step::{GdnStepArgs, GdnStepParams, record_shaped};
+    let (nk, nv, dk, dv) = if smoke() {
+        (2u32, 4u32, 64u32, 64u32)
+    } else {
+        (16, 32, 128, 128)
+    };
+    let (key_dim, vd) = (nk * dk, nv * dv);
+    let cd = 2 * key_dim + vd;
+    let stride = cd + vd + 2 * nv;
+    let rows = 8u32;
+    let buf =
+        |name: &str, floats: u32, v: f32| gpu.buffer_from_f32(name, &vec![v; floats as usize]).expect(name);
+    let proj = buf("proj", rows * stride, 0.01);
+    let (ssm_a, dt_bias, norm) = (buf("a", nv, -0.5), buf("dt", nv, 0.1), buf("norm", dv, 1.0));
+    let state = buf("state", rows * vd * dk, 0.001);
+    let out = buf("out", rows * vd, 0.0);
+    let sq = buf("sq", rows * vd, 0.0);
+    let slots = gpu
+        .buffer_from_u32("slots", &(0..rows).collect::<Vec<_>>())
+        .expect("slots");
+    let args = GdnStepArgs {
+        qkv: &proj,
+        ba: &proj,
+        ssm_a: &ssm_a,
+        dt_bias: &dt_bias,
+        z: &proj,
+        norm: &norm,
+        sq: &sq,
+        slots: &slots,
+        state: &state,
+        out: &out,
+    };
+    let iters = if smoke() { 1 } else { 20 };
+    for n in [1u32, 8] {
+        hold_clocks(gpu);
+        let p = GdnStepParams {
+            rows: n,
+            k_heads: nk,
+            v_heads: nv,
+            dk,
+            dv,
+            pairing: 0,
+            qkv_stride: stride,
+            k_offset: key_dim,
+            v_offset: 2 * key_dim,
+            ba_stride: stride,
+            ba_group: nv / nk,
+            ba_group_stride: 2 * nv / nk,
+            beta_offset: cd + vd,
+            alpha_offset: cd + vd + nv / nk,
+            z_offset: cd,
+            z_stride: stride,
+            out_stride: vd,
+            state_stride: vd * dk,
+            sq_stride: vd,
+            eps: 1e-6,
+            q_scale: 1.0 / (dk as f32).sqrt(),
+            ..Default::default()
+        };
+        for wg in [64u32, 128, 256, 512, 1024] {
+            let t = time_submit(gpu, iters, |rec| {
+                record_shaped(gpu, rec, &p, &args, wg).expect("gdn step");
+            });
+            let bytes = 2.0 * f64::from(n * vd * dk) * 4.0;
+            println!(
+                "gdn step decode {n} row(s) ({nv} v-heads, dk {dk}, dv {dv}) workgroup ≤ {wg:<5} {:>8.1} µs  {:>7.1} GB/s of state",
                 t * 1e6,
                 bytes / t / 1e9
             );

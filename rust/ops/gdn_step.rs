@@ -96,16 +96,32 @@ fn extent(rows: u32, offset: u32, stride: u32, width: u32) -> u64 {
 /// Workgroups per head of `dv` columns on this device (the `parts` of [`GdnStepParams`]): the
 /// output projection's norm sums that many partial sums per head.
 pub fn parts(gpu: &Gpu, dv: u32) -> u32 {
-    dv.div_ceil(workgroup(gpu) / lanes(gpu))
+    parts_with(gpu, dv, MAX_WG)
 }
 
-fn workgroup(gpu: &Gpu) -> u32 {
+fn parts_with(gpu: &Gpu, dv: u32, max_wg: u32) -> u32 {
+    dv.div_ceil(workgroup(gpu, max_wg) / lanes(gpu))
+}
+
+fn workgroup(gpu: &Gpu, max_wg: u32) -> u32 {
     let lanes = lanes(gpu);
-    prev_power_of_two(MAX_WG.min(gpu.caps.max_invocations).min(MAX_DV * lanes)).max(lanes)
+    prev_power_of_two(max_wg.min(gpu.caps.max_invocations).min(MAX_DV * lanes)).max(lanes)
 }
 
 /// Record the step for `p.rows` rows (grid: v_heads · parts × rows).
 pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepArgs<'_>) -> Result<()> {
+    record_shaped(gpu, rec, p, a, MAX_WG)
+}
+
+/// [`record`] with workgroups of at most `max_wg` invocations (tuning runs; the output
+/// projection's `parts` must then be [`parts`] of the same width, which only [`record`] keeps).
+pub fn record_shaped(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    p: &GdnStepParams,
+    a: &GdnStepArgs<'_>,
+    max_wg: u32,
+) -> Result<()> {
     crate::ensure!(
         p.dk >= 1
             && p.dk <= MAX_DK
@@ -156,7 +172,7 @@ pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepA
         QkError::Engine("gdn step: state stride smaller than one slot's S".into())
     );
     require_len("gdn step state", a.state, u64::from(p.state_stride))?;
-    let parts = parts(gpu, p.dv);
+    let parts = parts_with(gpu, p.dv, max_wg);
     crate::ensure!(
         p.sq_stride >= p.v_heads * parts,
         QkError::Engine(format!(
@@ -175,7 +191,7 @@ pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepA
     let pipe = gpu.pipeline(
         &FILE,
         &[
-            ("WG", workgroup(gpu).to_string()),
+            ("WG", workgroup(gpu, max_wg).to_string()),
             ("LANES", lanes.to_string()),
             ("ROWS", (MAX_DK / lanes).to_string()),
         ],

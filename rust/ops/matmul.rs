@@ -349,9 +349,13 @@ impl MatvecShape {
             (false, 2) => 2,
             _ => 1,
         };
+        // With a fused norm over K = 2048 (the models' n_embd) the word paths take two steps per
+        // invocation: the norm-fused q‖k‖v‖z (12,288 × 2048 IQ4_XS) at 4 × 64 took 24.5 µs for 1
+        // column and 81.5 for 8, at 4 × 128 28.4 and 101.5 (H200, 2026-12-02).
+        let per_invocation = if norm && per_step == 16 && k <= 2048 { 2 } else { 1 };
         MatvecShape {
             rows: rows_per_group,
-            wg: (steps.next_power_of_two() as u32).clamp(32, 256),
+            wg: ((steps / per_invocation).next_power_of_two() as u32).clamp(32, 256),
             unroll: 1,
         }
     }
