@@ -105,6 +105,9 @@ if [ "${QK_KERNELS:-0}" = 1 ]; then
   done
 fi
 wait \$MAKE
+# qk's host side (recording, Python) must not share the CPUs with llama.cpp's 16-way compile (the
+# engine figures up to 2026-12-02 were taken while that build could still be running).
+wait \$BUILD
 echo "== qk engine (release wheel), $LAYERS layers"
 python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192,32000 --long 4096,32768 --slots 8 --ctx 33792 --profile --top 12} \
   > qk-bench.json 2> qk-bench.err; echo "rc=\$?"; grep -v "^qk: layer" qk-bench.err | tail -80; cat qk-bench.json
