@@ -108,7 +108,7 @@
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 PRE=rms
 #variants QTYPE=f32 NC=6 NR=2 ACC4=3 NC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4
 #variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
-#variants QTYPE=iq4_xs NR=4 WG=128 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7
+#variants QTYPE=iq4_xs NR=4 WG=64 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 EPI=add B_RES=3
 #variants QTYPE=iq4_xs NR=4 WG=256 PRE=head_rms EPI=add B_SQ=3 B_RES=4
 #variants QTYPE=q6_k MOE=1 PRE=silu_mul B_IDS=3

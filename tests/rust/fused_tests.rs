@@ -158,6 +158,26 @@ fn fused_residual_add() {
     }
 }
 
+/// The conv epilogue over the first `channels` rows, column c on slot `slots[c]`, each slot's state
+/// (taps − 1) · channels floats.
+fn conv_output<'a>(
+    weights: &'a GpuBuffer,
+    state: &'a GpuBuffer,
+    slots: &'a GpuBuffer,
+    channels: usize,
+    taps: usize,
+) -> MatvecOutput<'a> {
+    MatvecOutput::Conv {
+        weights,
+        state,
+        slots,
+        slots_offset: 0,
+        channels: channels as u32,
+        taps: taps as u32,
+        state_stride: ((taps - 1) * channels) as u32,
+    }
+}
+
 #[test]
 fn fused_conv_advances_each_columns_slot_state() {
     let Some(gpu) = test_gpu(false) else { return };
@@ -178,15 +198,7 @@ fn fused_conv_advances_each_columns_slot_state() {
         let xb = gpu.buffer_from_f32("x", &x).unwrap();
         let fusion = MatvecFusion {
             input: MatvecInput::Plain,
-            output: MatvecOutput::Conv {
-                weights: &cwb,
-                state: &sb,
-                slots: &slb,
-                slots_offset: 0,
-                channels: channels as u32,
-                taps: taps as u32,
-                state_stride: stride as u32,
-            },
+            output: conv_output(&cwb, &sb, &slb, channels, taps),
         };
         let mut rec = gpu.recorder();
         let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
@@ -256,15 +268,7 @@ fn f32_rows_ride_in_the_normed_conv_product_without_changing_it() {
                 eps: EPS,
                 store: None,
             },
-            output: MatvecOutput::Conv {
-                weights: &cwb,
-                state: &sb,
-                slots: &slb,
-                slots_offset: 0,
-                channels: channels as u32,
-                taps: taps as u32,
-                state_stride: stride as u32,
-            },
+            output: conv_output(&cwb, &sb, &slb, channels, taps),
         };
         let mut rec = gpu.recorder();
         let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, width as u32));
