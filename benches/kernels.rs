@@ -562,7 +562,9 @@ fn random_picks(rng: &mut Rng, tokens: u32, k: u32, experts: u32, last: Option<u
 /// The decode step's norm-fused dense products at the Qwen3-Next-80B shape, for 1 and 8 columns, per
 /// launch shape (every workgroup computes its columns' norms, so rows per workgroup trade those
 /// re-reads against parallelism): the DeltaNet layer's q ‖ k ‖ v ‖ z (12,288 rows × 2048, IQ4_XS)
-/// and the MoE router with the shared expert's gate (513 × 2048, F32).
+/// and the MoE router with the shared expert's gate (513 × 2048, F32). Rows and steps per iteration
+/// may follow the column count (a row's sum depends on the width alone), so the question per width
+/// is the best shape at each count.
 fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
     // (rows, width, steps per iteration) per workgroup.
     let shapes = |list: &[(u32, u32, u32)]| -> Vec<Option<MatvecShape>> {
@@ -571,7 +573,7 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
             .collect()
     };
     #[rustfmt::skip]
-    let qkvz = shapes(&[(1, 128, 1), (2, 128, 1), (4, 64, 1), (4, 128, 1), (4, 256, 1), (8, 128, 1), (8, 256, 1), (8, 32, 2)]);
+    let qkvz = shapes(&[(2, 64, 1), (4, 64, 1), (4, 64, 2), (8, 64, 1), (8, 64, 2), (2, 128, 1), (4, 128, 1), (8, 128, 1), (8, 32, 2)]);
     #[rustfmt::skip]
     let router = shapes(&[(1, 64, 1), (1, 128, 1), (1, 256, 1), (2, 64, 1), (2, 128, 1), (2, 256, 1), (4, 64, 1), (4, 128, 1), (8, 32, 1), (8, 64, 1)]);
     let small = smoke();
