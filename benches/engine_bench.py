@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -126,15 +127,36 @@ def warm_up_prefill(eng, tokens: list[int], n: int) -> None:
 def decode_rate(eng, slots: list[int], toks: list[int], n: int) -> tuple[float, list[list[int]]]:
     """Seconds per step of `n` steps of `slots` through Engine.step (each step's tokens fed by the
     host; the next step is recorded while the GPU runs this one), and every step's tokens."""
+    rate, seen, _ = decode_rate_timed(eng, slots, toks, n)
+    return rate, seen
+
+
+def decode_rate_timed(eng, slots: list[int], toks: list[int], n: int) -> tuple[float, list[list[int]], dict]:
+    """`decode_rate`, plus where the steps' time went: the median and the largest of each
+    `Engine.last_step_timing` field and of the whole Python call, over the `n` steps (one sample
+    hides a slow step; the rate is their mean)."""
     # The first step of a shape records both it and its successor.
     toks = [o[0][-1] for o in eng.step(slots, toks)]
     t0 = time.perf_counter()
     seen = []
+    timings = []
     for _ in range(n):
+        t = time.perf_counter()
         outs = eng.step(slots, toks)
+        call_us = (time.perf_counter() - t) * 1e6
+        timings.append({**eng.last_step_timing(), "call_us": call_us})
         toks = [o[0][-1] for o in outs]
         seen.append(toks)
-    return (time.perf_counter() - t0) / n, seen
+    rate = (time.perf_counter() - t0) / n
+    fields = [k for k in timings[0] if k != "rows"]
+    spread = {
+        k: {
+            "median": round(statistics.median(t[k] for t in timings), 1),
+            "max": round(max(t[k] for t in timings), 1),
+        }
+        for k in fields
+    }
+    return rate, seen, spread
 
 
 def chained_rate(eng, slots: list[int], toks: list[int], n: int) -> tuple[float, list[list[int]]]:
@@ -254,8 +276,7 @@ def main() -> None:
         ids, _ = eng.stage_run(0, prompt, 0, all_ids=False)
         runs.append(time.perf_counter() - t0)
     prefill_s = sorted(runs)[1]
-    step_s, fed = decode_rate(eng, [0], [ids[-1]], a.decode)
-    timing = eng.last_step_timing()
+    step_s, fed, timing = decode_rate_timed(eng, [0], [ids[-1]], a.decode)
     ids, _ = eng.stage_run(0, prompt, 0)
     chained_s, chained = chained_rate(eng, [0], [ids[-1]], a.decode)
 

@@ -63,6 +63,10 @@ def test_engine_bench_with_profile_prints_its_json():
         "--profile",
     )
     assert out["decode_ms_per_token"] > 0 and out["decode_chained_ms_per_token"] > 0
+    host = out["decode_host"]
+    assert 0 < host["wait_us"]["median"] <= host["wait_us"]["max"]
+    # The Python call wraps the engine's step, so each call takes at least its step's total.
+    assert host["call_us"]["median"] >= host["total_us"]["median"]
     assert out["chained_tokens_identical"] is True
     assert set(out["scheduler_aggregate_tok_s"]) == {"1", "2"}
     assert "profile" in out
