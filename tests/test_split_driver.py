@@ -15,7 +15,7 @@ import pytest
 
 _qk = pytest.importorskip("qk._qk")
 from qk.scheduler import Finished, GenerationRequest, ReuseSettings, Scheduler, Token  # noqa: E402
-from qk.split import SplitDriver, pieces  # noqa: E402
+from qk.split import SplitDriver, _Step, pieces  # noqa: E402
 from test_split_link import N_EMBD, N_LAYER, DoubleStage, Serving  # noqa: E402
 
 
@@ -170,6 +170,83 @@ def test_snapshots_go_to_every_stage(chain):
     assert got == Composed([0, 2, 4, N_LAYER]).greedy([1, 2, 3, 4, 5], 1)[0]
     driver.drop_state(2)
     assert 2 not in tail.stage.snapshots
+
+
+def test_chained_steps_feed_the_chains_greedy_ids(chain):
+    """A chained step runs the head on the ids the chain answered for the step before (on the link
+    thread): the same tokens as feeding them back by hand; any other call between ends the chain."""
+    driver, _, _, _ = chain
+    assert driver.chains
+    prompts = [[5, 6, 7, 8], [900, 1, 2]]
+    firsts = [driver.prefill(s, p, 0, 0).token for s, p in enumerate(prompts)]
+    out = [[f] for f in firsts]
+    pending = driver.decode_async([0, 1], firsts, 0)
+    for _ in range(5):
+        # Queued before the one it follows is collected, as the scheduler does.
+        nxt = driver.decode_chained(pending, 0)
+        for o, n in zip(out, pending.result(), strict=True):
+            o.append(n.token)
+        pending = nxt
+    for o, n in zip(out, pending.result(), strict=True):
+        o.append(n.token)
+    for p, got in zip(prompts, out, strict=True):
+        assert got == Composed([0, 2, 4, N_LAYER]).greedy(p, 7)
+    # A snapshot between a step and its chained successor: the successor fails, cleanly.
+    pending = driver.decode_async([0, 1], [out[0][-1], out[1][-1]], 0)
+    pending.result()
+    driver.save_state(0, 1)
+    with pytest.raises(Exception, match="chained step follows"):
+        driver.decode_chained(pending, 0).result()
+    # Over other slots: the same.
+    pending = driver.decode_async([0], [5], 0)
+    with pytest.raises(Exception, match="chained step follows"):
+        driver.decode_chained(_Step(driver, pending._pending, [1], 0), 0).result()
+
+
+def test_a_two_lane_split_does_not_chain():
+    tail = Serving(Damped(3, N_LAYER), "tail")
+    head = HeadEngine(Damped(0, 3))
+    link = _qk.HeadLink(tail.addr, head.own("head", 7), connect_timeout=2.0, hello_timeout=10.0)
+    driver = SplitDriver(head, link, target=tail.addr, piece=64, ticker=False, lanes=2)
+    try:
+        assert not driver.chains
+        first = driver.prefill(0, [1, 2, 3], 0, 0).token
+        pending = driver.decode_async([0], [first], 0)
+        with pytest.raises(ValueError, match="one lane"):
+            driver.decode_chained(pending, 0)
+        pending.result()
+    finally:
+        driver.close()
+        tail.stop()
+
+
+def test_scheduler_chains_greedy_steps_through_a_one_lane_split():
+    tail = Serving(Damped(3, N_LAYER), "tail")
+    head = HeadEngine(Damped(0, 3))
+    link = _qk.HeadLink(tail.addr, head.own("head", 7), connect_timeout=2.0, hello_timeout=10.0)
+    driver = SplitDriver(head, link, target=tail.addr, piece=64, ticker=False)
+    chained = []
+    plain = driver.decode_chained
+
+    def counting(after, topk):
+        chained.append(topk)
+        return plain(after, topk)
+
+    driver.decode_chained = counting
+    scheduler = Scheduler(lambda: driver, slots=2, ctx=256)
+    scheduler.start()
+    try:
+        while scheduler.state == "loading":
+            time.sleep(0.01)
+        prompts = [[7] * 70, [8] * 90]
+        got = run_jobs(scheduler, [GenerationRequest(p, max_tokens=8) for p in prompts])
+        assert got == [Composed([0, 3, N_LAYER]).greedy(p, 8) for p in prompts]
+        assert chained, "no step was chained"
+        assert scheduler.drain(10)
+    finally:
+        scheduler.drain(5)
+        driver.close()
+        tail.stop()
 
 
 def run_jobs(scheduler: Scheduler, requests: list[GenerationRequest]) -> list[list[int]]:

@@ -65,8 +65,9 @@ def pieces(base: int, n: int, piece: int = PIECE) -> list[tuple[int, int]]:
 class _Step:
     """A decode step on the chain: ``result()`` gives each slot's ``Next`` once the chain answered."""
 
-    def __init__(self, driver: SplitDriver, pending: Any, n: int, topk: int) -> None:
-        self._driver, self._pending, self._n, self._topk = driver, pending, n, topk
+    def __init__(self, driver: SplitDriver, pending: Any, slots: list[int], topk: int) -> None:
+        self._driver, self._pending, self.slots, self._topk = driver, pending, slots, topk
+        self._n = len(slots)
         self._result: list[Next] | None = None
 
     def done(self) -> bool:
@@ -116,8 +117,9 @@ class SplitDriver:
         self.engine = engine
         self.link = link
         self.lanes = lanes
-        #: The last stage's greedy id reaches the head over the link: no step is fed on the GPU.
-        self.chains = False
+        #: With one lane a greedy step may be chained: the link thread feeds the head the chain's
+        #: greedy ids as soon as they arrive (two lanes keep two groups in flight instead).
+        self.chains = lanes == 1
         # Pieces cross the link one by one: the chain's pieces stay at the scheduler's chunk.
         self.prefill_rows = 512
         self.target = target
@@ -199,12 +201,18 @@ class SplitDriver:
         self, slots: Sequence[int], tokens: Sequence[int], topk: int, chain_next: bool = False
     ) -> Pending:
         """Run the head's layers for one position of each slot now; the result resolves to their
-        ``Next`` once the chain has answered. (``chain_next`` is moot: a split never chains.)"""
-        pending = self.head.step([int(s) for s in slots], [int(t) for t in tokens], topk)
-        return _Step(self, pending, len(slots), topk)
+        ``Next`` once the chain has answered. (``chain_next`` is a hint the head does not need.)"""
+        slots = [int(s) for s in slots]
+        pending = self.head.step(slots, [int(t) for t in tokens], topk)
+        return _Step(self, pending, slots, topk)
 
     def decode_chained(self, after: Pending, topk: int) -> Pending:
-        raise NotImplementedError("a split chain's tokens come back through the head: no chained steps")
+        """The step after ``after`` (not collected, nothing run since) over its slots, each fed its
+        greedy id: the head's layers run on the link thread as soon as the chain answers ``after``,
+        without a round trip through the scheduler."""
+        if not self.chains or not isinstance(after, _Step):
+            raise ValueError("a chained step follows a step of this driver, with one lane")
+        return _Step(self, self.head.step_chained(after.slots, topk), after.slots, topk)
 
     def decode(self, slots: Sequence[int], tokens: Sequence[int], topk: int) -> list[Next]:
         return self.decode_async(slots, tokens, topk).result()

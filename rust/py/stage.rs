@@ -373,6 +373,17 @@ impl PySplitHead {
         })
     }
 
+    /// The step after the latest one over the same ``slots`` (no other call between), each slot fed
+    /// the chain's greedy id for it: the head's layers run on the link thread once that answer is
+    /// in. The ``PendingStep`` fails if the step before it failed.
+    #[pyo3(signature = (slots, topk=0))]
+    fn step_chained(&self, py: Python<'_>, slots: Vec<u32>, topk: u32) -> PyResult<PyPendingStep> {
+        let pending = detach(py, || self.head.step_chained(&slots, topk))?;
+        Ok(PyPendingStep {
+            state: Mutex::new(Waiting::Pending(pending)),
+        })
+    }
+
     /// Snapshot ``slot`` into entry ``idx`` on the head, then on every stage of the chain.
     fn save(&self, py: Python<'_>, slot: u32, idx: u32) -> PyResult<()> {
         detach(py, || self.head.save(slot, idx))

@@ -5,7 +5,10 @@
 //! Python: a prompt is cut into pieces at absolute multiples of `piece` positions and piece i goes
 //! down the chain while the head computes piece i + 1; a decode step runs the head's layers on the
 //! calling thread and hands its rows to the link thread, returning a `Pending` the caller collects
-//! later, so two groups of slots can be in flight (one on the head, one on the chain).
+//! later, so two groups of slots can be in flight (one on the head, one on the chain). A chained
+//! step runs entirely on the link thread: as soon as the chain has answered the step before it, the
+//! head's layers run on those greedy ids and the rows go down the chain, without waiting for the
+//! caller to collect that answer and hand the ids back.
 //!
 //! While idle the link thread looks after the link: every `tick` it reconnects a down link once its
 //! backoff has passed, takes in what the chain sent unasked (a takeover notice), and pings a chain
@@ -21,7 +24,7 @@ use std::time::{Duration, Instant};
 use crate::error::{QkError, Result};
 use crate::transport::head::{HeadLink, RunResult, StepResult};
 use crate::transport::hello::StageDesc;
-use crate::transport::messages::{Rows, RunOut, StepEntry, StepOut};
+use crate::transport::messages::{HiddenRows, Rows, RunOut, StepEntry, StepOut};
 use crate::transport::stage::Stage;
 
 /// How the pipeline cuts prompts and looks after an idle link.
@@ -119,6 +122,9 @@ struct LinkThread {
     status: Arc<Mutex<ChainStatus>>,
     last_call: Instant,
     ping_idle: Duration,
+    /// The slots and greedy ids of the decode step the chain answered last, while no other call
+    /// has come since: what a chained step feeds the head.
+    last_step: Option<(Vec<u32>, Vec<u32>)>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -193,6 +199,39 @@ impl LinkThread {
         self.note(&mut link);
     }
 
+    /// The chain's part of a decode step whose head layers gave `hidden` (`head` long, handed over
+    /// at `handed`); keeps the slots' greedy ids for a chained step.
+    fn chain_step(
+        &mut self,
+        entries: Vec<StepEntry>,
+        hidden: HiddenRows,
+        topk: u32,
+        head: Duration,
+        handed: Instant,
+    ) -> Result<StepResult> {
+        let sent = Instant::now();
+        let slots: Vec<u32> = entries.iter().map(|e| e.slot).collect();
+        let rows = entries.len() as u64;
+        let mut request = Some((entries, hidden));
+        let out = self.call(false, |l| {
+            let (entries, hidden) = request.take().ok_or_else(gone)?;
+            l.step(entries, Rows::Hidden(hidden), topk)
+        });
+        let chain = sent.elapsed();
+        {
+            let mut st = lock(&self.status);
+            st.step_rtt = Some(chain);
+            let totals = &mut st.totals;
+            totals.steps += 1;
+            totals.rows += rows;
+            totals.head += head;
+            totals.queued += sent - handed;
+            totals.chain += chain;
+        }
+        self.last_step = out.as_ref().ok().map(|r| (slots, r.ids.clone()));
+        out
+    }
+
     fn serve(mut self, jobs: &Receiver<Job>, tick: Option<Duration>) {
         loop {
             let job = match tick {
@@ -226,7 +265,8 @@ pub fn pieces(base: u32, n: u32, piece: u32) -> Vec<(u32, u32)> {
 }
 
 pub struct SplitHead {
-    stage: Mutex<Box<dyn Stage + Send>>,
+    /// Shared with the link thread, which runs the head's layers of a chained step.
+    stage: Arc<Mutex<Box<dyn Stage + Send>>>,
     jobs: Mutex<Option<Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     status: Arc<Mutex<ChainStatus>>,
@@ -259,6 +299,7 @@ impl SplitHead {
             status: Arc::clone(&status),
             last_call: Instant::now(),
             ping_idle: cfg.ping_idle,
+            last_step: None,
         };
         {
             let link = Arc::clone(&thread.link);
@@ -270,7 +311,7 @@ impl SplitHead {
             .spawn(move || thread.serve(&rx, cfg.tick))
             .map_err(|e| QkError::Transport(format!("starting the link thread: {e}")))?;
         Ok(SplitHead {
-            stage: Mutex::new(stage),
+            stage: Arc::new(Mutex::new(stage)),
             jobs: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(handle)),
             status,
@@ -278,8 +319,19 @@ impl SplitHead {
         })
     }
 
-    /// Hand `f` to the link thread.
+    /// Hand `f` to the link thread. Any call but a decode step ends what a chained step could
+    /// follow.
     fn send<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut LinkThread) -> Result<T> + Send + 'static,
+    ) -> Result<Pending<T>> {
+        self.send_job(move |link| {
+            link.last_step = None;
+            f(link)
+        })
+    }
+
+    fn send_job<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut LinkThread) -> Result<T> + Send + 'static,
     ) -> Result<Pending<T>> {
@@ -297,6 +349,31 @@ impl SplitHead {
 
     fn stage(&self) -> MutexGuard<'_, Box<dyn Stage + Send>> {
         lock(&self.stage)
+    }
+
+    /// The head's layers for one position of each of `slots` fed `tokens`: the step's entries (each
+    /// slot at its next position) and the rows for the chain.
+    fn head_step(
+        stage: &Mutex<Box<dyn Stage + Send>>,
+        slots: &[u32],
+        tokens: Vec<u32>,
+    ) -> Result<(Vec<StepEntry>, HiddenRows)> {
+        let mut stage = lock(stage);
+        let entries = slots
+            .iter()
+            .map(|&slot| {
+                Ok(StepEntry {
+                    slot,
+                    base: stage.position(slot)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        match stage.step(&entries, &Rows::Tokens(tokens), 0)? {
+            StepOut::Hidden(h) => Ok((entries, h)),
+            StepOut::Ids { .. } => Err(QkError::Engine(
+                "the head's stage answered ids: it must not end the model".into(),
+            )),
+        }
     }
 
     /// The link's state as of its latest call or tick; never waits for a call in flight.
@@ -411,46 +488,34 @@ impl SplitHead {
                 tokens.len()
             )));
         }
-        let (entries, hidden) = {
-            let mut stage = self.stage();
-            let entries = slots
-                .iter()
-                .map(|&slot| {
-                    Ok(StepEntry {
-                        slot,
-                        base: stage.position(slot)?,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            match stage.step(&entries, &Rows::Tokens(tokens.to_vec()), 0)? {
-                StepOut::Hidden(h) => (entries, h),
-                StepOut::Ids { .. } => {
-                    return Err(QkError::Engine(
-                        "the head's stage answered ids: it must not end the model".into(),
-                    ));
-                }
-            }
-        };
+        let (entries, hidden) = SplitHead::head_step(&self.stage, slots, tokens.to_vec())?;
         let handed = Instant::now();
         let head = handed - started;
-        let rows = entries.len() as u64;
-        self.send(move |t| {
-            let sent = Instant::now();
-            let mut request = Some((entries, hidden));
-            let out = t.call(false, |l| {
-                let (entries, hidden) = request.take().ok_or_else(gone)?;
-                l.step(entries, Rows::Hidden(hidden), topk)
-            });
-            let chain = sent.elapsed();
-            let mut st = lock(&t.status);
-            st.step_rtt = Some(chain);
-            let totals = &mut st.totals;
-            totals.steps += 1;
-            totals.rows += rows;
-            totals.head += head;
-            totals.queued += sent - handed;
-            totals.chain += chain;
-            out
+        self.send(move |t| t.chain_step(entries, hidden, topk, head, handed))
+    }
+
+    /// The decode step after the latest one (over the same `slots`, with no other call between),
+    /// each slot fed the greedy id the chain answered for it: the head's layers run on the link
+    /// thread as soon as that answer is in, so the caller may collect it later. Fails if the step
+    /// before failed or was over other slots.
+    pub fn step_chained(&self, slots: &[u32], topk: u32) -> Result<Pending<StepResult>> {
+        let stage = Arc::clone(&self.stage);
+        let slots = slots.to_vec();
+        self.send_job(move |t| {
+            let started = Instant::now();
+            let tokens = match t.last_step.take() {
+                Some((before, ids)) if before == slots => ids,
+                _ => {
+                    return Err(QkError::Engine(
+                        "a chained step follows a decode step over the same slots that the chain \
+                         answered, with no other call between"
+                            .into(),
+                    ));
+                }
+            };
+            let (entries, hidden) = SplitHead::head_step(&stage, &slots, tokens)?;
+            let handed = Instant::now();
+            t.chain_step(entries, hidden, topk, handed - started, handed)
         })
     }
 
