@@ -105,18 +105,7 @@ impl Model {
         // step it also finishes the gated norm (each head's RMS from the step's sums of squares).
         let (out_w, out_x, out_k, out_input) = match &lw.mixer {
             Mixer::DeltaNet(w) => {
-                self.decode_deltanet(gpu, rec, s, w, states, normed, x, t, layer)?;
-                let (nv, dv) = (self.cfg.v_heads, self.cfg.dv);
-                let parts = gdn_step::parts(gpu, dv);
-                let head_rms = MatvecInput::HeadRms {
-                    sums: &s.gated_sums,
-                    heads: nv,
-                    head_dim: dv,
-                    parts,
-                    offset: 0,
-                    stride: nv * parts,
-                    eps: self.cfg.eps,
-                };
+                let head_rms = self.decode_deltanet(gpu, rec, s, w, states, normed, x, t, layer)?;
                 (&w.out, &s.gated, self.cfg.value_dim(), head_rms)
             }
             Mixer::Attention(w) => {
@@ -150,20 +139,22 @@ impl Model {
         self.decode_moe(gpu, rec, s, lw, t, x_next, layer)
     }
 
-    /// Projections (norm fused; the conv in the qkv epilogue), then delta rule + gated norm.
+    /// Projections (norm fused; the conv in the qkv epilogue), then delta rule + output gate;
+    /// returns the output projection's input stage that finishes the gated norm from the sums of
+    /// squares the step wrote.
     #[allow(clippy::too_many_arguments)]
-    fn decode_deltanet(
+    fn decode_deltanet<'s>(
         &self,
         gpu: &Gpu,
         rec: &mut Recorder<'_>,
-        s: &Scratch,
+        s: &'s Scratch,
         w: &DeltaNetWeights,
         states: &[&LayerState],
         normed: MatvecInput<'_>,
         x: &GpuBuffer,
         t: u32,
         layer: Option<u32>,
-    ) -> Result<()> {
+    ) -> Result<MatvecInput<'s>> {
         let cfg = &self.cfg;
         let (cd, vd, nv, e) = (cfg.conv_dim(), cfg.value_dim(), cfg.v_heads, cfg.n_embd);
         // One row of s.dn_proj: [conv(q ‖ k ‖ v) | z | beta/alpha logits].
@@ -205,20 +196,14 @@ impl Model {
             Some(both) => {
                 rec.op("dn.qkvz", layer, dense_bytes(both) + ba_bytes);
                 let y = cols(&s.dn_proj, 0, pw);
-                match ba_rides {
-                    Some(ba) => matvec_fused_with_f32_rows(gpu, rec, both, ba, xc, y, t, &conv_fusion)?,
-                    None => matvec_fused(gpu, rec, both, xc, y, t, &conv_fusion)?,
-                }
+                matvec_fused_with_f32_rows(gpu, rec, both, ba_rides, xc, y, t, &conv_fusion)?;
             }
             None => {
                 rec.op("dn.qkv", layer, dense_bytes(qkv));
                 matvec_fused(gpu, rec, qkv, xc, cols(&s.dn_proj, 0, pw), t, &conv_fusion)?;
                 rec.op("dn.gate", layer, dense_bytes(gate) + ba_bytes);
                 let y = cols(&s.dn_proj, cd, pw);
-                match ba_rides {
-                    Some(ba) => matvec_fused_with_f32_rows(gpu, rec, gate, ba, xc, y, t, &plain_norm)?,
-                    None => matvec_fused(gpu, rec, gate, xc, y, t, &plain_norm)?,
-                }
+                matvec_fused_with_f32_rows(gpu, rec, gate, ba_rides, xc, y, t, &plain_norm)?;
             }
         }
         let ba_at = cd + vd;
@@ -243,6 +228,8 @@ impl Model {
             }
         }
         let dp = delta_params(cfg);
+        // The step's sums of o²: `parts` per head, one row of them per slot.
+        let parts = gdn_step::parts(gpu, dp.dv);
         let p = GdnStepParams {
             rows: t,
             k_heads: dp.k_heads,
@@ -270,7 +257,7 @@ impl Model {
             slots_offset: 0,
             parts: 0,
             sq_offset: 0,
-            sq_stride: nv * gdn_step::parts(gpu, dp.dv),
+            sq_stride: nv * parts,
             eps: dp.eps,
             q_scale: dp.q_scale,
         };
@@ -291,7 +278,16 @@ impl Model {
                 state: ssm,
                 out: &s.gated,
             },
-        )
+        )?;
+        Ok(MatvecInput::HeadRms {
+            sums: &s.gated_sums,
+            heads: nv,
+            head_dim: dp.dv,
+            parts,
+            offset: 0,
+            stride: nv * parts,
+            eps: cfg.eps,
+        })
     }
 
     /// The q/k/v/gate projection (norm fused), then the per-slot attention core into `s.attn_out`.

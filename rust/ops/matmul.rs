@@ -485,22 +485,22 @@ pub fn matvec_fused(
     matvec_with(gpu, rec, w, x, y, ncols, fusion, None, None)
 }
 
-/// [`matvec_fused`] of `w` and, in the same dispatch, of the F32 matrix `extra` over the same
-/// input (same K, one binding, its rows written after `w`'s in each output column, no output
-/// stage applied to them): the decode step's beta/alpha projection beside q‖k‖v‖z. `fusion`'s
-/// output must store (or conv) rather than add.
+/// [`matvec_fused`] of `w` and, with `extra`, in the same dispatch, of that F32 matrix over the
+/// same input (same K, one binding, its rows written after `w`'s in each output column, no output
+/// stage applied to them): the decode step's beta/alpha projection beside q‖k‖v‖z. With `extra`,
+/// `fusion`'s output must store (or conv) rather than add.
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_fused_with_f32_rows(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
     w: &WeightTensor,
-    extra: &WeightTensor,
+    extra: Option<&WeightTensor>,
     x: Columns<'_>,
     y: Columns<'_>,
     ncols: u32,
     fusion: &MatvecFusion<'_>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, Some(extra))
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, extra)
 }
 
 /// Whether [`matvec_fused_with_f32_rows`] takes `extra` beside `w`.

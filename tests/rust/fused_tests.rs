@@ -272,11 +272,8 @@ fn f32_rows_ride_in_the_normed_conv_product_without_changing_it() {
         };
         let mut rec = gpu.recorder();
         let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, width as u32));
-        if with_extra {
-            matvec_fused_with_f32_rows(gpu, &mut rec, &w, &ba, xc, yc, cols as u32, &fusion).unwrap();
-        } else {
-            matvec_fused(gpu, &mut rec, &w, xc, yc, cols as u32, &fusion).unwrap();
-        }
+        let extra = with_extra.then_some(&ba);
+        matvec_fused_with_f32_rows(gpu, &mut rec, &w, extra, xc, yc, cols as u32, &fusion).unwrap();
         rec.submit().unwrap();
         (read(gpu, &yb, width * cols), read(gpu, &sb, 3 * stride))
     };
