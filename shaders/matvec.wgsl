@@ -13,9 +13,13 @@
 // Fused input and output stages (the decode step's way of saving a dispatch per norm and per
 // residual add; every activation read goes through x_at):
 // * PRE=rms: each column is RMS-normalised on the fly, x * (NORM * 1/sqrt(mean(x^2) + eps)); every
-//   workgroup sums the squares of its columns itself (K floats from cache) instead of waiting on a
-//   norm kernel. XN_STORE=1 also has workgroup 0 write the normalised columns to XN (packed, K
-//   floats each) for the kernels that read them next.
+//   workgroup sums the squares of its columns itself instead of waiting on a norm kernel. The scale
+//   is a per-column constant, so it applies to the finished dot products: the squares are summed
+//   from the very activation loads the products make (every K step is read once per workgroup) and
+//   reduced with them, so the weight loads start at once instead of after a pass over X and a
+//   workgroup reduction. XN_STORE=1 (workgroup 0 also writes the normalised columns to XN, packed,
+//   K floats each, for the kernels that read them next) needs the scale first: it keeps that
+//   prologue.
 // * PRE=head_rms: the RMS norm of each HD4 · 4-float head of a column finished from sums of squares
 //   computed upstream (shaders/gdn_step.wgsl): head h of column c is scaled by 1/sqrt(Σ_g
 //   SQ[sq_offset + c · sq_stride + h · head_parts + g] / (4 · HD4) + eps), g < head_parts. The
@@ -211,6 +215,12 @@ var<private> x_base: u32;
 var<private> x_col: u32;
 #if PRE == rms
 var<private> inv_rms: array<f32, {{NC}}>;
+#if XN_STORE != 1
+// The columns' sums of squares so far, four to a vec4, and whether the step being loaded counts
+// (0 for the clamped re-read past the end of K).
+var<private> sq_part: array<vec4<f32>, {{NC4}}>;
+var<private> sq_live: f32 = 1.0;
+#endif
 #endif
 
 // One step of the K loops: with SUM, the loops walk the token's picks' rows end to end (picks × K),
@@ -237,10 +247,26 @@ fn pick_step(v: u32, per_pick: u32) -> PickStep {
 #endif
 }
 
-// Activation column c at vec4 index v from its start, after the PRE stage.
+// Whether the activation loads that follow count towards PRE=rms's sums of squares.
+fn set_sq_live(live: bool) {
+#if PRE == rms
+#if XN_STORE != 1
+    sq_live = select(0.0, 1.0, live);
+#endif
+#endif
+}
+
+// Activation column c at vec4 index v from its start, after the PRE stage (PRE=rms without
+// XN_STORE: before the column's scale, which the caller applies to the finished products).
 fn x_at(c: u32, v: u32) -> vec4<f32> {
 #if PRE == rms
+#if XN_STORE
     return X[x_base + c * x_col + v] * (NORM[v] * inv_rms[c]);
+#else
+    let xv = X[x_base + c * x_col + v];
+    sq_part[c / 4u][c % 4u] += sq_live * dot(xv, xv);
+    return xv * NORM[v];
+#endif
 #else
 #if PRE == head_rms
     return X[x_base + c * x_col + v] * head_inv[c * {{HEADS}}u + v / {{HD4}}u];
@@ -393,6 +419,7 @@ fn main(ids: ComputeIds) {
     x_base = (P.x_offset + x_col0 * P.x_stride) / 4u;
     x_col = P.x_stride / 4u;
 #if PRE == rms
+#if XN_STORE
     {
         // Sums of squares of the columns, four columns to a vec4, reduced together.
         var sq: array<vec4<f32>, {{NC4}}>;
@@ -411,6 +438,7 @@ fn main(ids: ComputeIds) {
         inv_rms[{{c}}] = inverseSqrt(sq[{{c}}u / 4u][{{c}}u % 4u] / f32(P.k) + P.eps);
 #endfor
     }
+#endif
 #endif
 #if PRE == head_rms
     for (var i = ids.lid; i < {{NC}}u * {{HEADS}}u; i += {{WG}}u) {
@@ -483,6 +511,7 @@ fn main(ids: ComputeIds) {
         let qa_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 2u + i{{u}}];
         let qb_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 3u + i{{u}}];
 #endfor
+        set_sq_live(v0 + {{u}}u * {{WG}}u < nv);
         let xv{{u}} = s{{u}}.x_vec + 64u * (p{{u}} >> 4u) + 8u * (i{{u}} >> 2u) + (i{{u}} & 3u);
         var xl{{u}}: array<vec4<f32>, {{NC}}>;
         var xm{{u}}: array<vec4<f32>, {{NC}}>;
@@ -541,6 +570,7 @@ fn main(ids: ComputeIds) {
         let qa_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 4u + i{{u}}];
         let qb_{{u}}_{{r}} = W[rb{{r}} / 4u + blk{{u}} + 5u + i{{u}}];
 #endfor
+        set_sq_live(v0 + {{u}}u * {{WG}}u < nv);
         let xv{{u}} = s{{u}}.x_vec + 64u * (p{{u}} >> 4u) + 16u * (i{{u}} >> 3u) + (i{{u}} & 7u);
         var xl{{u}}: array<vec4<f32>, {{NC}}>;
         var xm{{u}}: array<vec4<f32>, {{NC}}>;
@@ -608,6 +638,7 @@ fn main(ids: ComputeIds) {
         let sb_{{u}}_{{r}} = w_u32_at(blk_{{u}}_{{r}} + 196u + 8u * h{{u}} + (l{{u}} >> 4u));
         let d_{{u}}_{{r}} = w_f16_at(blk_{{u}}_{{r}} + 208u);
 #endfor
+        set_sq_live(v0 + {{u}}u * {{WG}}u < nv);
         let xv{{u}} = s{{u}}.x_vec + 64u * (p{{u}} >> 4u) + 32u * h{{u}} + (l{{u}} >> 2u);
         var x0{{u}}: array<vec4<f32>, {{NC}}>;
         var x1{{u}}: array<vec4<f32>, {{NC}}>;
@@ -664,6 +695,7 @@ fn main(ids: ComputeIds) {
         let wb_{{u}}_{{r}} = W[(qb_{{u}}_{{r}} >> 2u) + 1u];
         let wc_{{u}}_{{r}} = W[(qb_{{u}}_{{r}} >> 2u) + 2u];
 #endfor
+        set_sq_live(v0 + {{u}}u * {{WG}}u < nv);
         var xa{{u}}: array<vec4<f32>, {{NC}}>;
         var xb{{u}}: array<vec4<f32>, {{NC}}>;
 #for c in 0..NC
@@ -720,13 +752,31 @@ fn main(ids: ComputeIds) {
 #for a in 0..ACC4
     acc[{{a}}] = wg_sum4(acc[{{a}}], ids);
 #endfor
+#if PRE == rms
+#if XN_STORE != 1
+#for a in 0..NC4
+    sq_part[{{a}}] = wg_sum4(sq_part[{{a}}], ids);
+#endfor
+#for c in 0..NC
+    inv_rms[{{c}}] = inverseSqrt(sq_part[{{c}}u / 4u][{{c}}u % 4u] / f32(P.k) + P.eps);
+#endfor
+#endif
+#endif
     // NR·NC outputs may outnumber the invocations (8 rows × 8 columns with 32).
     for (var i = ids.lid; i < {{NR}}u * {{NC}}u; i += {{WG}}u) {
         let r = i / {{NC}}u;
         let c = i % {{NC}}u;
         if out_row0 + r < row_end {
             let o = y_base + c * P.y_stride + out_row0 + r;
+#if PRE == rms
+#if XN_STORE
             let y = acc[i / 4u][i % 4u];
+#else
+            let y = acc[i / 4u][i % 4u] * inv_rms[c];
+#endif
+#else
+            let y = acc[i / 4u][i % 4u];
+#endif
 #if EPI == add
             Y[o] = RES[o] + y;
 #else

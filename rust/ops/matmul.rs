@@ -344,7 +344,10 @@ impl MatvecShape {
         // 8 rows per workgroup at 4+ columns (halving the columns' re-reads from cache) measured
         // slower on the H200 (8-row step 20.96 → 22.35 ms of GPU, dn.qkvz and dn.out no faster;
         // 2026-12-01): 4 rows stay.
+        // One column with a fused norm: 8 rows per workgroup (the norm-fused q‖k‖v‖z at 8 × 64
+        // 17.6 µs, 4 × 64 23.4; H200, 2026-12-02, session 11).
         let rows_per_group = match (norm, ncols) {
+            (true, 1) => 8,
             (true, _) | (_, 3..) => 4,
             (false, 2) => 2,
             _ => 1,
