@@ -197,6 +197,7 @@ fn main() {
     }
     if !flag("QK_BENCH_ONLY_PREFILL") {
         dispatch_floor(&gpu);
+        handoff_round_trip(&gpu);
         moe_decode(&gpu, &mut rng);
         norm_projection_decode(&gpu, &mut rng);
         gdn_step_decode(&gpu);
@@ -702,6 +703,40 @@ fn dispatch_floor(gpu: &Gpu) {
         "dispatch floor (one workgroup, per added dispatch, {short} → {long} in a pass): dependent {:>6.2} µs, independent {:>6.2} µs",
         slope(same_short, same_long) * 1e6,
         slope(distinct_short, distinct_long) * 1e6
+    );
+}
+
+/// One hand-off of a split decode step through the host, as a stage pays it per token: a hidden
+/// row (n_embd f32) written into a GPU buffer, one tiny dispatch reading it, the row read back and
+/// waited for. A 2-stage split on one GPU pays two per token (the head's rows out, the ids back
+/// in) on top of the GPU work the unsplit step does: this is their floor, before any socket.
+fn handoff_round_trip(gpu: &Gpu) {
+    use qk::gpu::example::{ScaleParams, scale_add};
+    let n = if smoke() { 256u32 } else { 2048 };
+    let x = gpu.buffer_zeroed("row_in", u64::from(n) * 4).expect("x");
+    let y = gpu.buffer_zeroed("row_out", u64::from(n) * 4).expect("y");
+    // One partial sum per workgroup of the example kernel (at least 64 floats each).
+    let partial = gpu.buffer_zeroed("partial", u64::from(n)).expect("partial");
+    let row = vec![0.5f32; n as usize];
+    let params = ScaleParams { n, a: 2.0, b: 1.0 };
+    hold_clocks(gpu);
+    let rounds = if smoke() { 3 } else { 200 };
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let start = Instant::now();
+        gpu.write(&x, 0, bytemuck::cast_slice(&row)).expect("write");
+        let mut rec = gpu.recorder();
+        scale_add(gpu, &mut rec, &x, &y, &partial, params).expect("scale");
+        rec.read(&y, 0, u64::from(n) * 4).expect("read");
+        let (out, _) = rec.finish().expect("encode").submit(gpu).wait(gpu).expect("wait");
+        std::hint::black_box(out);
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "hand-off round trip (write {n} f32, 1 dispatch, read back, wait): median {:>6.1} µs, p90 {:>6.1} µs",
+        times[times.len() / 2] * 1e6,
+        times[times.len() * 9 / 10] * 1e6
     );
 }
 
