@@ -291,6 +291,11 @@ struct MatmulParams {
 /// 270 k resident invocations; larger matrices keep every invocation busy with the tuned shapes.
 const SMALL_MATRIX_STEPS: u64 = 4 << 20;
 
+/// Steps of K over all rows from which a norm-fused small mat-vec counts as large (takes 8 rows per
+/// workgroup): the decode step's q‖k‖v‖z (1.6 M) and attention q‖k‖v (1.2 M), not the GDN output
+/// projection (0.5 M) or the router (0.13 M).
+const BIG_NORM_STEPS: u64 = 1 << 20;
+
 /// A mat-vec launch shape: rows per workgroup, invocations per workgroup (a power of two ≥ the
 /// subgroup size) and K steps per loop iteration of the word paths. [`MatvecShape::default_for`]
 /// is what every op uses; tuning runs (benches/kernels.rs) pass others to [`matvec_shaped`].
@@ -341,21 +346,26 @@ impl MatvecShape {
         if rows * steps > SMALL_MATRIX_STEPS {
             return MatvecShape::default_for(ty, ncols);
         }
-        // 8 rows per workgroup at 4+ columns (halving the columns' re-reads from cache) measured
-        // slower on the H200 (8-row step 20.96 → 22.35 ms of GPU, dn.qkvz and dn.out no faster;
-        // 2026-12-01): 4 rows stay.
-        // One column with a fused norm: 8 rows per workgroup (the norm-fused q‖k‖v‖z at 8 × 64
-        // 17.6 µs, 4 × 64 23.4; H200, 2026-12-02, session 11).
+        // Rows per workgroup, from the kernel bench's sweeps (H200, 2026-12-02, session 11, the
+        // clocks held before each shape): the large norm-fused projections (the q‖k‖v‖z,
+        // 12,288 × 2048 IQ4_XS, and attention's q‖k‖v) at 8 rows × 64: 16.6 µs for 1 column and
+        // 53.5 for 8, against 22.1 and 66.7 at 4 rows; the F32 router (513 × 2048, norm-fused) at
+        // 2 rows × 128: 6.9 and 10.4 µs against 8.1 and 12.0. The rest keep what the 2026-12-01
+        // engine profiles chose (8 rows made the GDN output projection and the router slower
+        // there).
+        let big_norm = norm && rows * steps >= BIG_NORM_STEPS;
         let rows_per_group = match (norm, ncols) {
-            (true, 1) => 8,
+            _ if big_norm => 8,
+            (true, _) if ty == GgmlType::F32 => 2,
             (true, _) | (_, 3..) => 4,
             (false, 2) => 2,
             _ => 1,
         };
-        // With a fused norm over K = 2048 (the models' n_embd) the word paths take two steps per
-        // invocation: the norm-fused q‖k‖v‖z (12,288 × 2048 IQ4_XS) at 4 × 64 took 24.5 µs for 1
-        // column and 81.5 for 8, at 4 × 128 28.4 and 101.5 (H200, 2026-12-02).
-        let per_invocation = if norm && per_step == 16 && k <= 2048 { 2 } else { 1 };
+        // With a fused norm over K = 2048 (the models' n_embd) the word paths and F32 take two
+        // steps per invocation: the norm-fused q‖k‖v‖z at 4 × 64 took 24.5 µs for 1 column and
+        // 81.5 for 8, at 4 × 128 28.4 and 101.5 (H200, 2026-12-02).
+        let two_steps = per_step == 16 || ty == GgmlType::F32;
+        let per_invocation = if norm && two_steps && k <= 2048 { 2 } else { 1 };
         MatvecShape {
             rows: rows_per_group,
             wg: ((steps / per_invocation).next_power_of_two() as u32).clamp(32, 256),
