@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Runs ON the H200 device machine: the engine bench of two builds of qk in one lease, alternating
+# A, B, A, B (figures move with the lease and the clocks; only a side by side compares them).
+#   bash benches/h200_ab.sh [LAYERS] [ROUNDS]
+# Here, before the device call: the two release wheels in .device/ab/a/ and .device/ab/b/ (besides
+# what benches/device_prepare.sh puts in .device/: gguf-py and the vocabulary for the random model).
+# QK_BENCH_ARGS: engine_bench.py's flags. Each run's JSON goes to $OUT/ab-<a|b>-<round>.json; stdout
+# gets one summary line per run.
+set -uo pipefail
+LAYERS="${1:-12}"
+ROUNDS="${2:-2}"
+for f in .gl/*.deb; do dpkg -x "$f" /; done
+ldconfig
+[ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] \
+  && export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+mkdir -p "$OUT"
+for b in a b; do
+  rm -rf "/tmp/ab-$b" && mkdir -p "/tmp/ab-$b"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "/tmp/ab-$b" .device/ab/$b/qk-*.whl || exit 1
+done
+MODEL=/tmp/next80b-$LAYERS.gguf
+[ -f "$MODEL" ] || PYTHONPATH=.device/gguf-py python3 benches/make_model.py "$MODEL" \
+  --vocab .device/vocab/ggml-vocab-qwen2.gguf --layers "$LAYERS" > /tmp/make_model.log 2>&1 || exit 1
+for round in $(seq 1 "$ROUNDS"); do
+  for b in a b; do
+    json="$OUT/ab-$b-$round.json"
+    PYTHONPATH="/tmp/ab-$b:.device/gguf-py" python3 benches/engine_bench.py "$MODEL" \
+      ${QK_BENCH_ARGS:---prompt 512 --decode 64 --slots 8 --ctx 4096 --profile --top 3} > "$json" 2> "$OUT/ab-$b-$round.err"
+    python3 - "$b" "$round" "$json" <<'PY'
+import json, sys
+b, r, path = sys.argv[1:]
+try:
+    d = json.load(open(path))
+except ValueError:
+    print(f"{b} round {r}: no result (see its .err)")
+    sys.exit()
+fam = {}
+for p in d.get("profile", []):
+    if p["rows"] in (1, 8):
+        for f in p["families"]:
+            fam[f"{f['op']}@{p['rows']}"] = round(f["gpu_us"])
+print(f"{b} round {r}: chained {d.get('decode_chained_ms_per_token')} ms, host-fed {d.get('decode_ms_per_token')} ms, "
+      f"wait median {d.get('decode_host', {}).get('wait_us', {}).get('median')} us, "
+      f"{d.get('slots')} slots chained {d.get('multi_slot_chained_tok_s')} tok/s; profile us {fam}")
+PY
+  done
+done
