@@ -346,26 +346,25 @@ impl MatvecShape {
         if rows * steps > SMALL_MATRIX_STEPS {
             return MatvecShape::default_for(ty, ncols);
         }
-        // Rows per workgroup, from the kernel bench's sweeps (H200, 2026-12-02, session 11, the
-        // clocks held before each shape): the large norm-fused projections (the q‖k‖v‖z,
-        // 12,288 × 2048 IQ4_XS, and attention's q‖k‖v) at 8 rows × 64: 16.6 µs for 1 column and
-        // 53.5 for 8, against 22.1 and 66.7 at 4 rows; the F32 router (513 × 2048, norm-fused) at
-        // 2 rows × 128: 6.9 and 10.4 µs against 8.1 and 12.0. The rest keep what the 2026-12-01
-        // engine profiles chose (8 rows made the GDN output projection and the router slower
-        // there).
+        // Rows per workgroup. The large norm-fused projections (the q‖k‖v‖z, 12,288 × 2048
+        // IQ4_XS, and attention's q‖k‖v) take 8: in the kernel bench's sweep with the clocks held
+        // (H200, 2026-12-02, session 11) the q‖k‖v‖z at 8 rows × 64 took 16.6 µs for 1 column and
+        // 53.5 for 8, at 4 rows 22.1 and 66.7, and the engine profile's q‖k‖v‖z fell from 1,038 to
+        // 898 µs per step at 1 column. The rest keep 4: at 8 rows the GDN output projection and
+        // the router were slower in that engine profile (+96 and +98 µs per step), though the
+        // kernel bench had the router faster; 8 rows at several columns measured slower in the
+        // 2026-12-01 engine profiles (dn.out no faster).
         let big_norm = norm && rows * steps >= BIG_NORM_STEPS;
         let rows_per_group = match (norm, ncols) {
             _ if big_norm => 8,
-            (true, _) if ty == GgmlType::F32 => 2,
             (true, _) | (_, 3..) => 4,
             (false, 2) => 2,
             _ => 1,
         };
-        // With a fused norm over K = 2048 (the models' n_embd) the word paths and F32 take two
-        // steps per invocation: the norm-fused q‖k‖v‖z at 4 × 64 took 24.5 µs for 1 column and
-        // 81.5 for 8, at 4 × 128 28.4 and 101.5 (H200, 2026-12-02).
-        let two_steps = per_step == 16 || ty == GgmlType::F32;
-        let per_invocation = if norm && two_steps && k <= 2048 { 2 } else { 1 };
+        // With a fused norm over K = 2048 (the models' n_embd) the word paths take two steps per
+        // invocation: the norm-fused q‖k‖v‖z at 4 × 64 took 24.5 µs for 1 column and 81.5 for 8,
+        // at 4 × 128 28.4 and 101.5 (H200, 2026-12-02).
+        let per_invocation = if norm && per_step == 16 && k <= 2048 { 2 } else { 1 };
         MatvecShape {
             rows: rows_per_group,
             wg: ((steps / per_invocation).next_power_of_two() as u32).clamp(32, 256),
