@@ -915,6 +915,28 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
             let (input, pre) = (MoeInput::PerToken, MatvecInput::Plain);
             matvec_id_with(gpu, rec, &gate_up, x, y, ids_arg, input, pre, s).expect("gate_up");
         };
+        // The other way: the router kernel (one workgroup per token) writes the picks, then the
+        // unrouted gate/up reads them: one dispatch more, routing once per token instead of once per
+        // workgroup.
+        let route_then_gate_up = |rec: &mut Recorder<'_>| {
+            let rp = qk::ops::router::RouterParams {
+                tokens,
+                experts: experts - 1,
+                k: picks - 1,
+                logits_offset: 0,
+                logits_token_stride: experts,
+            };
+            let shared = qk::ops::router::SharedSlot {
+                id: experts - 1,
+                gate: &rlb,
+                gate_offset: experts - 1,
+                gate_stride: experts,
+            };
+            qk::ops::router::record_with(gpu, rec, &rp, &rlb, &rib, &rwb, Some(shared)).expect("router");
+            let y = Columns::packed(&gu, 2 * ff);
+            let x = Columns::packed(&x, n_embd);
+            matvec_id(gpu, rec, &gate_up, x, y, routed_ids, MoeInput::PerToken).expect("gate_up");
+        };
         let routed_run = |rec: &mut Recorder<'_>| {
             let y = Columns::packed(&gu, 2 * ff);
             let x = Columns::packed(&x, n_embd);
@@ -961,12 +983,14 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         enum Case {
             GateUp(Option<MatvecShape>),
             GateUpRouted,
+            RouteThenGateUp,
             DownThenSum,
             DownSum(Option<MatvecShape>),
         }
         let mut cases = vec![Case::GateUp(None)];
         if route_lanes(gpu, experts - 1).is_some() {
             cases.push(Case::GateUpRouted);
+            cases.push(Case::RouteThenGateUp);
         }
         cases.extend(gate_up_shapes.iter().map(|&s| Case::GateUp(Some(s))));
         cases.extend([Case::DownThenSum, Case::DownSum(None)]);
@@ -989,6 +1013,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
                 let t = match cases[i] {
                     Case::GateUp(s) => time_submit(gpu, iters, |rec| gate_up_run(rec, s)),
                     Case::GateUpRouted => time_submit(gpu, iters, routed_run),
+                    Case::RouteThenGateUp => time_submit(gpu, iters, route_then_gate_up),
                     Case::DownThenSum => time_submit(gpu, iters, two_dispatches),
                     Case::DownSum(s) => time_submit(gpu, iters, |rec| sum_run(rec, s)),
                 };
@@ -999,6 +1024,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
             match *case {
                 Case::GateUp(s) => report(&format!("gate_up {}", label(s, false)), t, gu_bytes),
                 Case::GateUpRouted => report("gate_up routing inside (default)", t, gu_bytes),
+                Case::RouteThenGateUp => report("router, then gate_up (2 dispatches)", t, gu_bytes),
                 Case::DownThenSum => report("down, then sum (2 dispatches)", t, down_bytes),
                 Case::DownSum(s) => report(&format!("down+sum {}", label(s, true)), t, down_bytes),
             }
