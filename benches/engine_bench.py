@@ -246,6 +246,13 @@ def main() -> None:
     ap.add_argument(
         "--prefill-rows", type=int, default=None, help="positions per prefill piece (default: the engine's)"
     )
+    ap.add_argument(
+        "--route-inside-max-rows",
+        type=int,
+        default=None,
+        help="decode steps of up to this many slots route inside the experts' gate/up, larger ones run "
+        "the router kernel first (default: the engine's, always inside)",
+    )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -254,7 +261,13 @@ def main() -> None:
 
     t0 = time.perf_counter()
     eng = qk.Engine(
-        a.model, slots=a.slots, ctx=a.ctx, device=a.device, precise=a.precise, prefill_rows=a.prefill_rows
+        a.model,
+        slots=a.slots,
+        ctx=a.ctx,
+        device=a.device,
+        precise=a.precise,
+        prefill_rows=a.prefill_rows,
+        route_inside_max_rows=a.route_inside_max_rows,
     )
     load_s = time.perf_counter() - t0
     info = eng.info()
@@ -325,6 +338,7 @@ def main() -> None:
         "model": a.model,
         "layers": info.get("n_layer"),
         "precise": a.precise,
+        "route_inside_max_rows": a.route_inside_max_rows,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,
         "prefill_tok_s": round(a.prompt / prefill_s, 1),

@@ -290,6 +290,13 @@ pub struct EngineOptions {
     /// choice ([`PREFILL_PIECE_LARGE`] where it fits, else [`PREFILL_PIECE`]). Results do not
     /// depend on it; the scratch and the prefill speed do.
     pub prefill_rows: Option<u32>,
+    /// Decode steps of at most this many rows route their tokens inside the experts' gate/up
+    /// product (one dispatch fewer); larger ones run the router kernel first, which routes each
+    /// token once instead of in every workgroup of the product (in the kernel bench routing inside
+    /// cost 3.4 µs per layer at 1 token and 25 µs at 8, H200 2026-12-02). None: inside at every
+    /// row count, where the device can route in a kernel at all. The results are the same bytes
+    /// either way (one routing code, common_route.wgsl); only the speed differs.
+    pub route_inside_max_rows: Option<u32>,
 }
 
 impl EngineOptions {
@@ -465,6 +472,7 @@ impl Engine {
                 } else {
                     Precision::Fast
                 },
+                route_inside_max_rows: opts.route_inside_max_rows.unwrap_or(u32::MAX),
             },
             kv_types: (k_type, v_type),
             layers,

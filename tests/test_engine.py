@@ -295,6 +295,34 @@ def test_step_is_one_submit_and_creates_nothing():
     assert delta["submits"] == 1 and delta["readbacks"] == 1
 
 
+def test_routing_inside_or_by_the_router_kernel_gives_the_same_bytes():
+    """route_inside_max_rows is a speed choice: steps over more slots than it run the router kernel
+    (a `moe.route` dispatch per layer) before the experts' gate/up instead of routing inside it,
+    with the same tokens and logits; steps within it are unchanged."""
+    qk = _qk()
+    name = F32[0]
+    inside = engine(name)
+    at_one = qk.Engine(
+        str(FIXTURES / f"{name}.gguf"), slots=3, ctx=512, precise=True, route_inside_max_rows=1
+    )
+    p = prompt(name)[:24]
+    layers = inside.info()["n_layer"]
+    for eng in (inside, at_one):
+        for s in range(3):
+            eng.stage_run(s, p[s:], 0)
+    toks = [[1, 2, 3], [1, 2, 3]]
+    for slots in ([0, 1, 2], [1], [0, 2], [0, 1, 2]):
+        outs, routers = [], []
+        for eng, t in zip((inside, at_one), toks, strict=True):
+            prof = eng.profile_step(slots, [t[s] for s in slots], topk=4)
+            outs.append(prof["outputs"])
+            routers.append(sum(d["op"] == "moe.route" for d in prof["dispatches"]))
+            for s, o in zip(slots, prof["outputs"], strict=True):
+                t[s] = o[0][0]
+        assert outs[0] == outs[1], f"slots {slots}"
+        assert routers == [0, layers if len(slots) > 1 else 0], f"slots {slots}: {routers}"
+
+
 def test_profile_step_labels_every_dispatch_and_changes_nothing():
     """The profiled step returns the plain step's tokens, one labelled entry per dispatch the
     counters saw, and GPU times exactly when the adapter has timestamp queries."""

@@ -421,9 +421,10 @@ impl Model {
         let xn = Columns::packed(&s.xn, e);
         let gu_out = cols(&s.gate_up, 0, 2 * ff);
         // With the shared gate logit beside the expert logits (a stacked router), the gate/up
-        // product routes its tokens itself where the device can: one dispatch fewer per layer.
+        // product routes its tokens itself where the device can: one dispatch fewer per layer, but
+        // every workgroup of the product routes its token (see `route_inside_max_rows`).
         let stacked_router = matches!(w.router, Stacked::One(_));
-        if stacked_router && route_lanes(gpu, ne).is_some() {
+        if stacked_router && route_lanes(gpu, ne).is_some() && t <= self.route_inside_max_rows {
             let route = MoeRoute {
                 logits: &s.router_logits,
                 offset: 0,

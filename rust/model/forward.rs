@@ -449,6 +449,9 @@ pub struct Model {
     pub ctx: u32,
     /// How prefill products are computed (the engine's `precise` option).
     pub precision: Precision,
+    /// Decode steps of up to this many rows route inside the experts' gate/up product
+    /// (`EngineOptions::route_inside_max_rows`; u32::MAX: always).
+    pub route_inside_max_rows: u32,
 }
 
 /// Bytes of a dense weight matrix (what one mat-vec reads).

@@ -22,6 +22,9 @@ use crate::transport::engine_stage::lock_engine;
 /// `cache_type_v` ("f16" or "f32") override the cache element types. `prefill_rows` (a multiple of
 /// 64) sets the positions per prefill piece; by default 2048 on a discrete GPU where the scratch
 /// fits, else 512. The results are the same whatever it is; the scratch grows with it.
+/// `route_inside_max_rows`: decode steps of at most that many slots route their tokens inside the
+/// experts' gate/up product, larger ones run the router kernel first (default: always inside); the
+/// same results either way, a speed choice a bench can compare.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -109,7 +112,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -122,6 +125,7 @@ impl PyEngine {
         cache_type_k: Option<String>,
         cache_type_v: Option<String>,
         prefill_rows: Option<u32>,
+        route_inside_max_rows: Option<u32>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -133,6 +137,7 @@ impl PyEngine {
             cache_type_k: parse(cache_type_k)?,
             cache_type_v: parse(cache_type_v)?,
             prefill_rows,
+            route_inside_max_rows,
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {

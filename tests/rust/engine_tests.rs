@@ -56,6 +56,7 @@ fn load(name: &str, layers: Option<(u32, u32)>, ctx: u32, precise: bool) -> Opti
             cache_type_k: None,
             cache_type_v: None,
             prefill_rows: None,
+            route_inside_max_rows: None,
         },
     )
 }
@@ -287,6 +288,7 @@ fn fast_engine_matches_precise_on_quantised_fixture() {
         cache_type_k: Some(qk::ops::attention::KvType::F32),
         cache_type_v: Some(qk::ops::attention::KvType::F32),
         prefill_rows: None,
+        route_inside_max_rows: None,
     };
     let Some(mut fast) = load_with(name, f32_cache) else {
         return;
@@ -339,6 +341,7 @@ fn load_piece(name: &str, prefill_rows: Option<u32>) -> Option<Engine> {
             cache_type_k: None,
             cache_type_v: None,
             prefill_rows,
+            route_inside_max_rows: None,
         },
     )
 }
@@ -393,6 +396,7 @@ fn prefill_rows_must_be_whole_chunks() {
                 cache_type_k: None,
                 cache_type_v: None,
                 prefill_rows: Some(rows),
+                route_inside_max_rows: None,
             },
             &mut |_| {},
         ) {
