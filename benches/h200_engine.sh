@@ -11,7 +11,9 @@
 # Results land in $OUT (engine.log, qk-bench.json, llama-bench.md, llama-batched.txt, kernels.txt).
 # env: QK_SKIP_TESTS=1, QK_TEST_FILTER (a cargo test filter), QK_SKIP_LLAMA=1, QK_KERNELS=1 (kernel micro-benchmark;
 #      QK_KERNEL_SETS picks its parts),
-#      QK_BENCH_ARGS (extra engine_bench.py flags), QK_SPLIT=1 (the split bench),
+#      QK_BENCH_ARGS (extra engine_bench.py flags), QK_BENCH_ARGS_B (a second engine bench in the
+#      same lease with these flags, e.g. an engine option's other value: qk-bench-b.json),
+#      QK_SPLIT=1 (the split bench),
 #      QK_LLAMA_PREFILL_ONLY=1 (llama.cpp: pp512, pp4096, tg128 and pp32768 only: a prefill change's
 #      side by side in less device time), QK_AB_CHECKED=1 (every kernel bench set and the engine
 #      bench run again with wgpu's shader checks, QK_CHECKED_SHADERS=1: kernels-<set>-checked.txt,
@@ -111,6 +113,11 @@ wait \$BUILD
 echo "== qk engine (release wheel), $LAYERS layers"
 python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192,32000 --long 4096,32768 --slots 8 --ctx 33792 --profile --top 12} \
   > qk-bench.json 2> qk-bench.err; echo "rc=\$?"; grep -v "^qk: layer" qk-bench.err | tail -80; cat qk-bench.json
+if [ -n "${QK_BENCH_ARGS_B:-}" ]; then
+  echo "== qk engine (release wheel), $LAYERS layers, second run: ${QK_BENCH_ARGS_B:-}"
+  python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS_B:-} > qk-bench-b.json 2> qk-bench-b.err; echo "rc=\$?"
+  grep -v "^qk: layer" qk-bench-b.err | tail -40; cat qk-bench-b.json
+fi
 if [ "${QK_AB_CHECKED:-0}" = 1 ]; then
   echo "== qk engine (release wheel), $LAYERS layers, checked shaders"
   QK_CHECKED_SHADERS=1 python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192,32000 --long 4096,32768 --slots 8 --ctx 33792 --profile --top 12} \
