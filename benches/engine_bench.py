@@ -260,6 +260,9 @@ def main() -> None:
     import qk
 
     t0 = time.perf_counter()
+    # Options passed only when given, so this script also drives wheels older than an option
+    # (benches/h200_ab.sh compares two builds with one copy of it).
+    options = {} if a.route_inside_max_rows is None else {"route_inside_max_rows": a.route_inside_max_rows}
     eng = qk.Engine(
         a.model,
         slots=a.slots,
@@ -267,7 +270,7 @@ def main() -> None:
         device=a.device,
         precise=a.precise,
         prefill_rows=a.prefill_rows,
-        route_inside_max_rows=a.route_inside_max_rows,
+        **options,
     )
     load_s = time.perf_counter() - t0
     info = eng.info()
