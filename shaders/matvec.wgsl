@@ -112,7 +112,7 @@
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 PRE=rms
 #variants QTYPE=f32 NC=6 NR=2 ACC4=3 NC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4
 #variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
-#variants QTYPE=iq4_xs NR=4 WG=64 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7
+#variants QTYPE=iq4_xs NR=8 WG=64 ACC4=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 EPI=add B_RES=3
 #variants QTYPE=iq4_xs NR=4 WG=256 PRE=head_rms EPI=add B_SQ=3 B_RES=4
 #variants QTYPE=q6_k MOE=1 PRE=silu_mul B_IDS=3
@@ -254,6 +254,32 @@ fn set_sq_live(live: bool) {
     sq_live = select(0.0, 1.0, live);
 #endif
 #endif
+}
+
+#if PRE == rms
+// Each column's 1/sqrt(mean(x^2) + eps) into inv_rms, from this invocation's sums of squares (four
+// columns to a vec4) reduced over the workgroup. Uniform control flow only (wg_sum4).
+fn set_inv_rms(sums: array<vec4<f32>, {{NC4}}>, ids: ComputeIds) {
+    var sq = sums;
+#for a in 0..NC4
+    sq[{{a}}] = wg_sum4(sq[{{a}}], ids);
+#endfor
+#for c in 0..NC
+    inv_rms[{{c}}] = inverseSqrt(sq[{{c}}u / 4u][{{c}}u % 4u] / f32(P.k) + P.eps);
+#endfor
+}
+#endif
+
+// What column c's finished products are scaled by: PRE=rms without XN_STORE applies the norm's
+// scale here (x_at left it out); everything else has nothing left to apply (1, exact).
+fn column_scale(c: u32) -> f32 {
+    var scale = 1.0;
+#if PRE == rms
+#if XN_STORE != 1
+    scale = inv_rms[c];
+#endif
+#endif
+    return scale;
 }
 
 // Activation column c at vec4 index v from its start, after the PRE stage (PRE=rms without
@@ -431,12 +457,7 @@ fn main(ids: ComputeIds) {
             }
 #endfor
         }
-#for a in 0..NC4
-        sq[{{a}}] = wg_sum4(sq[{{a}}], ids);
-#endfor
-#for c in 0..NC
-        inv_rms[{{c}}] = inverseSqrt(sq[{{c}}u / 4u][{{c}}u % 4u] / f32(P.k) + P.eps);
-#endfor
+        set_inv_rms(sq, ids);
     }
 #endif
 #endif
@@ -754,12 +775,7 @@ fn main(ids: ComputeIds) {
 #endfor
 #if PRE == rms
 #if XN_STORE != 1
-#for a in 0..NC4
-    sq_part[{{a}}] = wg_sum4(sq_part[{{a}}], ids);
-#endfor
-#for c in 0..NC
-    inv_rms[{{c}}] = inverseSqrt(sq_part[{{c}}u / 4u][{{c}}u % 4u] / f32(P.k) + P.eps);
-#endfor
+    set_inv_rms(sq_part, ids);
 #endif
 #endif
     // NR·NC outputs may outnumber the invocations (8 rows × 8 columns with 32).
@@ -768,15 +784,7 @@ fn main(ids: ComputeIds) {
         let c = i % {{NC}}u;
         if out_row0 + r < row_end {
             let o = y_base + c * P.y_stride + out_row0 + r;
-#if PRE == rms
-#if XN_STORE
-            let y = acc[i / 4u][i % 4u];
-#else
-            let y = acc[i / 4u][i % 4u] * inv_rms[c];
-#endif
-#else
-            let y = acc[i / 4u][i % 4u];
-#endif
+            let y = acc[i / 4u][i % 4u] * column_scale(c);
 #if EPI == add
             Y[o] = RES[o] + y;
 #else
