@@ -622,23 +622,13 @@ fn norm_projection_shapes(
             },
             output: MatvecOutput::Store,
         };
-        // Each shape after a short hold of the clocks, the list forward then backward, the faster
-        // of the two kept: in one pass after a single hold, every shape from the fifth on measured
-        // 3-4× slower on the H200 whatever it was (2026-12-02, session 11): the clocks fall while
-        // a sweep of short submits runs.
         let cases: Vec<&Option<MatvecShape>> = std::iter::once(&None).chain(shapes).collect();
-        let mut best = vec![f64::INFINITY; cases.len()];
-        for pass in 0..2 {
-            for i in 0..cases.len() {
-                let i = if pass == 0 { i } else { cases.len() - 1 - i };
-                hold_clocks_for(gpu, 0.25);
-                let t = time_submit(gpu, iters, |rec| {
-                    let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
-                    matvec_shaped(gpu, rec, &w, xc, yc, cols, &fusion, *cases[i]).expect("matvec");
-                });
-                best[i] = best[i].min(t);
-            }
-        }
+        let best = best_of_two_passes(gpu, cases.len(), 0.0, 0.25, |i| {
+            time_submit(gpu, iters, |rec| {
+                let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
+                matvec_shaped(gpu, rec, &w, xc, yc, cols, &fusion, *cases[i]).expect("matvec");
+            })
+        });
         for (s, t) in cases.into_iter().zip(best) {
             let name = match s {
                 None => "default".to_string(),
@@ -976,10 +966,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
             };
             elementwise::record(gpu, rec, EwKind::MoeSum, &p, &args).expect("sum");
         };
-        // Each case twice, the list forward then backward, after holding the GPU busy: timings on
-        // an idle H200 fell by 5× over the first seconds of a sweep (its clocks ramp), which made the
-        // first cases of a list look slow whatever their shape. The faster of the two is printed.
-        // None: the engine's default shape.
+        // Each case twice (best_of_two_passes); None: the engine's default shape.
         enum Case {
             GateUp(Option<MatvecShape>),
             GateUpRouted,
@@ -999,27 +986,13 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
             Some(s) => shape_name(s),
             None => format!("{} (default)", shape_name(expert_shape(ty, sum))),
         };
-        let mut best = vec![f64::INFINITY; cases.len()];
-        for pass in 0..2 {
-            hold_clocks(gpu);
-            let order: Vec<usize> = if pass == 0 {
-                (0..cases.len()).collect()
-            } else {
-                (0..cases.len()).rev().collect()
-            };
-            for i in order {
-                // The clocks fall during a long sweep of short submits (see norm_projection_shapes).
-                hold_clocks_for(gpu, 0.1);
-                let t = match cases[i] {
-                    Case::GateUp(s) => time_submit(gpu, iters, |rec| gate_up_run(rec, s)),
-                    Case::GateUpRouted => time_submit(gpu, iters, routed_run),
-                    Case::RouteThenGateUp => time_submit(gpu, iters, route_then_gate_up),
-                    Case::DownThenSum => time_submit(gpu, iters, two_dispatches),
-                    Case::DownSum(s) => time_submit(gpu, iters, |rec| sum_run(rec, s)),
-                };
-                best[i] = best[i].min(t);
-            }
-        }
+        let best = best_of_two_passes(gpu, cases.len(), 1.0, 0.1, |i| match cases[i] {
+            Case::GateUp(s) => time_submit(gpu, iters, |rec| gate_up_run(rec, s)),
+            Case::GateUpRouted => time_submit(gpu, iters, routed_run),
+            Case::RouteThenGateUp => time_submit(gpu, iters, route_then_gate_up),
+            Case::DownThenSum => time_submit(gpu, iters, two_dispatches),
+            Case::DownSum(s) => time_submit(gpu, iters, |rec| sum_run(rec, s)),
+        });
         for (case, t) in cases.iter().zip(best) {
             match *case {
                 Case::GateUp(s) => report(&format!("gate_up {}", label(s, false)), t, gu_bytes),
@@ -1037,6 +1010,30 @@ fn shape_name(s: MatvecShape) -> String {
     format!("{}x{}u{}", s.rows, s.wg, s.unroll)
 }
 
+/// `time(i)` of every case i < n, the list forward then backward, the faster of each case's two
+/// timings. Each pass starts after `pass_hold` seconds of device copies and each case after
+/// `case_hold`: the clocks of an idle H200 ramp over the first seconds of a sweep (the first cases
+/// looked slow whatever they were), and fall again while a long sweep of short submits runs (in one
+/// pass after a single hold every shape from the fifth on read 3-4× slower; 2026-12-02).
+fn best_of_two_passes(
+    gpu: &Gpu,
+    n: usize,
+    pass_hold: f64,
+    case_hold: f64,
+    mut time: impl FnMut(usize) -> f64,
+) -> Vec<f64> {
+    let mut best = vec![f64::INFINITY; n];
+    for pass in 0..2 {
+        hold_clocks_for(gpu, pass_hold);
+        for j in 0..n {
+            let i = if pass == 0 { j } else { n - 1 - j };
+            hold_clocks_for(gpu, case_hold);
+            best[i] = best[i].min(time(i));
+        }
+    }
+    best
+}
+
 /// About a second of device copies, so the clocks have ramped before a sweep is timed.
 fn hold_clocks(gpu: &Gpu) {
     hold_clocks_for(gpu, 1.0);
@@ -1044,7 +1041,7 @@ fn hold_clocks(gpu: &Gpu) {
 
 /// `secs` seconds of device copies.
 fn hold_clocks_for(gpu: &Gpu, secs: f64) {
-    if smoke() {
+    if smoke() || secs <= 0.0 {
         return;
     }
     let bytes = 64u64 << 20;
