@@ -9,10 +9,7 @@
 set -uo pipefail
 LAYERS="${1:-12}"
 ROUNDS="${2:-2}"
-for f in .gl/*.deb; do dpkg -x "$f" /; done
-ldconfig
-[ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] \
-  && export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+source benches/device_vulkan.sh
 mkdir -p "$OUT"
 for b in a b; do
   rm -rf "/tmp/ab-$b" && mkdir -p "/tmp/ab-$b"

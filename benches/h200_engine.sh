@@ -29,10 +29,7 @@ wait)
   [ -f $WORK/done ] || echo "== still running"
   exit 0 ;;
 kernels)
-  for f in .gl/*.deb; do dpkg -x "$f" /; done
-  ldconfig
-  [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] \
-    && export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+  source benches/device_vulkan.sh
   mkdir -p "$OUT"
   for set in ${2:-decode}; do
     case $set in
@@ -57,8 +54,8 @@ start) ;;
 esac
 LAYERS="${2:-48}"
 rm -rf $WORK && mkdir -p $WORK /tmp/site
-for f in .gl/*.deb; do dpkg -x "$f" /; done
-ldconfig
+# The background run below inherits VK_DRIVER_FILES from here.
+source benches/device_vulkan.sh
 [ -d /tmp/llama.cpp ] || python3 -c 'import tarfile; tarfile.open(".ref.tar.xz").extractall("/tmp")'
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/qk-*.whl || exit 1
 # The package's Python sources come from this tree (newer than the wheel when only Python changed),
@@ -68,8 +65,6 @@ cp -r benches python .device "$WORK"/
 cat > $WORK/run.sh <<EOF
 set -uo pipefail
 cd $WORK
-[ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ] \
-  && export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 export PYTHONPATH=$WORK/python:/tmp/site:$WORK/.device/gguf-py PYTHONUNBUFFERED=1
 MODEL=/tmp/next80b-$LAYERS.gguf
 date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

@@ -7,11 +7,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/qk-out}"; mkdir -p "$OUT"
 exec > >(tee -a "$OUT/smoke.log") 2>&1
-for f in .gl/*.deb; do dpkg -x "$f" /; done
-ldconfig
-if [ -f /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json ]; then
-  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-fi
+source benches/device_vulkan.sh
 echo "== host"; date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/qk-*.whl || exit 1
 export PYTHONPATH=/tmp/site
