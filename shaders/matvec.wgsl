@@ -84,6 +84,8 @@
 // Steps per loop iteration of the word paths (loads of all issued first); 1 for many columns,
 // whose activation registers would otherwise crowd out occupancy.
 #define UNROLL 2
+// The device's smallest subgroup size (the host's; sizes the epilogue's exchange).
+#define SG_MIN 4
 #variants QTYPE=f32
 #variants QTYPE=f16 NC=4 ACC4=2
 #variants QTYPE=bf16
@@ -92,7 +94,7 @@
 #variants QTYPE=q5_k
 #variants QTYPE=q6_k NC=2
 #variants QTYPE=iq4_nl
-#variants QTYPE=iq4_xs MOE=1
+#variants QTYPE=iq4_xs MOE=1 NR=16 WG=32 ACC4=4
 #variants QTYPE=iq4_xs WG=128 NR=4 ACC4=2
 #variants QTYPE=iq4_xs NC=8 NR=2 ACC4=4 UNROLL=1
 #variants QTYPE=q8_0 NC=3 NR=2 ACC4=2 MOE=1
@@ -116,7 +118,7 @@
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 EPI=add B_RES=3
 #variants QTYPE=iq4_xs NR=4 WG=256 PRE=head_rms EPI=add B_SQ=3 B_RES=4
 #variants QTYPE=q6_k MOE=1 PRE=silu_mul B_IDS=3
-#variants QTYPE=iq4_xs MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=2 WG=128
+#variants QTYPE=iq4_xs MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=16 WG=128 ACC4=4
 #variants QTYPE=q8_0 MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=4 WG=64
 #variants QTYPE=q4_k MOE=1 SUM=1 EPI=accumulate
 #variants QTYPE=q6_k MOE=1 SUM=1 PRE=silu_mul EPI=accumulate UNROLL=1
@@ -213,6 +215,25 @@ var<workgroup> head_inv: array<f32, {{NC}} * {{HEADS}}>;
 // Where this workgroup's activation columns start (vec4 index) and how far apart they are.
 var<private> x_base: u32;
 var<private> x_col: u32;
+// PRE=rms without XN_STORE defers the norm's scale to the epilogue: its NC4 vec4 of sums of squares
+// are reduced with the products.
+#if PRE == rms
+#if XN_STORE != 1
+const DEFERRED_SQ4 = {{NC4}}u;
+#else
+const DEFERRED_SQ4 = 0u;
+#endif
+#else
+const DEFERRED_SQ4 = 0u;
+#endif
+// The epilogue's exchange: per subgroup, ACC4 vec4 of products, then DEFERRED_SQ4 of sums of
+// squares; at most WG / SG_MIN subgroups (SG_MIN: the device's smallest subgroup size).
+const RED_VEC4 = {{ACC4}}u + DEFERRED_SQ4;
+#if SUBGROUPS
+var<workgroup> red_scratch: array<vec4<f32>, RED_VEC4 * (({{WG}}u + {{SG_MIN}}u - 1u) / {{SG_MIN}}u)>;
+#else
+var<workgroup> red_scratch: array<vec4<f32>, RED_VEC4>;
+#endif
 #if PRE == rms
 var<private> inv_rms: array<f32, {{NC}}>;
 #if XN_STORE != 1
@@ -270,13 +291,23 @@ fn set_inv_rms(sums: array<vec4<f32>, {{NC4}}>, ids: ComputeIds) {
 }
 #endif
 
+// Component j of vec4 a of the workgroup's sums (red_scratch), over its n_sg subgroups in order.
+fn workgroup_sum(a: u32, j: u32, n_sg: u32) -> f32 {
+    var t = red_scratch[a][j];
+    for (var g = 1u; g < n_sg; g++) {
+        t += red_scratch[g * RED_VEC4 + a][j];
+    }
+    return t;
+}
+
 // What column c's finished products are scaled by: PRE=rms without XN_STORE applies the norm's
-// scale here (x_at left it out); everything else has nothing left to apply (1, exact).
-fn column_scale(c: u32) -> f32 {
+// scale here (x_at left it out; the same expression as set_inv_rms, on the sums of squares the
+// epilogue reduced); everything else has nothing left to apply (1, exact).
+fn column_scale(c: u32, n_sg: u32) -> f32 {
     var scale = 1.0;
 #if PRE == rms
 #if XN_STORE != 1
-    scale = inv_rms[c];
+    scale = inverseSqrt(workgroup_sum({{ACC4}}u + c / 4u, c % 4u, n_sg) / f32(P.k) + P.eps);
 #endif
 #endif
     return scale;
@@ -770,21 +801,70 @@ fn main(ids: ComputeIds) {
 #endfor
         }
     }
+    // The workgroup's sums: every accumulator (and every PRE=rms sum of squares) reduced within
+    // its subgroup first, then one exchange through workgroup memory, summed in subgroup order —
+    // the bytes of one wg_sum4 per vec4, with one barrier instead of two per vec4 (16 vec4 at
+    // 8 rows × 8 columns). Outputs are read back from workgroup memory by index, so `acc` is only
+    // ever indexed by constants and stays in registers.
+#if SUBGROUPS
 #for a in 0..ACC4
-    acc[{{a}}] = wg_sum4(acc[{{a}}], ids);
+    let red{{a}} = subgroupAdd(acc[{{a}}]);
 #endfor
 #if PRE == rms
 #if XN_STORE != 1
-    set_inv_rms(sq_part, ids);
+#for a in 0..NC4
+    let red_sq{{a}} = subgroupAdd(sq_part[{{a}}]);
+#endfor
 #endif
 #endif
+    if ids.sg_lane == 0u {
+        let at = ids.sg_id * RED_VEC4;
+#for a in 0..ACC4
+        red_scratch[at + {{a}}u] = red{{a}};
+#endfor
+#if PRE == rms
+#if XN_STORE != 1
+#for a in 0..NC4
+        red_scratch[at + {{ACC4}}u + {{a}}u] = red_sq{{a}};
+#endfor
+#endif
+#endif
+    }
+    let n_sg = ids.n_sg;
+#else
+    // Without subgroups: the shared-memory tree of wg_sum4, one subgroup's worth of results.
+#for a in 0..ACC4
+    let red{{a}} = wg_sum4(acc[{{a}}], ids);
+#endfor
+#if PRE == rms
+#if XN_STORE != 1
+#for a in 0..NC4
+    let red_sq{{a}} = wg_sum4(sq_part[{{a}}], ids);
+#endfor
+#endif
+#endif
+    if ids.lid == 0u {
+#for a in 0..ACC4
+        red_scratch[{{a}}u] = red{{a}};
+#endfor
+#if PRE == rms
+#if XN_STORE != 1
+#for a in 0..NC4
+        red_scratch[{{ACC4}}u + {{a}}u] = red_sq{{a}};
+#endfor
+#endif
+#endif
+    }
+    let n_sg = 1u;
+#endif
+    workgroupBarrier();
     // NR·NC outputs may outnumber the invocations (8 rows × 8 columns with 32).
     for (var i = ids.lid; i < {{NR}}u * {{NC}}u; i += {{WG}}u) {
         let r = i / {{NC}}u;
         let c = i % {{NC}}u;
         if out_row0 + r < row_end {
             let o = y_base + c * P.y_stride + out_row0 + r;
-            let y = acc[i / 4u][i % 4u] * column_scale(c);
+            let y = workgroup_sum(i / 4u, i % 4u, n_sg) * column_scale(c, n_sg);
 #if EPI == add
             Y[o] = RES[o] + y;
 #else

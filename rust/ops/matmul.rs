@@ -372,10 +372,10 @@ impl MatvecShape {
         }
     }
 
-    /// Within what the shader takes: 1–8 rows, a power-of-two workgroup of 8–1024, 1–4 steps.
+    /// Within what the shader takes: 1–16 rows, a power-of-two workgroup of 8–1024, 1–4 steps.
     fn clamped(self) -> Self {
         MatvecShape {
-            rows: self.rows.clamp(1, 8),
+            rows: self.rows.clamp(1, 16),
             wg: self.wg.clamp(8, 1024).next_power_of_two(),
             unroll: self.unroll.clamp(1, 4),
         }
@@ -400,6 +400,7 @@ fn matvec_pipeline(
         ("WG", shape.wg.to_string()),
         ("MOE", u32::from(moe).to_string()),
         ("UNROLL", shape.unroll.to_string()),
+        ("SG_MIN", gpu.caps.subgroup_min_size.max(1).to_string()),
     ];
     if moe {
         defines.push(("B_IDS", "3".into()));

@@ -319,34 +319,42 @@ fn expert_down_reads_silu_of_gate_times_up() {
     let ids = [2u32, 0, 1, 2];
     let gub = gpu.buffer_from_f32("gate_up", &gu).unwrap();
     let idb = gpu.buffer_from_u32("ids", &ids).unwrap();
-    let yb = gpu.buffer_zeroed("y", (m * n_used * tokens * 4) as u64).unwrap();
-    let mut rec = gpu.recorder();
-    matvec_id_with(
-        gpu,
-        &mut rec,
-        &w,
-        Columns::packed(&gub, 2 * k as u32),
-        Columns::packed(&yb, m as u32),
-        ExpertIds {
-            buf: &idb,
-            offset: 0,
-            n_used: n_used as u32,
-            n_tokens: tokens as u32,
-        },
-        MoeInput::PerSlot,
-        MatvecInput::SiluMul { up: k as u32 },
-        None,
-    )
-    .unwrap();
-    rec.submit().unwrap();
     let mut want = Vec::new();
     for (col, &e) in ids.iter().enumerate() {
         let act = silu_mul_column(&gu[col * 2 * k..(col + 1) * 2 * k], k);
         let we = &dense[e as usize * m * k..(e as usize + 1) * m * k];
         want.extend((0..m).map(|r| dot(&we[r * k..(r + 1) * k], &act)));
     }
-    let e = nmse(&read(gpu, &yb, m * n_used * tokens), &want);
-    assert!(e < NMSE_MAX, "NMSE {e:e}");
+    // The default shape and the largest row group the shader takes.
+    let big = MatvecShape {
+        rows: 16,
+        wg: 32,
+        unroll: 1,
+    };
+    for shape in [None, Some(big)] {
+        let yb = gpu.buffer_zeroed("y", (m * n_used * tokens * 4) as u64).unwrap();
+        let mut rec = gpu.recorder();
+        matvec_id_with(
+            gpu,
+            &mut rec,
+            &w,
+            Columns::packed(&gub, 2 * k as u32),
+            Columns::packed(&yb, m as u32),
+            ExpertIds {
+                buf: &idb,
+                offset: 0,
+                n_used: n_used as u32,
+                n_tokens: tokens as u32,
+            },
+            MoeInput::PerSlot,
+            MatvecInput::SiluMul { up: k as u32 },
+            shape,
+        )
+        .unwrap();
+        rec.submit().unwrap();
+        let e = nmse(&read(gpu, &yb, m * n_used * tokens), &want);
+        assert!(e < NMSE_MAX, "{shape:?}: NMSE {e:e}");
+    }
 }
 
 #[test]
@@ -374,6 +382,12 @@ fn expert_sum_adds_every_picks_weighted_product_to_the_residual() {
             rows: 4,
             wg: 256,
             unroll: 2,
+        }),
+        // The largest row group: 37 rows end inside the third.
+        Some(MatvecShape {
+            rows: 16,
+            wg: 128,
+            unroll: 1,
         }),
     ];
     for (i, ty) in [
