@@ -577,22 +577,87 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
     let qkvz = shapes(&[(2, 64, 1), (4, 64, 1), (4, 64, 2), (8, 64, 1), (8, 64, 2), (2, 128, 1), (4, 128, 1), (8, 128, 1), (8, 32, 2)]);
     #[rustfmt::skip]
     let router = shapes(&[(1, 64, 1), (1, 128, 1), (1, 256, 1), (2, 64, 1), (2, 128, 1), (2, 256, 1), (4, 64, 1), (4, 128, 1), (8, 32, 1), (8, 64, 1)]);
+    // The GDN output projection's width is fixed by its K (256 at K = 4096); rows per workgroup
+    // are the question.
+    #[rustfmt::skip]
+    let out = shapes(&[(2, 256, 1), (4, 256, 1), (8, 256, 1), (16, 256, 1)]);
     let small = smoke();
+    let rms = |norm| MatvecInput::Rms {
+        weight: norm,
+        eps: 1e-6,
+        store: None,
+    };
     let (rows, k) = if small { (96u32, 256u32) } else { (12288, 2048) };
-    norm_projection_shapes(gpu, rng, "norm+qkvz", GgmlType::IQ4XS, rows, k, &qkvz);
+    let norm = gpu
+        .buffer_from_f32("norm_w", &vec![1.0; k as usize])
+        .expect("norm");
+    let case = |label, ty, rows, k| ProjectionCase { label, ty, rows, k };
+    projection_shapes(
+        gpu,
+        rng,
+        case("norm+qkvz", GgmlType::IQ4XS, rows, k),
+        rms(&norm),
+        false,
+        &qkvz,
+    );
     let (rows, k) = if small { (33u32, 256u32) } else { (513, 2048) };
-    norm_projection_shapes(gpu, rng, "norm+router", GgmlType::F32, rows, k, &router);
+    projection_shapes(
+        gpu,
+        rng,
+        case("norm+router", GgmlType::F32, rows, k),
+        rms(&norm),
+        false,
+        &router,
+    );
+    // The GDN output projection: 32 heads of 128 (the gated norm's per-head RMS finished from
+    // partial sums of squares, one part per head here) and the residual added.
+    let (rows, heads, head_dim) = if small {
+        (64u32, 2u32, 128u32)
+    } else {
+        (2048, 32, 128)
+    };
+    let sums = gpu
+        .buffer_from_f32("head_sq", &vec![128.0; (8 * heads) as usize])
+        .expect("sums");
+    let head_rms = MatvecInput::HeadRms {
+        sums: &sums,
+        heads,
+        head_dim,
+        parts: 1,
+        offset: 0,
+        stride: heads,
+        eps: 1e-6,
+    };
+    let k = heads * head_dim;
+    projection_shapes(
+        gpu,
+        rng,
+        case("head_rms+out+add", GgmlType::IQ4XS, rows, k),
+        head_rms,
+        true,
+        &out,
+    );
 }
 
-fn norm_projection_shapes(
-    gpu: &Gpu,
-    rng: &mut Rng,
-    label: &str,
+/// A decode-shaped dense product of the kernel bench: its label, type and rows × K.
+struct ProjectionCase {
+    label: &'static str,
     ty: GgmlType,
     rows: u32,
     k: u32,
+}
+
+/// Every shape (and the default) of one fused dense product at 1 and 8 columns, the input stage
+/// `input`, the residual added when `add`.
+fn projection_shapes(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    case: ProjectionCase,
+    input: MatvecInput<'_>,
+    add: bool,
     shapes: &[Option<MatvecShape>],
 ) {
+    let ProjectionCase { label, ty, rows, k } = case;
     let w = gpu
         .upload_weight(
             label,
@@ -603,9 +668,6 @@ fn norm_projection_shapes(
             &weights(ty, (rows * k) as usize, rng),
         )
         .expect("upload");
-    let norm = gpu
-        .buffer_from_f32("norm_w", &vec![1.0; k as usize])
-        .expect("norm");
     let iters = if smoke() { 1 } else { 20 };
     let bytes = (w.rows * w.row_bytes) as f64;
     for cols in [1u32, 8] {
@@ -614,13 +676,16 @@ fn norm_projection_shapes(
             .buffer_from_f32("x", &vec![0.5; (cols * k) as usize])
             .expect("x");
         let y = gpu.buffer_zeroed("y", u64::from(cols * rows) * 4).expect("y");
+        let residual = gpu
+            .buffer_from_f32("residual", &vec![0.25; (cols * rows) as usize])
+            .expect("residual");
         let fusion = MatvecFusion {
-            input: MatvecInput::Rms {
-                weight: &norm,
-                eps: 1e-6,
-                store: None,
+            input,
+            output: if add {
+                MatvecOutput::AddTo { residual: &residual }
+            } else {
+                MatvecOutput::Store
             },
-            output: MatvecOutput::Store,
         };
         let cases: Vec<&Option<MatvecShape>> = std::iter::once(&None).chain(shapes).collect();
         let best = best_of_two_passes(gpu, cases.len(), 0.0, 0.25, |i| {
@@ -823,9 +888,11 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
     let (gate_up, down) = expert_stacks(gpu, rng, ty, experts, ff, n_embd);
     // Every width × rows × steps per iteration. A row's sum depends on the width alone, so rows and
     // steps may follow the batch size; the width has to suit every batch.
+    // (128 invocations for the gate/up, fewer than 4 rows, and 2 steps for the sum were slower
+    // everywhere in session 11's sweeps.)
     let mut gate_up_shapes = Vec::new();
-    for wg in [32, 64, 128] {
-        for rows in [2, 4, 8] {
+    for wg in [32, 64] {
+        for rows in [4, 8, 16] {
             for unroll in [1, 2] {
                 gate_up_shapes.push(MatvecShape { rows, wg, unroll });
             }
@@ -833,10 +900,8 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
     }
     let mut sum_shapes = Vec::new();
     for wg in [64, 128, 256] {
-        for rows in [1, 2, 4, 8] {
-            for unroll in [1, 2] {
-                sum_shapes.push(MatvecShape { rows, wg, unroll });
-            }
+        for rows in [4, 8, 16] {
+            sum_shapes.push(MatvecShape { rows, wg, unroll: 1 });
         }
     }
     let iters = if smoke() { 1 } else { 50 };

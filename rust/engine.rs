@@ -292,9 +292,10 @@ pub struct EngineOptions {
     pub prefill_rows: Option<u32>,
     /// Decode steps of at most this many rows route their tokens inside the experts' gate/up
     /// product (one dispatch fewer); larger ones run the router kernel first, which routes each
-    /// token once instead of in every workgroup of the product (in the kernel bench routing inside
-    /// cost 3.4 µs per layer at 1 token and 25 µs at 8, H200 2026-12-02). None: inside at every
-    /// row count, where the device can route in a kernel at all. The results are the same bytes
+    /// token once instead of in every workgroup of the product. None: 1 — on the H200 (kernel
+    /// bench, 2026-12-02) routing inside took 17.0 µs per layer against 20.3 for the router kernel
+    /// then the product at 1 token, 29.3 vs 27.8 at 2 and 91.0 vs 72.9 at 8, and the engine's 8
+    /// slots stepped together went from 560.6 to 588.8 tok/s. The results are the same bytes
     /// either way (one routing code, common_route.wgsl); only the speed differs.
     pub route_inside_max_rows: Option<u32>,
 }
@@ -472,7 +473,7 @@ impl Engine {
                 } else {
                     Precision::Fast
                 },
-                route_inside_max_rows: opts.route_inside_max_rows.unwrap_or(u32::MAX),
+                route_inside_max_rows: opts.route_inside_max_rows.unwrap_or(1),
             },
             kv_types: (k_type, v_type),
             layers,

@@ -301,10 +301,10 @@ def test_routing_inside_or_by_the_router_kernel_gives_the_same_bytes():
     with the same tokens and logits; steps within it are unchanged."""
     qk = _qk()
     name = F32[0]
-    inside = engine(name)
-    at_one = qk.Engine(
-        str(FIXTURES / f"{name}.gguf"), slots=3, ctx=512, precise=True, route_inside_max_rows=1
+    inside = qk.Engine(
+        str(FIXTURES / f"{name}.gguf"), slots=3, ctx=512, precise=True, route_inside_max_rows=3
     )
+    at_one = engine(name)  # the default: 1
     p = prompt(name)[:24]
     layers = inside.info()["n_layer"]
     for eng in (inside, at_one):

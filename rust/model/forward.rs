@@ -450,7 +450,7 @@ pub struct Model {
     /// How prefill products are computed (the engine's `precise` option).
     pub precision: Precision,
     /// Decode steps of up to this many rows route inside the experts' gate/up product
-    /// (`EngineOptions::route_inside_max_rows`; u32::MAX: always).
+    /// (`EngineOptions::route_inside_max_rows`; 1 by default).
     pub route_inside_max_rows: u32,
 }
 

@@ -23,8 +23,8 @@ use crate::transport::engine_stage::lock_engine;
 /// 64) sets the positions per prefill piece; by default 2048 on a discrete GPU where the scratch
 /// fits, else 512. The results are the same whatever it is; the scratch grows with it.
 /// `route_inside_max_rows`: decode steps of at most that many slots route their tokens inside the
-/// experts' gate/up product, larger ones run the router kernel first (default: always inside); the
-/// same results either way, a speed choice a bench can compare.
+/// experts' gate/up product, larger ones run the router kernel first (default 1: one slot routes
+/// inside); the same results either way, a speed choice a bench can compare.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
