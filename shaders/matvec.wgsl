@@ -17,9 +17,9 @@
 //   is a per-column constant, so it applies to the finished dot products: the squares are summed
 //   from the very activation loads the products make (every K step is read once per workgroup) and
 //   reduced with them, so the weight loads start at once instead of after a pass over X and a
-//   workgroup reduction. XN_STORE=1 (workgroup 0 also writes the normalised columns to XN, packed,
-//   K floats each, for the kernels that read them next) needs the scale first: it keeps that
-//   prologue.
+//   workgroup reduction. XN_STORE=1: the workgroups also write the normalised columns to XN
+//   (packed, K floats each, for the kernels that read them next), each its slice, once its sums
+//   are reduced.
 // * PRE=head_rms: the RMS norm of each HD4 · 4-float head of a column finished from sums of squares
 //   computed upstream (shaders/gdn_step.wgsl): head h of column c is scaled by 1/sqrt(Σ_g
 //   SQ[sq_offset + c · sq_stride + h · head_parts + g] / (4 · HD4) + eps), g < head_parts. The
@@ -215,33 +215,26 @@ var<workgroup> head_inv: array<f32, {{NC}} * {{HEADS}}>;
 // Where this workgroup's activation columns start (vec4 index) and how far apart they are.
 var<private> x_base: u32;
 var<private> x_col: u32;
-// PRE=rms without XN_STORE defers the norm's scale to the epilogue: its NC4 vec4 of sums of squares
-// are reduced with the products.
+// PRE=rms defers the norm's scale to the epilogue: its NC4 vec4 of sums of squares are reduced with
+// the products.
 #if PRE == rms
-#if XN_STORE != 1
-const DEFERRED_SQ4 = {{NC4}}u;
+const SQ4 = {{NC4}}u;
 #else
-const DEFERRED_SQ4 = 0u;
+const SQ4 = 0u;
 #endif
-#else
-const DEFERRED_SQ4 = 0u;
-#endif
-// The epilogue's exchange: per subgroup, ACC4 vec4 of products, then DEFERRED_SQ4 of sums of
-// squares; at most WG / SG_MIN subgroups (SG_MIN: the device's smallest subgroup size).
-const RED_VEC4 = {{ACC4}}u + DEFERRED_SQ4;
+// The epilogue's exchange: per subgroup, ACC4 vec4 of products, then SQ4 of sums of squares; at
+// most WG / SG_MIN subgroups (SG_MIN: the device's smallest subgroup size).
+const RED_VEC4 = {{ACC4}}u + SQ4;
 #if SUBGROUPS
 var<workgroup> red_scratch: array<vec4<f32>, RED_VEC4 * (({{WG}}u + {{SG_MIN}}u - 1u) / {{SG_MIN}}u)>;
 #else
 var<workgroup> red_scratch: array<vec4<f32>, RED_VEC4>;
 #endif
 #if PRE == rms
-var<private> inv_rms: array<f32, {{NC}}>;
-#if XN_STORE != 1
 // The columns' sums of squares so far, four to a vec4, and whether the step being loaded counts
 // (0 for the clamped re-read past the end of K).
 var<private> sq_part: array<vec4<f32>, {{NC4}}>;
 var<private> sq_live: f32 = 1.0;
-#endif
 #endif
 
 // One step of the K loops: with SUM, the loops walk the token's picks' rows end to end (picks × K),
@@ -271,25 +264,9 @@ fn pick_step(v: u32, per_pick: u32) -> PickStep {
 // Whether the activation loads that follow count towards PRE=rms's sums of squares.
 fn set_sq_live(live: bool) {
 #if PRE == rms
-#if XN_STORE != 1
     sq_live = select(0.0, 1.0, live);
 #endif
-#endif
 }
-
-#if PRE == rms
-// Each column's 1/sqrt(mean(x^2) + eps) into inv_rms, from this invocation's sums of squares (four
-// columns to a vec4) reduced over the workgroup. Uniform control flow only (wg_sum4).
-fn set_inv_rms(sums: array<vec4<f32>, {{NC4}}>, ids: ComputeIds) {
-    var sq = sums;
-#for a in 0..NC4
-    sq[{{a}}] = wg_sum4(sq[{{a}}], ids);
-#endfor
-#for c in 0..NC
-    inv_rms[{{c}}] = inverseSqrt(sq[{{c}}u / 4u][{{c}}u % 4u] / f32(P.k) + P.eps);
-#endfor
-}
-#endif
 
 // Component j of vec4 a of the workgroup's sums (red_scratch), over its n_sg subgroups in order.
 fn workgroup_sum(a: u32, j: u32, n_sg: u32) -> f32 {
@@ -300,30 +277,24 @@ fn workgroup_sum(a: u32, j: u32, n_sg: u32) -> f32 {
     return t;
 }
 
-// What column c's finished products are scaled by: PRE=rms without XN_STORE applies the norm's
-// scale here (x_at left it out; the same expression as set_inv_rms, on the sums of squares the
-// epilogue reduced); everything else has nothing left to apply (1, exact).
+// What column c's finished products are scaled by: PRE=rms applies the norm's scale
+// 1/sqrt(mean(x^2) + eps) here (x_at left it out), from the sums of squares the epilogue reduced;
+// everything else has nothing left to apply (1, exact).
 fn column_scale(c: u32, n_sg: u32) -> f32 {
     var scale = 1.0;
 #if PRE == rms
-#if XN_STORE != 1
     scale = inverseSqrt(workgroup_sum({{ACC4}}u + c / 4u, c % 4u, n_sg) / f32(P.k) + P.eps);
-#endif
 #endif
     return scale;
 }
 
-// Activation column c at vec4 index v from its start, after the PRE stage (PRE=rms without
-// XN_STORE: before the column's scale, which the caller applies to the finished products).
+// Activation column c at vec4 index v from its start, after the PRE stage (PRE=rms: before the
+// column's scale, which the caller applies to the finished products).
 fn x_at(c: u32, v: u32) -> vec4<f32> {
 #if PRE == rms
-#if XN_STORE
-    return X[x_base + c * x_col + v] * (NORM[v] * inv_rms[c]);
-#else
     let xv = X[x_base + c * x_col + v];
     sq_part[c / 4u][c % 4u] += sq_live * dot(xv, xv);
     return xv * NORM[v];
-#endif
 #else
 #if PRE == head_rms
     return X[x_base + c * x_col + v] * head_inv[c * {{HEADS}}u + v / {{HD4}}u];
@@ -475,23 +446,6 @@ fn main(ids: ComputeIds) {
     var acc: array<vec4<f32>, {{ACC4}}>;
     x_base = (P.x_offset + x_col0 * P.x_stride) / 4u;
     x_col = P.x_stride / 4u;
-#if PRE == rms
-#if XN_STORE
-    {
-        // Sums of squares of the columns, four columns to a vec4, reduced together.
-        var sq: array<vec4<f32>, {{NC4}}>;
-        for (var v = ids.lid; v < P.k / 4u; v += {{WG}}u) {
-#for c in 0..NC
-            {
-                let xv = X[x_base + {{c}}u * x_col + v];
-                sq[{{c}}u / 4u][{{c}}u % 4u] += dot(xv, xv);
-            }
-#endfor
-        }
-        set_inv_rms(sq, ids);
-    }
-#endif
-#endif
 #if PRE == head_rms
     for (var i = ids.lid; i < {{NC}}u * {{HEADS}}u; i += {{WG}}u) {
         let at = P.sq_offset + (x_col0 + i / {{HEADS}}u) * P.sq_stride + (i % {{HEADS}}u) * P.head_parts;
@@ -502,17 +456,6 @@ fn main(ids: ComputeIds) {
         head_inv[i] = inverseSqrt(sum / f32(4u * {{HD4}}u) + P.eps);
     }
     workgroupBarrier();
-#endif
-#if PRE == rms
-#if XN_STORE
-    if group_index(ids) == 0u {
-        for (var v = ids.lid; v < P.k / 4u; v += {{WG}}u) {
-#for c in 0..NC
-            XN[{{c}}u * (P.k / 4u) + v] = x_at({{c}}u, v);
-#endfor
-        }
-    }
-#endif
 #endif
     // Rows past the end compute a copy of the last row and are not stored: no per-row branch, so
     // the loads of all NR rows sit in one basic block and are issued back to back.
@@ -811,11 +754,9 @@ fn main(ids: ComputeIds) {
     let red{{a}} = subgroupAdd(acc[{{a}}]);
 #endfor
 #if PRE == rms
-#if XN_STORE != 1
 #for a in 0..NC4
     let red_sq{{a}} = subgroupAdd(sq_part[{{a}}]);
 #endfor
-#endif
 #endif
     if ids.sg_lane == 0u {
         let at = ids.sg_id * RED_VEC4;
@@ -823,11 +764,9 @@ fn main(ids: ComputeIds) {
         red_scratch[at + {{a}}u] = red{{a}};
 #endfor
 #if PRE == rms
-#if XN_STORE != 1
 #for a in 0..NC4
         red_scratch[at + {{ACC4}}u + {{a}}u] = red_sq{{a}};
 #endfor
-#endif
 #endif
     }
     let n_sg = ids.n_sg;
@@ -837,27 +776,38 @@ fn main(ids: ComputeIds) {
     let red{{a}} = wg_sum4(acc[{{a}}], ids);
 #endfor
 #if PRE == rms
-#if XN_STORE != 1
 #for a in 0..NC4
     let red_sq{{a}} = wg_sum4(sq_part[{{a}}], ids);
 #endfor
-#endif
 #endif
     if ids.lid == 0u {
 #for a in 0..ACC4
         red_scratch[{{a}}u] = red{{a}};
 #endfor
 #if PRE == rms
-#if XN_STORE != 1
 #for a in 0..NC4
         red_scratch[{{ACC4}}u + {{a}}u] = red_sq{{a}};
 #endfor
-#endif
 #endif
     }
     let n_sg = 1u;
 #endif
     workgroupBarrier();
+#if XN_STORE
+    {
+        // The normalised columns for the kernels after this one, each workgroup its slice of K
+        // (the same value whichever workgroup writes it: every one reduced the same sums).
+        let groups = (P.rows + {{NR}}u - 1u) / {{NR}}u;
+        let k4 = P.k / 4u;
+        let chunk = (k4 + groups - 1u) / groups;
+        let v0 = group_index(ids) * chunk;
+        for (var v = v0 + ids.lid; v < min(v0 + chunk, k4); v += {{WG}}u) {
+#for c in 0..NC
+            XN[{{c}}u * k4 + v] = X[x_base + {{c}}u * x_col + v] * (NORM[v] * column_scale({{c}}u, n_sg));
+#endfor
+        }
+    }
+#endif
     // NR·NC outputs may outnumber the invocations (8 rows × 8 columns with 32).
     for (var i = ids.lid; i < {{NR}}u * {{NC}}u; i += {{WG}}u) {
         let r = i / {{NC}}u;
