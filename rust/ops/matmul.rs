@@ -633,7 +633,8 @@ fn silu_mul_len(w: &WeightTensor, up: u32) -> Result<u64> {
 /// The fused stages' own operands: sizes and layouts the kernel will index.
 fn check_fusion(w: &WeightTensor, fusion: &MatvecFusion<'_>, ncols: u32) -> Result<()> {
     let bad = |msg: String| Err(QkError::Engine(format!("{}: {msg}", w.name)));
-    // The conv's channel rows and the stored input (workgroup 0) assume row 0 is in the one window.
+    // The conv's channel rows and the stored input (sliced over the workgroups of the dispatch)
+    // assume row 0 is in the one window.
     let stores = matches!(fusion.input, MatvecInput::Rms { store: Some(_), .. });
     if w.windows.len() > 1 && (stores || matches!(fusion.output, MatvecOutput::Conv { .. })) {
         return bad("a fused conv or input store needs the tensor in one binding".into());
