@@ -560,12 +560,15 @@ fn random_picks(rng: &mut Rng, tokens: u32, k: u32, experts: u32, last: Option<u
     ids
 }
 
-/// The decode step's norm-fused dense products at the Qwen3-Next-80B shape, for 1 and 8 columns, per
-/// launch shape (every workgroup computes its columns' norms, so rows per workgroup trade those
-/// re-reads against parallelism): the DeltaNet layer's q ‖ k ‖ v ‖ z (12,288 rows × 2048, IQ4_XS)
-/// and the MoE router with the shared expert's gate (513 × 2048, F32). Rows and steps per iteration
-/// may follow the column count (a row's sum depends on the width alone), so the question per width
-/// is the best shape at each count.
+/// The decode step's fused dense products at the Qwen3-Next-80B shape, for 1 and 8 columns (the GDN
+/// output projection for 1, 2, 4 and 8), per launch shape (every workgroup computes its columns'
+/// norms, so rows per workgroup trade those re-reads against parallelism): the DeltaNet layer's
+/// q ‖ k ‖ v ‖ z (12,288 rows × 2048, IQ4_XS), attention's q ‖ k ‖ v (9216 × 2048), the MoE
+/// router with the shared expert's gate (513 × 2048, F32), and the two output projections with
+/// the residual added (2048 × 4096 each: the GDN's 32 heads of 128 read through the gated norm's
+/// head RMS, attention's 16 heads of 256 plain). Rows and steps per iteration may follow the
+/// column count (a row's sum depends on the width alone), so the question per width is the best
+/// shape at each count.
 fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
     // (rows, width, steps per iteration) per workgroup.
     let shapes = |list: &[(u32, u32, u32)]| -> Vec<Option<MatvecShape>> {
@@ -591,11 +594,28 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
     let norm = gpu
         .buffer_from_f32("norm_w", &vec![1.0; k as usize])
         .expect("norm");
-    let case = |label, ty, rows, k| ProjectionCase { label, ty, rows, k };
+    let case = |label, ty, rows, k, cols| ProjectionCase {
+        label,
+        ty,
+        rows,
+        k,
+        cols,
+    };
+    let ends: &[u32] = &[1, 8];
     projection_shapes(
         gpu,
         rng,
-        case("norm+qkvz", GgmlType::IQ4XS, rows, k),
+        case("norm+qkvz", GgmlType::IQ4XS, rows, k, ends),
+        rms(&norm),
+        false,
+        &qkvz,
+    );
+    // Attention's q (with its gate) ‖ k ‖ v: 16 heads of 256 twice, 2 kv heads of 256 each.
+    let rows = if small { 72u32 } else { 9216 };
+    projection_shapes(
+        gpu,
+        rng,
+        case("norm+attn_qkv", GgmlType::IQ4XS, rows, k, ends),
         rms(&norm),
         false,
         &qkvz,
@@ -604,7 +624,7 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
     projection_shapes(
         gpu,
         rng,
-        case("norm+router", GgmlType::F32, rows, k),
+        case("norm+router", GgmlType::F32, rows, k, ends),
         rms(&norm),
         false,
         &router,
@@ -629,26 +649,39 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
         eps: 1e-6,
     };
     let k = heads * head_dim;
+    // Every column count up to 8: where more rows per workgroup start to pay.
     projection_shapes(
         gpu,
         rng,
-        case("head_rms+out+add", GgmlType::IQ4XS, rows, k),
+        case("head_rms+out+add", GgmlType::IQ4XS, rows, k, &[1, 2, 4, 8]),
         head_rms,
+        true,
+        &out,
+    );
+    // Attention's output projection (16 heads of 256 in, the residual added): the same K, plain
+    // input.
+    projection_shapes(
+        gpu,
+        rng,
+        case("attn_out+add", GgmlType::IQ4XS, rows, k, ends),
+        MatvecInput::Plain,
         true,
         &out,
     );
 }
 
-/// A decode-shaped dense product of the kernel bench: its label, type and rows × K.
+/// A decode-shaped dense product of the kernel bench: its label, type, rows × K and the column
+/// counts to time.
 struct ProjectionCase {
     label: &'static str,
     ty: GgmlType,
     rows: u32,
     k: u32,
+    cols: &'static [u32],
 }
 
-/// Every shape (and the default) of one fused dense product at 1 and 8 columns, the input stage
-/// `input`, the residual added when `add`.
+/// Every shape (and the default) of one fused dense product at the case's column counts, the input
+/// stage `input`, the residual added when `add`.
 fn projection_shapes(
     gpu: &Gpu,
     rng: &mut Rng,
@@ -657,7 +690,13 @@ fn projection_shapes(
     add: bool,
     shapes: &[Option<MatvecShape>],
 ) {
-    let ProjectionCase { label, ty, rows, k } = case;
+    let ProjectionCase {
+        label,
+        ty,
+        rows,
+        k,
+        cols: col_counts,
+    } = case;
     let w = gpu
         .upload_weight(
             label,
@@ -670,7 +709,7 @@ fn projection_shapes(
         .expect("upload");
     let iters = if smoke() { 1 } else { 20 };
     let bytes = (w.rows * w.row_bytes) as f64;
-    for cols in [1u32, 8] {
+    for &cols in col_counts {
         hold_clocks(gpu);
         let x = gpu
             .buffer_from_f32("x", &vec![0.5; (cols * k) as usize])
