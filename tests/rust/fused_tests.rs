@@ -76,9 +76,10 @@ fn normed(x: &[f32], w: &[f32], k: usize) -> Vec<f64> {
 
 #[test]
 fn fused_norm_then_matvec_every_word_path_and_stored_input() {
-    // With the normalised input stored (the router's case) the kernel computes the scale before the
-    // products; without (the projections' case) it sums the squares from the products' own loads
-    // and scales the finished sums: both orders, every word path.
+    // The kernel sums the squares from the products' own loads and scales the finished sums; with
+    // the normalised input stored (the router's case) each workgroup also writes its slice of it
+    // once its sums are reduced (37 rows: more workgroups than some columns have slices). Every
+    // word path, with and without the store.
     let Some(gpu) = test_gpu(false) else { return };
     let (m, k) = (37, 512);
     for (i, ty) in [
