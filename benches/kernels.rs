@@ -33,7 +33,7 @@ use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecFusion, MatvecInput,
     MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator, expert_shape, group_experts,
-    k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec_id, matvec_id_routed,
+    k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec, matvec_id, matvec_id_routed,
     matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes,
 };
 
@@ -200,6 +200,7 @@ fn main() {
         handoff_round_trip(&gpu);
         moe_decode(&gpu, &mut rng);
         norm_projection_decode(&gpu, &mut rng);
+        coop_decode(&gpu, &mut rng);
         gdn_step_decode(&gpu);
     }
     if flag("QK_BENCH_ONLY_DECODE") {
@@ -744,6 +745,71 @@ fn projection_shapes(
                 t * 1e6,
                 bytes / t / 1e9
             );
+        }
+    }
+}
+
+/// Decode's few columns on tensor cores: the DeltaNet q‖k‖v‖z (12,288 × 2048 IQ4_XS, no norm) at 1,
+/// 2 and 8 columns as the f32 mat-vec (default shape) and as the cooperative mat-mat with the
+/// narrow 128 × 16 tile and the 64 × 64 one, K steps 32 and 64, split over K 1–8 ways (a narrow
+/// product gives the GPU few tiles). The cooperative kernel's outputs are the same chain of
+/// multiply-adds in any tile or batch, so it could serve every column count of a decode step; the
+/// question is whether one column stays near the mat-vec and eight cost about what one does.
+fn coop_decode(gpu: &Gpu, rng: &mut Rng) {
+    let (rows, k) = if smoke() { (256u32, 512u32) } else { (12288, 2048) };
+    let ty = GgmlType::IQ4XS;
+    let w = gpu
+        .upload_weight(
+            "coop_decode",
+            ty,
+            u64::from(k),
+            u64::from(rows),
+            1,
+            &weights(ty, (rows * k) as usize, rng),
+        )
+        .expect("upload");
+    let x = gpu.buffer_from_f32("x", &vec![0.5; (8 * k) as usize]).expect("x");
+    let y = gpu.buffer_zeroed("y", u64::from(8 * rows) * 4).expect("y");
+    let part = gpu
+        .buffer_zeroed("partials", 8 * u64::from(8 * rows) * 4)
+        .expect("partials");
+    let bytes = (w.rows * w.row_bytes) as f64;
+    let iters = if smoke() { 1 } else { 20 };
+    let kernels = coop_kernels(gpu, &[CoopTile::NARROW_128X16, CoopTile::SQUARE_64]);
+    if kernels.is_empty() {
+        println!("coop decode: no cooperative matrices on this adapter");
+        return;
+    }
+    for cols in [1u32, 2, 8] {
+        hold_clocks(gpu);
+        let mv = time_submit(gpu, iters, |rec| {
+            let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
+            matvec(gpu, rec, &w, xc, yc, cols).expect("matvec")
+        });
+        println!(
+            "coop decode {cols} column(s) ({rows}x{k} {}) mat-vec (default)   {:>8.1} µs  {:>7.1} GB/s",
+            ty.name(),
+            mv * 1e6,
+            bytes / mv / 1e9
+        );
+        for &kernel in &kernels {
+            let mut line = format!("coop decode {cols} column(s) {:<16}", kernel_name(kernel));
+            // A tile this adapter cannot build is reported, not fatal to the rest of the bench.
+            let mut probe = gpu.recorder();
+            let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
+            if let Err(e) = matmul_split(gpu, &mut probe, &w, xc, yc, cols, kernel, 1, Some(&part)) {
+                println!("{line}  unavailable: {e}");
+                continue;
+            }
+            drop(probe);
+            for splits in [1u32, 2, 4, 8] {
+                let t = time_submit(gpu, iters, |rec| {
+                    let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
+                    matmul_split(gpu, rec, &w, xc, yc, cols, kernel, splits, Some(&part)).expect("matmul")
+                });
+                line += &format!("  split {splits}: {:>7.1} µs", t * 1e6);
+            }
+            println!("{line}");
         }
     }
 }

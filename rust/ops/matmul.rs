@@ -1118,10 +1118,16 @@ impl CoopTile {
     pub const MOE_WIDE: CoopTile = CoopTile::new(128, MOE_WIDE_TILE_COLS, 32, 32, MOE_K_STEP);
     /// The dense tiles, largest first.
     pub const DENSE: [CoopTile; 3] = [CoopTile::SQUARE_128, CoopTile::RECT_128X64, CoopTile::SQUARE_64];
+    /// A dense tile one 16-wide matrix across (the MOE tile's shape): decode's few columns on
+    /// tensor cores, which benches/kernels.rs times against the mat-vec; no product picks it yet.
+    pub const NARROW_128X16: CoopTile = CoopTile::new(128, 16, 32, 16, DENSE_K_STEP);
 
-    /// One of the DENSE tiles, whatever its K step.
+    /// One of the DENSE tiles or NARROW_128X16, whatever its K step.
     fn is_dense(self) -> bool {
-        CoopTile::DENSE.iter().any(|t| t.with_k_step(self.k_step) == self)
+        CoopTile::DENSE
+            .iter()
+            .chain([&CoopTile::NARROW_128X16])
+            .any(|t| t.with_k_step(self.k_step) == self)
     }
 
     /// One of the MOE tiles, whatever its K step.
