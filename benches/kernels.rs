@@ -1209,23 +1209,35 @@ fn hold_clocks(gpu: &Gpu) {
     hold_clocks_for(gpu, 1.0);
 }
 
+thread_local! {
+    /// The clock holds' two 64 MB copy buffers, allocated by the first hold and kept (a sweep holds
+    /// before every case).
+    static CLOCK_BUFFERS: std::cell::OnceCell<(GpuBuffer, GpuBuffer)> = const { std::cell::OnceCell::new() };
+}
+
 /// `secs` seconds of device copies.
 fn hold_clocks_for(gpu: &Gpu, secs: f64) {
     if smoke() || secs <= 0.0 {
         return;
     }
     let bytes = 64u64 << 20;
-    let a = gpu.buffer_zeroed("clocks_src", bytes).expect("buffer");
-    let b = gpu.buffer_zeroed("clocks_dst", bytes).expect("buffer");
-    let start = Instant::now();
-    while start.elapsed().as_secs_f64() < secs {
-        let mut rec = gpu.recorder();
-        for _ in 0..200 {
-            qk::gpu::example::copy_kernel(gpu, &mut rec, &a, &b, bytes).expect("copy");
+    CLOCK_BUFFERS.with(|cell| {
+        let (a, b) = cell.get_or_init(|| {
+            (
+                gpu.buffer_zeroed("clocks_src", bytes).expect("buffer"),
+                gpu.buffer_zeroed("clocks_dst", bytes).expect("buffer"),
+            )
+        });
+        let start = Instant::now();
+        while start.elapsed().as_secs_f64() < secs {
+            let mut rec = gpu.recorder();
+            for _ in 0..200 {
+                qk::gpu::example::copy_kernel(gpu, &mut rec, a, b, bytes).expect("copy");
+            }
+            rec.submit().expect("submit");
+            gpu.wait().expect("wait");
         }
-        rec.submit().expect("submit");
-        gpu.wait().expect("wait");
-    }
+    });
 }
 
 /// The MoE of one layer for a prefill piece at the Qwen3-Next-80B shape (512 experts, 10 used,
