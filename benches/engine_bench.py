@@ -251,7 +251,7 @@ def main() -> None:
         type=int,
         default=None,
         help="decode steps of up to this many slots route inside the experts' gate/up, larger ones run "
-        "the router kernel first (default: the engine's, always inside)",
+        "the router kernel first (default: the engine's, 1)",
     )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")

@@ -268,6 +268,16 @@ fn set_sq_live(live: bool) {
 #endif
 }
 
+// This invocation's part of a workgroup sum: its subgroup's sum, or (without subgroups) the whole
+// workgroup's by wg_sum4 (uniform control flow only).
+fn part_sum4(v: vec4<f32>, ids: ComputeIds) -> vec4<f32> {
+#if SUBGROUPS
+    return subgroupAdd(v);
+#else
+    return wg_sum4(v, ids);
+#endif
+}
+
 // Component j of vec4 a of the workgroup's sums (red_scratch), over its n_sg subgroups in order.
 fn workgroup_sum(a: u32, j: u32, n_sg: u32) -> f32 {
     var t = red_scratch[a][j];
@@ -748,18 +758,27 @@ fn main(ids: ComputeIds) {
     // its subgroup first, then one exchange through workgroup memory, summed in subgroup order —
     // the bytes of one wg_sum4 per vec4, with one barrier instead of two per vec4 (16 vec4 at
     // 8 rows × 8 columns). Outputs are read back from workgroup memory by index, so `acc` is only
-    // ever indexed by constants and stays in registers.
+    // ever indexed by constants and stays in registers. Without subgroups, wg_sum4's tree gives
+    // one part: the whole workgroup's.
 #if SUBGROUPS
+    let part = ids.sg_id;
+    let writes = ids.sg_lane == 0u;
+    let n_sg = ids.n_sg;
+#else
+    let part = 0u;
+    let writes = ids.lid == 0u;
+    let n_sg = 1u;
+#endif
 #for a in 0..ACC4
-    let red{{a}} = subgroupAdd(acc[{{a}}]);
+    let red{{a}} = part_sum4(acc[{{a}}], ids);
 #endfor
 #if PRE == rms
 #for a in 0..NC4
-    let red_sq{{a}} = subgroupAdd(sq_part[{{a}}]);
+    let red_sq{{a}} = part_sum4(sq_part[{{a}}], ids);
 #endfor
 #endif
-    if ids.sg_lane == 0u {
-        let at = ids.sg_id * RED_VEC4;
+    if writes {
+        let at = part * RED_VEC4;
 #for a in 0..ACC4
         red_scratch[at + {{a}}u] = red{{a}};
 #endfor
@@ -769,29 +788,6 @@ fn main(ids: ComputeIds) {
 #endfor
 #endif
     }
-    let n_sg = ids.n_sg;
-#else
-    // Without subgroups: the shared-memory tree of wg_sum4, one subgroup's worth of results.
-#for a in 0..ACC4
-    let red{{a}} = wg_sum4(acc[{{a}}], ids);
-#endfor
-#if PRE == rms
-#for a in 0..NC4
-    let red_sq{{a}} = wg_sum4(sq_part[{{a}}], ids);
-#endfor
-#endif
-    if ids.lid == 0u {
-#for a in 0..ACC4
-        red_scratch[{{a}}u] = red{{a}};
-#endfor
-#if PRE == rms
-#for a in 0..NC4
-        red_scratch[{{ACC4}}u + {{a}}u] = red_sq{{a}};
-#endfor
-#endif
-    }
-    let n_sg = 1u;
-#endif
     workgroupBarrier();
 #if XN_STORE
     {
@@ -801,9 +797,12 @@ fn main(ids: ComputeIds) {
         let k4 = P.k / 4u;
         let chunk = (k4 + groups - 1u) / groups;
         let v0 = group_index(ids) * chunk;
+#for c in 0..NC
+        let scale{{c}} = column_scale({{c}}u, n_sg);
+#endfor
         for (var v = v0 + ids.lid; v < min(v0 + chunk, k4); v += {{WG}}u) {
 #for c in 0..NC
-            XN[{{c}}u * k4 + v] = X[x_base + {{c}}u * x_col + v] * (NORM[v] * column_scale({{c}}u, n_sg));
+            XN[{{c}}u * k4 + v] = X[x_base + {{c}}u * x_col + v] * (NORM[v] * scale{{c}});
 #endfor
         }
     }
