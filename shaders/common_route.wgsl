@@ -5,14 +5,23 @@
 // holds experts lane + j·RSG for j < PER_LANE in registers, and each pick is two subgroup
 // reductions, no barrier. Several subgroups of a workgroup may route the same token: they compute
 // the same picks in the same order.
+// The picks compare integer keys, not floats: a probability is >= 0, so its float bits order as
+// a u32 does; the key is those bits + 1, and 0 marks a taken expert (or a NaN, which no float
+// comparison ever picked). The same picks as comparing the floats, but each round's two
+// reductions are 32-bit integer max and min, which GPUs with an integer subgroup-reduce
+// instruction do in one (the H200 does: an f32 max is five shuffle steps); the routing's rounds
+// sit before the expert product's first weight load.
 //
 // The including kernel declares ROUTE_LOGITS (array<f32>), ROUTE_IDS (array<u32>, read_write) and
 // ROUTE_W (array<f32>, read_write), and defines RSG (its subgroup size) and PER_LANE
 // (ceil(experts / RSG)).
 
 const ROUTE_NO_EXPERT: u32 = 0xffffffffu;
-// Below every probability: marks an expert already chosen.
+// What a round reports when no expert is left (all taken): the float compare's "below every
+// probability".
 const ROUTE_TAKEN: f32 = -1.0;
+// The key of a taken expert: below every probability's.
+const ROUTE_KEY_TAKEN: u32 = 0u;
 const ROUTE_MIN_WEIGHT_SUM: f32 = 6.1e-5;
 
 struct RouteArgs {
@@ -55,6 +64,11 @@ fn route_token(lane: u32, a: RouteArgs) -> u32 {
         probs[{{j}}] = probs[{{j}}] / total;
     }
 #endfor
+    var keys: array<u32, {{PER_LANE}}>;
+#for j in 0..PER_LANE
+    keys[{{j}}] = select(ROUTE_KEY_TAKEN, bitcast<u32>(probs[{{j}}]) + 1u,
+        lane + {{j}}u * {{RSG}}u < a.experts && probs[{{j}}] >= 0.0);
+#endfor
     var wanted = ROUTE_NO_EXPERT;
     var sum = 0.0;
     let writer = a.write && lane == 0u;
@@ -63,19 +77,20 @@ fn route_token(lane: u32, a: RouteArgs) -> u32 {
     let rounds = select(select(a.want + 1u, 0u, a.want >= a.k), a.k, a.write);
     for (var it = 0u; it < rounds; it++) {
         // Within a lane experts ascend with j, so the strict comparison keeps the lowest id.
-        var best_value = ROUTE_TAKEN;
+        var best_key = ROUTE_KEY_TAKEN;
         var best_id = ROUTE_NO_EXPERT;
 #for j in 0..PER_LANE
-        if probs[{{j}}] > best_value {
-            best_value = probs[{{j}}];
+        if keys[{{j}}] > best_key {
+            best_key = keys[{{j}}];
             best_id = lane + {{j}}u * {{RSG}}u;
         }
 #endfor
-        let top = subgroupMax(best_value);
-        let winner = subgroupMin(select(ROUTE_NO_EXPERT, best_id, best_value == top));
+        let top_key = subgroupMax(best_key);
+        let winner = subgroupMin(select(ROUTE_NO_EXPERT, best_id, best_key == top_key && top_key != ROUTE_KEY_TAKEN));
+        let top = select(bitcast<f32>(top_key - 1u), ROUTE_TAKEN, top_key == ROUTE_KEY_TAKEN);
 #for j in 0..PER_LANE
         if winner == lane + {{j}}u * {{RSG}}u {
-            probs[{{j}}] = ROUTE_TAKEN;
+            keys[{{j}}] = ROUTE_KEY_TAKEN;
         }
 #endfor
         sum += top;
