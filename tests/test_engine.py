@@ -216,6 +216,24 @@ def test_slots_interleaved_equal_alone():
     assert got_a == alone_a and got_b == alone_b
 
 
+@pytest.mark.parametrize("name", [QUANT[0], F32[1]])
+def test_many_slots_step_equals_each_slot_alone(name):
+    """A step over eight slots (and over five) gives each slot the ids and top-k logits, bit for
+    bit, of that slot stepping alone: the decode kernels' launch shapes change with the column
+    count (rows per workgroup), never a row's summation order."""
+    eng = engine(name, slots=8)
+    toks = prompt(name)
+    prompts = [toks[7 * s : 7 * s + 20 + s] for s in range(8)]
+
+    def prefill(slots):
+        return [eng.stage_run(s, prompts[s], 0)[0][-1] for s in slots]
+
+    for slots in ([3, 0, 7, 1, 6, 2, 5, 4], [4, 1, 6, 0, 2]):
+        joint = eng.step(slots, prefill(slots), topk=4)
+        alone = [eng.step([s], [t], topk=4)[0] for s, t in zip(slots, prefill(slots), strict=True)]
+        assert joint == alone
+
+
 def test_chained_steps_equal_host_fed_steps():
     """Steps fed on the GPU with the previous step's greedy ids (submitted before that step is
     collected, two in flight) give the host-fed steps' tokens and top-k exactly; a chained step

@@ -352,11 +352,15 @@ impl MatvecShape {
         // 53.5 for 8, at 4 rows 22.1 and 66.7, and the engine profile's q‖k‖v‖z fell from 1,038 to
         // 898 µs per step at 1 column. The rest keep 4: at 8 rows the GDN output projection and
         // the router were slower in that engine profile (+96 and +98 µs per step), though the
-        // kernel bench had the router faster; 8 rows at several columns measured slower in the
-        // 2026-12-01 engine profiles (dn.out no faster).
+        // kernel bench had the router faster. Without a norm, five columns and more take 8: since
+        // the workgroup's sums go through one exchange (session 12), the output projections
+        // (2048 × 4096 IQ4_XS, residual added) at 8 columns took 23.6 (GDN, head RMS in) and
+        // 22.5 µs (attention) at 8 rows against 26.7 and 27.0 at 4 (H200, 2026-12-02, clocks
+        // held); at 4 columns 16.2 against 16.3, so 4 stay below five.
         let big_norm = norm && rows * steps >= BIG_NORM_STEPS;
         let rows_per_group = match (norm, ncols) {
             _ if big_norm => 8,
+            (false, 5..) => 8,
             (true, _) | (_, 3..) => 4,
             (false, 2) => 2,
             _ => 1,
