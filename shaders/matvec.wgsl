@@ -32,10 +32,12 @@
 //   (P.taps taps, CONV_W[ch * taps + j], tap taps-1 the current input) and SiLU run here and the
 //   slot's conv state (STATE[SLOTS[c] * state_stride + j * conv_rows + ch], oldest first) advances;
 //   each channel has one owner, so the update needs no synchronisation. Rows above are stored as is.
-// * EXTRA=1 (dense, EPI=store or conv): the workgroups past the matrix's own (group index ≥
-//   ceil(rows / NR)) compute P.extra_rows more rows from W2 (F32, K floats per row from vec4
-//   P.extra_offset) on the same input, stored as is after the matrix's rows (Y row P.rows + i):
-//   the decode step's F32 beta/alpha projection rides in the q‖k‖v‖z dispatch.
+// * EXTRA=1 (dense, EPI=store or conv): the first ceil(P.extra_rows / NR) workgroups compute
+//   P.extra_rows more rows from W2 (F32, K floats per row from vec4 P.extra_offset) on the same
+//   input, stored as is after the matrix's rows (Y row P.rows + i); the matrix's own come after
+//   them. The decode step's F32 beta/alpha projection rides in the q‖k‖v‖z dispatch; its
+//   workgroups walk all of K in F32 and take longest, so they are launched first rather than
+//   last, where at several columns they were the dispatch's tail.
 // Extra bindings follow W, X, Y in the order IDS, NORM or SQ, XN, RES, CONV_W, STATE, SLOTS, W2
 // (those the mode uses); their numbers come from the B_* defines the host computes.
 #include "common.wgsl"
@@ -431,15 +433,19 @@ fn main(ids: ComputeIds) {
 #endif
 #else
     let picks = 1u;
+#if EXTRA
+    let extra_groups = (P.extra_rows + {{NR}}u - 1u) / {{NR}}u;
+    let extra_wg = group_index(ids) < extra_groups;
+    let row0 = select(group_index(ids) - extra_groups, 0u, extra_wg) * {{NR}}u;
+#else
     let row0 = group_index(ids) * {{NR}}u;
+#endif
     let w_base = P.w_offset;
     let x_col0 = 0u;
     let y_base = P.y_offset;
 #endif
 #if EXTRA
-    let main_groups = (P.rows + {{NR}}u - 1u) / {{NR}}u;
-    let extra_wg = group_index(ids) >= main_groups;
-    let extra_row0 = select(0u, group_index(ids) - main_groups, extra_wg) * {{NR}}u;
+    let extra_row0 = select(0u, group_index(ids), extra_wg) * {{NR}}u;
     if select(row0 >= P.rows, extra_row0 >= P.extra_rows, extra_wg) {
         return;
     }
@@ -807,13 +813,16 @@ fn main(ids: ComputeIds) {
         }
     }
 #endif
-    // NR·NC outputs may outnumber the invocations (8 rows × 8 columns with 32).
+    // NR·NC outputs may outnumber the invocations (8 rows × 8 columns with 32). Neighbouring
+    // invocations take neighbouring rows of one column, so the stores (and the conv epilogue's
+    // slot state, a slot's channels side by side) are contiguous rather than a column apart.
     for (var i = ids.lid; i < {{NR}}u * {{NC}}u; i += {{WG}}u) {
-        let r = i / {{NC}}u;
-        let c = i % {{NC}}u;
+        let r = i % {{NR}}u;
+        let c = i / {{NR}}u;
+        let a = r * {{NC}}u + c;
         if out_row0 + r < row_end {
             let o = y_base + c * P.y_stride + out_row0 + r;
-            let y = workgroup_sum(i / 4u, i % 4u, n_sg) * column_scale(c, n_sg);
+            let y = workgroup_sum(a / 4u, a % 4u, n_sg) * column_scale(c, n_sg);
 #if EPI == add
             Y[o] = RES[o] + y;
 #else
