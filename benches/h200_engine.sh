@@ -13,6 +13,9 @@
 #      QK_KERNEL_SETS picks its parts),
 #      QK_BENCH_ARGS (extra engine_bench.py flags), QK_BENCH_ARGS_B (a second engine bench in the
 #      same lease with these flags, e.g. an engine option's other value: qk-bench-b.json),
+#      QK_WHEEL_B (that run with another build's wheel, e.g. the base of a change; its flags
+#      QK_BENCH_ARGS_B, else QK_BENCH_ARGS), QK_KERNELS_BENCH_B (each kernel set also run by
+#      another kernels-bench binary: kernels-<set>-b.txt),
 #      QK_SPLIT=1 (the split bench),
 #      QK_LLAMA_PREFILL_ONLY=1 (llama.cpp: pp512, pp4096, tg128 and pp32768 only: a prefill change's
 #      side by side in less device time), QK_AB_CHECKED=1 (every kernel bench set and the engine
@@ -38,15 +41,20 @@ kernels)
       moe) export QK_BENCH_ONLY_MOE=1 QK_BENCH_NO_ATTENTION=1 ;;
       deltanet) export QK_BENCH_ONLY_DELTANET=1 QK_BENCH_NO_ATTENTION=1 ;;
       attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
+      engine) export QK_BENCH_ONLY_ENGINE_PROJECTIONS=1 QK_BENCH_NO_ATTENTION=1 ;;
     esac
     echo "== kernel micro-benchmark ($set)"
     .device/kernels-bench > "$OUT/kernels-$set.txt" 2>&1; grep -v "^adapter\|^counters" "$OUT/kernels-$set.txt" | tail -150
+    if [ -n "${QK_KERNELS_BENCH_B:-}" ]; then
+      echo "== kernel micro-benchmark ($set), $QK_KERNELS_BENCH_B"
+      "$QK_KERNELS_BENCH_B" > "$OUT/kernels-$set-b.txt" 2>&1; grep -v "^adapter\|^counters" "$OUT/kernels-$set-b.txt" | tail -150
+    fi
     if [ "${QK_AB_CHECKED:-0}" = 1 ]; then
       echo "== kernel micro-benchmark ($set), checked shaders"
       QK_CHECKED_SHADERS=1 .device/kernels-bench > "$OUT/kernels-$set-checked.txt" 2>&1
       grep -v "^adapter\|^counters" "$OUT/kernels-$set-checked.txt" | tail -150
     fi
-    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE QK_BENCH_ONLY_DELTANET
+    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE QK_BENCH_ONLY_DELTANET QK_BENCH_ONLY_ENGINE_PROJECTIONS
   done
   exit 0 ;;
 start) ;;
@@ -61,6 +69,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 # The package's Python sources come from this tree (newer than the wheel when only Python changed),
 # its native module from the wheel.
 cp /tmp/site/qk/_qk*.so python/qk/
+if [ -n "${QK_WHEEL_B:-}" ]; then
+  rm -rf /tmp/site-b $WORK/python-b && mkdir -p /tmp/site-b
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-b "$QK_WHEEL_B" || exit 1
+  cp -r python $WORK/python-b && cp /tmp/site-b/qk/_qk*.so $WORK/python-b/qk/
+  : "${QK_BENCH_ARGS_B:=${QK_BENCH_ARGS:---prompt 512 --decode 128 --slots 8 --ctx 4096 --profile --top 12}}"
+fi
 cp -r benches python .device "$WORK"/
 cat > $WORK/run.sh <<EOF
 set -uo pipefail
@@ -110,7 +124,8 @@ python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 1
   > qk-bench.json 2> qk-bench.err; echo "rc=\$?"; grep -v "^qk: layer" qk-bench.err | tail -80; cat qk-bench.json
 if [ -n "${QK_BENCH_ARGS_B:-}" ]; then
   echo "== qk engine (release wheel), $LAYERS layers, second run: ${QK_BENCH_ARGS_B:-}"
-  python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS_B:-} > qk-bench-b.json 2> qk-bench-b.err; echo "rc=\$?"
+  PYTHONPATH=${QK_WHEEL_B:+$WORK/python-b:/tmp/site-b:}\$PYTHONPATH python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS_B:-} \
+    > qk-bench-b.json 2> qk-bench-b.err; echo "rc=\$?"
   grep -v "^qk: layer" qk-bench-b.err | tail -40; cat qk-bench-b.json
 fi
 if [ "${QK_AB_CHECKED:-0}" = 1 ]; then

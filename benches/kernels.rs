@@ -10,7 +10,9 @@
 //! QK_BENCH_ONLY_PREFILL=1 runs only the prefill cases (DeltaNet and MoE), QK_BENCH_ONLY_DECODE=1
 //! only the decode MoE layer (expert mat-vecs per launch shape), QK_BENCH_ONLY_ATTENTION=1
 //! only attention, QK_BENCH_ONLY_MOE=1 / QK_BENCH_ONLY_DELTANET=1 only the prefill MoE / chunked
-//! DeltaNet (with QK_BENCH_NO_ATTENTION=1), QK_BENCH_NO_ATTENTION=1 skips attention.
+//! DeltaNet (with QK_BENCH_NO_ATTENTION=1), QK_BENCH_NO_ATTENTION=1 skips attention,
+//! QK_BENCH_ONLY_ENGINE_PROJECTIONS=1 runs only the decode GDN projections as the engine records
+//! them (with QK_BENCH_NO_ATTENTION=1).
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
 //! (GpuOptions::checked_shaders): run the bench with and without it to compare.
@@ -33,8 +35,9 @@ use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecFusion, MatvecInput,
     MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator, expert_shape, group_experts,
-    k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec, matvec_id, matvec_id_routed,
-    matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes,
+    k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec, matvec_fused,
+    matvec_fused_with_f32_rows, matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped,
+    route_lanes,
 };
 
 struct Rng(u64);
@@ -195,11 +198,16 @@ fn main() {
         deltanet_prefill(&gpu, &mut rng);
         return;
     }
+    if flag("QK_BENCH_ONLY_ENGINE_PROJECTIONS") {
+        engine_projections_decode(&gpu, &mut rng);
+        return;
+    }
     if !flag("QK_BENCH_ONLY_PREFILL") {
         dispatch_floor(&gpu);
         handoff_round_trip(&gpu);
         moe_decode(&gpu, &mut rng);
         norm_projection_decode(&gpu, &mut rng);
+        engine_projections_decode(&gpu, &mut rng);
         coop_decode(&gpu, &mut rng);
         gdn_step_decode(&gpu);
     }
@@ -742,6 +750,166 @@ fn projection_shapes(
             println!(
                 "{label} decode {cols} column(s) ({rows}x{k} {}) {name:<10} {:>8.1} µs  {:>7.1} GB/s",
                 ty.name(),
+                t * 1e6,
+                bytes / t / 1e9
+            );
+        }
+    }
+}
+
+/// A buffer of `len` floats, each `value`.
+fn filled(gpu: &Gpu, name: &str, value: f32, len: usize) -> GpuBuffer {
+    gpu.buffer_from_f32(name, &vec![value; len]).expect("buffer")
+}
+
+/// The decode step's two GDN projections as the engine records them, beside their bare kernel-bench
+/// cases: the q‖k‖v‖z with its conv epilogue (8192 conv channels, 4 taps, each column its own
+/// slot's state) and the 64 F32 beta/alpha rows riding in the dispatch, and the output projection
+/// with its head RMS finished from 16 partial sums per head (the GDN step's) and the residual
+/// added. Each warm (the same weights every iteration, so an H200's 50 MB L2 holds them, as in
+/// every other case here) and cold (iterations rotate over copies of the weights ≥ 192 MB in all,
+/// as the engine reads a layer's weights once per step). At 8 columns the engine's profile had
+/// these dispatches at 1.5–1.8× the bare cases (session 12).
+fn engine_projections_decode(gpu: &Gpu, rng: &mut Rng) {
+    use std::cell::Cell;
+    let small = smoke();
+    let (rows, k, channels, extra_rows) = if small {
+        (96u32, 256u32, 64u32, 8u32)
+    } else {
+        (12288, 2048, 8192, 64)
+    };
+    let (heads, head_dim, parts) = if small {
+        (2u32, 128u32, 4u32)
+    } else {
+        (32, 128, 16)
+    };
+    let out_rows = if small { 64u32 } else { 2048 };
+    let taps = 4u32;
+    let max_cols = 8u32;
+    let iters = if small { 1 } else { 20 };
+    let copies_for = |bytes: u64| {
+        if small {
+            2
+        } else {
+            (192u64 << 20).div_ceil(bytes).max(2) as usize
+        }
+    };
+    let ty = GgmlType::IQ4XS;
+    let upload = |label: &str, ty: GgmlType, k: u32, rows: u32, rng: &mut Rng| {
+        gpu.upload_weight(
+            label,
+            ty,
+            u64::from(k),
+            u64::from(rows),
+            1,
+            &weights(ty, (rows * k) as usize, rng),
+        )
+        .expect("upload")
+    };
+    let qkvz_bytes = ty.bytes_for(u64::from(rows * k)).expect("blocks");
+    let qkvz: Vec<_> = (0..copies_for(qkvz_bytes))
+        .map(|_| upload("qkvz", ty, k, rows, rng))
+        .collect();
+    let ba: Vec<_> = (0..qkvz.len())
+        .map(|_| upload("ba", GgmlType::F32, k, extra_rows, rng))
+        .collect();
+    let dk = heads * head_dim;
+    let out_bytes = ty.bytes_for(u64::from(out_rows * dk)).expect("blocks");
+    let out: Vec<_> = (0..copies_for(out_bytes))
+        .map(|_| upload("out", ty, dk, out_rows, rng))
+        .collect();
+    let norm = filled(gpu, "norm_w", 1.0, k as usize);
+    let conv_w = filled(gpu, "conv_w", 0.25, (channels * taps) as usize);
+    let state_stride = (taps - 1) * channels;
+    let state = filled(gpu, "conv_state", 0.1, (max_cols * state_stride) as usize);
+    let slots = gpu
+        .buffer_from_u32("slots", &(0..max_cols).collect::<Vec<_>>())
+        .expect("slots");
+    let sums = filled(gpu, "head_sq", 8.0, (max_cols * heads * parts) as usize);
+    let x = filled(gpu, "x", 0.5, (max_cols * k.max(dk)) as usize);
+    let proj_width = rows + extra_rows;
+    let y = gpu
+        .buffer_zeroed("y", u64::from(max_cols * proj_width) * 4)
+        .expect("y");
+    let residual = filled(gpu, "residual", 0.25, (max_cols * out_rows) as usize);
+    let hidden = gpu
+        .buffer_zeroed("hidden", u64::from(max_cols * out_rows) * 4)
+        .expect("hidden");
+    for cols in [1u32, 8] {
+        hold_clocks(gpu);
+        let qkvz_fusion = MatvecFusion {
+            input: MatvecInput::Rms {
+                weight: &norm,
+                eps: 1e-6,
+                store: None,
+            },
+            output: MatvecOutput::Conv {
+                weights: &conv_w,
+                state: &state,
+                slots: &slots,
+                slots_offset: 0,
+                channels,
+                taps,
+                state_stride,
+            },
+        };
+        let out_fusion = MatvecFusion {
+            input: MatvecInput::HeadRms {
+                sums: &sums,
+                heads,
+                head_dim,
+                parts,
+                offset: 0,
+                stride: heads * parts,
+                eps: 1e-6,
+            },
+            output: MatvecOutput::AddTo { residual: &residual },
+        };
+        // (label, copies used): warm is copy 0 only.
+        let cases: [(&str, bool); 4] = [
+            ("q‖k‖v‖z+conv+beta/alpha warm", false),
+            ("q‖k‖v‖z+conv+beta/alpha cold", true),
+            ("head_rms(16 parts)+out+add warm", false),
+            ("head_rms(16 parts)+out+add cold", true),
+        ];
+        let best = best_of_two_passes(gpu, cases.len(), 0.0, 0.25, |i| {
+            let (_, cold) = cases[i];
+            let next = Cell::new(0usize);
+            let pick = |n: usize| {
+                let at = next.get();
+                next.set(at + 1);
+                if cold { at % n } else { 0 }
+            };
+            time_submit(gpu, iters, |rec| {
+                if i < 2 {
+                    let c = pick(qkvz.len());
+                    let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, proj_width));
+                    matvec_fused_with_f32_rows(gpu, rec, &qkvz[c], Some(&ba[c]), xc, yc, cols, &qkvz_fusion)
+                        .expect("q‖k‖v‖z");
+                } else {
+                    let c = pick(out.len());
+                    let (xc, yc) = (Columns::packed(&x, dk), Columns::packed(&hidden, out_rows));
+                    matvec_fused(gpu, rec, &out[c], xc, yc, cols, &out_fusion).expect("out");
+                }
+            })
+        });
+        for ((label, cold), t) in cases.iter().zip(best) {
+            let bytes = if label.starts_with("q") {
+                qkvz_bytes
+            } else {
+                out_bytes
+            } as f64;
+            let copies = if *cold {
+                if label.starts_with("q") {
+                    qkvz.len()
+                } else {
+                    out.len()
+                }
+            } else {
+                1
+            };
+            println!(
+                "engine decode {cols} column(s) {label:<34} {:>8.1} µs  {:>7.1} GB/s  ({copies} weight copies)",
                 t * 1e6,
                 bytes / t / 1e9
             );
