@@ -100,7 +100,7 @@ if [ "${QK_SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${QK_KERNELS:-0}" = 1 ]; then
   # QK_KERNEL_SETS: "all", or any of decode (the decode MoE layer and norm-fused projection per
-  # launch shape), prefill (the prefill kernels), moe / deltanet (the prefill MoE / chunked
+  # launch shape), engine (the decode GDN projections as the engine records them), prefill (the prefill kernels), moe / deltanet (the prefill MoE / chunked
   # DeltaNet alone), attention; one kernels-<set>.txt each.
   for set in ${QK_KERNEL_SETS:-all}; do
     echo "== kernel micro-benchmark (\$set)"
@@ -110,9 +110,14 @@ if [ "${QK_KERNELS:-0}" = 1 ]; then
       moe) export QK_BENCH_ONLY_MOE=1 QK_BENCH_NO_ATTENTION=1 ;;
       deltanet) export QK_BENCH_ONLY_DELTANET=1 QK_BENCH_NO_ATTENTION=1 ;;
       attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
+      engine) export QK_BENCH_ONLY_ENGINE_PROJECTIONS=1 QK_BENCH_NO_ATTENTION=1 ;;
     esac
     .device/kernels-bench > kernels-\$set.txt 2>&1; grep -v "^adapter\|^counters" kernels-\$set.txt | tail -80
-    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE QK_BENCH_ONLY_DELTANET
+    if [ -n "${QK_KERNELS_BENCH_B:-}" ]; then
+      echo "== kernel micro-benchmark (\$set), ${QK_KERNELS_BENCH_B:-}"
+      ${QK_KERNELS_BENCH_B:-} > kernels-\$set-b.txt 2>&1; grep -v "^adapter\|^counters" kernels-\$set-b.txt | tail -80
+    fi
+    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE QK_BENCH_ONLY_DELTANET QK_BENCH_ONLY_ENGINE_PROJECTIONS
   done
 fi
 wait \$MAKE
