@@ -34,9 +34,9 @@ use qk::ops::attention::{
 use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecFusion, MatvecInput,
-    MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, Prefetch, coop_accumulator, expert_shape,
-    group_experts, k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec, matvec_fused,
-    matvec_fused_prefetching, matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped,
+    MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator, expert_shape, group_experts,
+    k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec, matvec_fused,
+    matvec_fused_with_f32_rows, matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped,
     route_lanes,
 };
 
@@ -866,58 +866,47 @@ fn engine_projections_decode(gpu: &Gpu, rng: &mut Rng) {
             output: MatvecOutput::AddTo { residual: &residual },
         };
         // (label, copies used): warm is copy 0 only.
-        // (label, q‖k‖v‖z?, out?, cold, the q‖k‖v‖z prefetching the out projection's weights).
-        let cases: [(&str, bool, bool, bool, bool); 6] = [
-            ("q‖k‖v‖z+conv+beta/alpha warm", true, false, false, false),
-            ("q‖k‖v‖z+conv+beta/alpha cold", true, false, true, false),
-            ("head_rms(16 parts)+out+add warm", false, true, false, false),
-            ("head_rms(16 parts)+out+add cold", false, true, true, false),
-            ("both, cold", true, true, true, false),
-            ("both, cold, out prefetched", true, true, true, true),
+        let cases: [(&str, bool); 4] = [
+            ("q‖k‖v‖z+conv+beta/alpha warm", false),
+            ("q‖k‖v‖z+conv+beta/alpha cold", true),
+            ("head_rms(16 parts)+out+add warm", false),
+            ("head_rms(16 parts)+out+add cold", true),
         ];
         let best = best_of_two_passes(gpu, cases.len(), 0.0, 0.25, |i| {
-            let (_, with_qkvz, with_out, cold, prefetch) = cases[i];
+            let (_, cold) = cases[i];
             let next = Cell::new(0usize);
-            time_submit(gpu, iters, |rec| {
+            let pick = |n: usize| {
                 let at = next.get();
                 next.set(at + 1);
-                let (cq, co) = if cold {
-                    (at % qkvz.len(), at % out.len())
-                } else {
-                    (0, 0)
-                };
-                if with_qkvz {
+                if cold { at % n } else { 0 }
+            };
+            time_submit(gpu, iters, |rec| {
+                if i < 2 {
+                    let c = pick(qkvz.len());
                     let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, proj_width));
-                    let ahead = prefetch.then(|| Prefetch::of(&out[co]));
-                    matvec_fused_prefetching(
-                        gpu,
-                        rec,
-                        &qkvz[cq],
-                        Some(&ba[cq]),
-                        xc,
-                        yc,
-                        cols,
-                        &qkvz_fusion,
-                        ahead,
-                    )
-                    .expect("q‖k‖v‖z");
-                }
-                if with_out {
+                    matvec_fused_with_f32_rows(gpu, rec, &qkvz[c], Some(&ba[c]), xc, yc, cols, &qkvz_fusion)
+                        .expect("q‖k‖v‖z");
+                } else {
+                    let c = pick(out.len());
                     let (xc, yc) = (Columns::packed(&x, dk), Columns::packed(&hidden, out_rows));
-                    matvec_fused(gpu, rec, &out[co], xc, yc, cols, &out_fusion).expect("out");
+                    matvec_fused(gpu, rec, &out[c], xc, yc, cols, &out_fusion).expect("out");
                 }
             })
         });
-        for ((label, with_qkvz, with_out, cold, _), t) in cases.iter().zip(best) {
-            let bytes = [(*with_qkvz, qkvz_bytes), (*with_out, out_bytes)]
-                .iter()
-                .filter(|(on, _)| *on)
-                .map(|(_, b)| *b)
-                .sum::<u64>() as f64;
-            let copies = if *cold {
-                format!("{} / {}", qkvz.len(), out.len())
+        for ((label, cold), t) in cases.iter().zip(best) {
+            let bytes = if label.starts_with("q") {
+                qkvz_bytes
             } else {
-                "1".into()
+                out_bytes
+            } as f64;
+            let copies = if *cold {
+                if label.starts_with("q") {
+                    qkvz.len()
+                } else {
+                    out.len()
+                }
+            } else {
+                1
             };
             println!(
                 "engine decode {cols} column(s) {label:<34} {:>8.1} µs  {:>7.1} GB/s  ({copies} weight copies)",

@@ -38,14 +38,8 @@
 //   them. The decode step's F32 beta/alpha projection rides in the q‖k‖v‖z dispatch; its
 //   workgroups walk all of K in F32 and take longest, so they are launched first rather than
 //   last, where at several columns they were the dispatch's tail.
-// * PREFETCH=1 (dense): the dispatch also reads one word of every 32-byte sector of P.pf_words
-//   words of PF from word P.pf_offset (PF_LOADS per invocation, the grid's invocations apart), so the
-//   weights of a kernel later in the step are in L2 when it starts: the decode step's mat-vecs
-//   leave most of the H200's memory bandwidth idle, and a cold matrix costs ~2 µs more than a warm
-//   one. The words are folded into a test against P.pf_mask (always 0: nothing changes), which
-//   keeps the loads alive; it sits before the reduction, so their latency hides under the work.
-// Extra bindings follow W, X, Y in the order IDS, NORM or SQ, XN, RES, CONV_W, STATE, SLOTS, W2,
-// PF (those the mode uses); their numbers come from the B_* defines the host computes.
+// Extra bindings follow W, X, Y in the order IDS, NORM or SQ, XN, RES, CONV_W, STATE, SLOTS, W2
+// (those the mode uses); their numbers come from the B_* defines the host computes.
 #include "common.wgsl"
 #include "common_dequant.wgsl"
 #include "common_reduce.wgsl"
@@ -76,9 +70,6 @@
 #define B_SL 5
 #define EXTRA 0
 #define B_W2 3
-#define PREFETCH 0
-#define PF_LOADS 1
-#define B_PF 3
 // MOE with ROUTE=1: the token's experts are picked here from the router logits (common_route.wgsl:
 // subgroup 0 of each workgroup routes, RSG its size, PER_LANE = ceil(experts / RSG)) instead of by a
 // router dispatch, and one workgroup per token writes the picks for the kernels after it.
@@ -127,7 +118,6 @@
 #variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
 #variants QTYPE=iq4_xs NR=8 WG=64 ACC4=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 EPI=add B_RES=3
-#variants QTYPE=iq4_xs NR=8 WG=64 ACC4=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7 PREFETCH=1 PF_LOADS=2 B_PF=8
 #variants QTYPE=iq4_xs NR=4 WG=256 PRE=head_rms EPI=add B_SQ=3 B_RES=4
 #variants QTYPE=q6_k MOE=1 PRE=silu_mul B_IDS=3
 #variants QTYPE=iq4_xs MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=16 WG=128 ACC4=4
@@ -181,10 +171,6 @@ struct MatvecParams {
     // EXTRA: W2's rows and the vec4 index of its first.
     extra_rows: u32,
     extra_offset: u32,
-    // PREFETCH: PF's first word and words, and 0.
-    pf_offset: u32,
-    pf_words: u32,
-    pf_mask: u32,
 }
 
 var<immediate> P: MatvecParams;
@@ -221,9 +207,6 @@ var<workgroup> head_inv: array<f32, {{NC}} * {{HEADS}}>;
 #endif
 #if EXTRA
 @group(0) @binding({{B_W2}}) var<storage, read> W2: array<vec4<f32>>;
-#endif
-#if PREFETCH
-@group(0) @binding({{B_PF}}) var<storage, read> PF: array<u32>;
 #endif
 #if EPI == conv
 @group(0) @binding({{B_CW}}) var<storage, read> CONV_W: array<f32>;
@@ -394,15 +377,6 @@ fn i8x4_to_f32(w: u32) -> vec4<f32> {
 
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
-#if PREFETCH
-    // Issued first, waited for only before the reduction.
-    let pf_at = group_index(ids) * {{WG}}u + ids.lid;
-    let pf_threads = ids.nwg.x * ids.nwg.y * {{WG}}u;
-    var pf = 0u;
-#for j in 0..PF_LOADS
-    pf ^= PF[P.pf_offset + min((pf_at + {{j}}u * pf_threads) * 8u, P.pf_words - 1u)];
-#endfor
-#endif
 #if QTYPE == iq4_xs
     if ids.lid < 16u {
         kv_table[ids.lid] = kv_iq4nl4(vec4<u32>(ids.lid)).x;
@@ -792,11 +766,6 @@ fn main(ids: ComputeIds) {
     // 8 rows × 8 columns). Outputs are read back from workgroup memory by index, so `acc` is only
     // ever indexed by constants and stays in registers. Without subgroups, wg_sum4's tree gives
     // one part: the whole workgroup's.
-#if PREFETCH
-    if (pf & P.pf_mask) != 0u {
-        acc[0] += vec4<f32>(1.0);
-    }
-#endif
 #if SUBGROUPS
     let part = ids.sg_id;
     let writes = ids.sg_lane == 0u;

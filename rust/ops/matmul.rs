@@ -99,35 +99,7 @@ struct MatvecParams {
     sq_stride: u32,
     extra_rows: u32,
     extra_offset: u32,
-    pf_offset: u32,
-    pf_words: u32,
-    pf_mask: u32,
 }
-
-/// Bytes a mat-vec dispatch reads ahead into L2 for a kernel after it (matvec.wgsl PREFETCH): one
-/// word of every 32-byte sector of `bytes` bytes of `buf` from byte `offset` (4-aligned).
-#[derive(Clone, Copy, Debug)]
-pub struct Prefetch<'a> {
-    pub buf: &'a GpuBuffer,
-    pub offset: u64,
-    pub bytes: u64,
-}
-
-impl<'a> Prefetch<'a> {
-    /// The weights of `w`'s first window (a dense matrix has one).
-    pub fn of(w: &'a WeightTensor) -> Self {
-        let win = &w.windows[0];
-        Prefetch {
-            buf: &win.buffer,
-            offset: win.offset,
-            bytes: win.n_rows * w.row_bytes,
-        }
-    }
-}
-
-/// Sector loads per invocation at most (a prefetch larger than this many sectors per invocation
-/// reads only its first part).
-const PREFETCH_MAX_LOADS: u64 = 16;
 
 /// What a mat-vec does to its activation columns before the product (matvec.wgsl `PRE`).
 #[derive(Clone, Copy, Debug, Default)]
@@ -499,18 +471,7 @@ pub fn matvec(
     y: Columns<'_>,
     ncols: u32,
 ) -> Result<()> {
-    matvec_with(
-        gpu,
-        rec,
-        w,
-        x,
-        y,
-        ncols,
-        &MatvecFusion::default(),
-        None,
-        None,
-        None,
-    )
+    matvec_with(gpu, rec, w, x, y, ncols, &MatvecFusion::default(), None, None)
 }
 
 /// [`matvec_fused`] with a launch shape other than the default (tuning runs); None is the default.
@@ -525,7 +486,7 @@ pub fn matvec_shaped(
     fusion: &MatvecFusion<'_>,
     shape: Option<MatvecShape>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, shape, None, None)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, shape, None)
 }
 
 /// [`matvec`] with fused input and output stages (see [`MatvecFusion`]).
@@ -538,7 +499,7 @@ pub fn matvec_fused(
     ncols: u32,
     fusion: &MatvecFusion<'_>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, None, None)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, None)
 }
 
 /// [`matvec_fused`] of `w` and, with `extra`, in the same dispatch, of that F32 matrix over the
@@ -556,24 +517,7 @@ pub fn matvec_fused_with_f32_rows(
     ncols: u32,
     fusion: &MatvecFusion<'_>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, extra, None)
-}
-
-/// [`matvec_fused_with_f32_rows`] that also reads `prefetch` into L2 for a kernel after it
-/// (`None`: the same dispatch as without).
-#[allow(clippy::too_many_arguments)]
-pub fn matvec_fused_prefetching(
-    gpu: &Gpu,
-    rec: &mut Recorder<'_>,
-    w: &WeightTensor,
-    extra: Option<&WeightTensor>,
-    x: Columns<'_>,
-    y: Columns<'_>,
-    ncols: u32,
-    fusion: &MatvecFusion<'_>,
-    prefetch: Option<Prefetch<'_>>,
-) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, extra, prefetch)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, extra)
 }
 
 /// Whether [`matvec_fused_with_f32_rows`] takes `extra` beside `w`.
@@ -600,17 +544,8 @@ fn matvec_with(
     fusion: &MatvecFusion<'_>,
     shape: Option<MatvecShape>,
     extra: Option<&WeightTensor>,
-    prefetch: Option<Prefetch<'_>>,
 ) -> Result<()> {
     check_dense("matvec", "; use matvec_id", w, &x, &y, ncols)?;
-    if let Some(pf) = prefetch
-        && (!pf.offset.is_multiple_of(4) || pf.bytes < 4 || pf.offset + pf.bytes > pf.buf.size)
-    {
-        return Err(QkError::Engine(format!(
-            "{}: prefetch of {} bytes at {} outside its buffer or unaligned",
-            w.name, pf.bytes, pf.offset
-        )));
-    }
     check_fusion(w, fusion, ncols)?;
     let extra_rows = match extra {
         None => 0,
@@ -645,30 +580,13 @@ fn matvec_with(
                 ),
             ))
             .clamped();
-        let mut extra_defines = match extra {
+        let extra_defines = match extra {
             None => vec![],
             Some(_) => {
                 let binding = 3 + fusion.bindings().len();
                 vec![("EXTRA", "1".into()), ("B_W2", binding.to_string())]
             }
         };
-        // The first window's dispatch (of the first columns) prefetches, with every invocation
-        // of its grid: one sector load per invocation per PF_LOADS.
-        let first_groups = w.windows[0].n_rows.div_ceil(u64::from(shape.rows))
-            + extra.map_or(0, |e| e.rows.div_ceil(u64::from(shape.rows)));
-        let threads = first_groups * u64::from(shape.wg);
-        let pf = prefetch.filter(|_| done == 0).map(|pf| {
-            let loads = (pf.bytes.div_ceil(32).div_ceil(threads)).clamp(1, PREFETCH_MAX_LOADS);
-            (pf, loads, (pf.bytes / 4).min(loads * threads * 8))
-        });
-        if let Some((_, loads, _)) = pf {
-            let binding = 3 + fusion.bindings().len() + usize::from(extra.is_some());
-            extra_defines.extend([
-                ("PREFETCH", "1".into()),
-                ("PF_LOADS", loads.to_string()),
-                ("B_PF", binding.to_string()),
-            ]);
-        }
         let pipe = matvec_pipeline(gpu, w.ty, nc, false, shape, fusion, &extra_defines)?;
         for win in &w.windows {
             let mut p = MatvecParams {
@@ -697,12 +615,6 @@ fn matvec_with(
                 p.extra_offset = as_u32(ewin.offset / 16, "extra offset")?;
                 bindings.push(ewin.buffer.all());
                 groups += extra_rows.div_ceil(shape.rows);
-            }
-            if let Some((pf, _, words)) = pf {
-                // Later windows' dispatches read the same words again (already in L2).
-                p.pf_offset = as_u32(pf.offset / 4, "prefetch offset")?;
-                p.pf_words = as_u32(words, "prefetch words")?;
-                bindings.push(pf.buf.all());
             }
             rec.dispatch(&pipe, &bindings, bytemuck::bytes_of(&p), gpu.grid(groups))?;
         }
