@@ -327,7 +327,7 @@ impl MatvecShape {
     }
 
     /// The shape of a dense mat-vec over a matrix of `rows` rows of K = `k`, with `ncols` columns and
-    /// (`norm`) the RMSNorm folded into it: [`MatvecShape::default_for`] for large matrices, which
+    /// the `input` stage folded into it: [`MatvecShape::default_for`] for large matrices, which
     /// those shapes were tuned on. The decode step's small ones (0.1–10 M weights) get a workgroup
     /// wide enough that each invocation takes about one step of K, so the whole GPU has loads in
     /// flight — 8 rows × 32 invocations walking K left most of an H200 idle (130–250 GB/s on 4–9 MB
@@ -335,7 +335,8 @@ impl MatvecShape {
     /// loads serve more rows) and with a fused norm (every workgroup recomputes its columns' norms:
     /// 1 row per workgroup made dn.qkv slower). The workgroup width, which fixes how K is split and so
     /// each row's sum, depends on K alone: a row's result is the same in any batch.
-    pub fn for_matrix(ty: GgmlType, rows: u64, k: u64, ncols: u32, norm: bool) -> Self {
+    pub fn for_matrix(ty: GgmlType, rows: u64, k: u64, ncols: u32, input: &MatvecInput<'_>) -> Self {
+        let norm = matches!(input, MatvecInput::Rms { .. } | MatvecInput::HeadRms { .. });
         // Weights one invocation takes per step on the word paths (16: IQ4_XS, Q4_K, Q6_K pairs of
         // words), 8 elsewhere.
         let per_step = match ty {
@@ -352,15 +353,17 @@ impl MatvecShape {
         // 53.5 for 8, at 4 rows 22.1 and 66.7, and the engine profile's q‖k‖v‖z fell from 1,038 to
         // 898 µs per step at 1 column. The rest keep 4: at 8 rows the GDN output projection and
         // the router were slower in that engine profile (+96 and +98 µs per step), though the
-        // kernel bench had the router faster. Without a norm, five columns and more take 8: since
-        // the workgroup's sums go through one exchange (session 12), the output projections
-        // (2048 × 4096 IQ4_XS, residual added) at 8 columns took 23.6 (GDN, head RMS in) and
-        // 22.5 µs (attention) at 8 rows against 26.7 and 27.0 at 4 (H200, 2026-12-02, clocks
-        // held); at 4 columns 16.2 against 16.3, so 4 stay below five.
+        // kernel bench had the router faster (at 8 columns it measured 8 rows at 19.6 µs against
+        // 9.8 at 4). The output projections (2048 × 4096 IQ4_XS, residual added; the GDN one with
+        // the head RMS, whose per-workgroup cost is a few sums, not a pass over X) take 8 from
+        // five columns: since the workgroup's sums go through one exchange (session 12), at 8
+        // columns they took 22.3 (GDN) and 21.2 µs (attention) at 8 rows against 27.1 and 25.6 at
+        // 4 (H200, 2026-12-02, clocks held); at 4 columns 16.2 against 16.3, so 4 stay below five.
         let big_norm = norm && rows * steps >= BIG_NORM_STEPS;
+        let plain_rows = !matches!(input, MatvecInput::Rms { .. });
         let rows_per_group = match (norm, ncols) {
             _ if big_norm => 8,
-            (false, 5..) => 8,
+            (_, 5..) if plain_rows => 8,
             (true, _) | (_, 3..) => 4,
             (false, 2) => 2,
             _ => 1,
@@ -569,16 +572,7 @@ fn matvec_with(
     while done < ncols {
         let nc = (ncols - done).min(MATVEC_MAX_COLS);
         let shape = shape
-            .unwrap_or(MatvecShape::for_matrix(
-                w.ty,
-                w.rows,
-                w.cols,
-                nc,
-                matches!(
-                    fusion.input,
-                    MatvecInput::Rms { .. } | MatvecInput::HeadRms { .. }
-                ),
-            ))
+            .unwrap_or(MatvecShape::for_matrix(w.ty, w.rows, w.cols, nc, &fusion.input))
             .clamped();
         let extra_defines = match extra {
             None => vec![],
