@@ -558,6 +558,9 @@ fn main(ids: ComputeIds) {
 #endif
 
 #if OP == prepare
+// Elements of a head per invocation, and pairs of its V row.
+const PER_LANE_D: u32 = (D + {{WG}}u - 1u) / {{WG}}u;
+const PER_LANE_V: u32 = (D / 2u + {{WG}}u - 1u) / {{WG}}u;
 var<workgroup> vals: array<f32, D>;
 var<workgroup> block_scale: array<f32, D / 32u + 1u>;
 
@@ -578,51 +581,91 @@ fn main(ids: ComputeIds) {
     if is_q {
         src = base + P.q_offset + item * P.q_head_stride;
     }
-    var sq = 0.0;
-    for (var d = ids.lid; d < D; d += {{WG}}u) {
-        let x = PROJ[src + d];
-        sq += x * x;
-    }
-    let inv = inverseSqrt(wg_sum(sq, ids) / f32(D) + P.eps);
-    for (var d = ids.lid; d < D; d += {{WG}}u) {
-        var w = K_NORM[d];
-        if is_q {
-            w = Q_NORM[d];
-        }
-        vals[d] = PROJ[src + d] * inv * w;
-    }
-    workgroupBarrier();
     let half = P.n_rot / 2u;
-    var rotated: array<f32, (D + {{WG}}u - 1u) / {{WG}}u>;
-    for (var d = ids.lid; d < D; d += {{WG}}u) {
-        var y = vals[d];
-        if d < P.n_rot {
-            let i = d % half;
-            let angle = f32(pos) * FREQS[i];
-            let k = round(angle / TWO_PI);
-            let reduced = (angle - k * TWO_PI_HEAD) - k * TWO_PI_TAIL;
-            let c = cos(reduced);
-            let s = sin(reduced);
-            if d < half {
-                y = vals[d] * c - vals[d + half] * s;
-            } else {
-                y = vals[d - half] * s + vals[d] * c;
+    // Every load of this workgroup is issued before its first barrier: its elements of the head,
+    // their norm weights and rotation frequencies, and (a kv head) the V row it stores; each was a
+    // further round trip after a barrier. The same operations in the same order as one after the
+    // other, so the same bytes.
+    var xs: array<f32, PER_LANE_D>;
+    var ws: array<f32, PER_LANE_D>;
+    var freqs: array<f32, PER_LANE_D>;
+    var vs: array<vec2<f32>, PER_LANE_V>;
+    for (var j = 0u; j < PER_LANE_D; j++) {
+        let d = ids.lid + j * {{WG}}u;
+        if d < D {
+            xs[j] = PROJ[src + d];
+            var w = K_NORM[d];
+            if is_q {
+                w = Q_NORM[d];
+            }
+            ws[j] = w;
+            if d < P.n_rot {
+                freqs[j] = FREQS[d % half];
             }
         }
-        rotated[d / {{WG}}u] = y;
+    }
+    let vsrc = base + P.v_offset + g * D;
+    if !is_q {
+        for (var j = 0u; j < PER_LANE_V; j++) {
+            let w = ids.lid + j * {{WG}}u;
+            if w < D / 2u {
+                vs[j] = vec2<f32>(PROJ[vsrc + 2u * w], PROJ[vsrc + 2u * w + 1u]);
+            }
+        }
+    }
+    var sq = 0.0;
+    for (var j = 0u; j < PER_LANE_D; j++) {
+        if ids.lid + j * {{WG}}u < D {
+            sq += xs[j] * xs[j];
+        }
+    }
+    let inv = inverseSqrt(wg_sum(sq, ids) / f32(D) + P.eps);
+    for (var j = 0u; j < PER_LANE_D; j++) {
+        let d = ids.lid + j * {{WG}}u;
+        if d < D {
+            vals[d] = xs[j] * inv * ws[j];
+        }
     }
     workgroupBarrier();
-    for (var d = ids.lid; d < D; d += {{WG}}u) {
-        vals[d] = rotated[d / {{WG}}u];
+    var rotated: array<f32, PER_LANE_D>;
+    for (var j = 0u; j < PER_LANE_D; j++) {
+        let d = ids.lid + j * {{WG}}u;
+        if d < D {
+            var y = vals[d];
+            if d < P.n_rot {
+                let angle = f32(pos) * freqs[j];
+                let k = round(angle / TWO_PI);
+                let reduced = (angle - k * TWO_PI_HEAD) - k * TWO_PI_TAIL;
+                let c = cos(reduced);
+                let s = sin(reduced);
+                if d < half {
+                    y = vals[d] * c - vals[d + half] * s;
+                } else {
+                    y = vals[d - half] * s + vals[d] * c;
+                }
+            }
+            rotated[j] = y;
+        }
     }
-    workgroupBarrier();
     if is_q {
+        // Each invocation stores its own elements: no exchange, so no further barrier.
         let out = P.q_out_offset + r * P.q_out_row_stride + item * D;
-        for (var d = ids.lid; d < D; d += {{WG}}u) {
-            Q_OUT[out + d] = vals[d];
+        for (var j = 0u; j < PER_LANE_D; j++) {
+            let d = ids.lid + j * {{WG}}u;
+            if d < D {
+                Q_OUT[out + d] = rotated[j];
+            }
         }
         return;
     }
+    workgroupBarrier();
+    for (var j = 0u; j < PER_LANE_D; j++) {
+        let d = ids.lid + j * {{WG}}u;
+        if d < D {
+            vals[d] = rotated[j];
+        }
+    }
+    workgroupBarrier();
     let cell = (local * P.ctx + pos) * P.kv_heads + g;
     let kw = cell * K_ROW;
 #if K_TYPE == 0
@@ -656,16 +699,17 @@ fn main(ids: ComputeIds) {
         K_CACHE[kw + D / 4u + w] = pack2x16float(vec2<f32>(block_scale[2u * w], hi));
     }
 #endif
-    let vsrc = base + P.v_offset + g * D;
     let vw = cell * V_ROW;
+    for (var j = 0u; j < PER_LANE_V; j++) {
+        let w = ids.lid + j * {{WG}}u;
+        if w < D / 2u {
 #if V_TYPE == 0
-    for (var d = ids.lid; d < D; d += {{WG}}u) {
-        V_CACHE[vw + d] = PROJ[vsrc + d];
-    }
+            V_CACHE[vw + 2u * w] = vs[j].x;
+            V_CACHE[vw + 2u * w + 1u] = vs[j].y;
 #else
-    for (var w = ids.lid; w < D / 2u; w += {{WG}}u) {
-        V_CACHE[vw + w] = pack2x16float(vec2<f32>(PROJ[vsrc + 2u * w], PROJ[vsrc + 2u * w + 1u]));
-    }
+            V_CACHE[vw + w] = pack2x16float(vs[j]);
 #endif
+        }
+    }
 }
 #endif
