@@ -7,14 +7,9 @@
 // the same picks in the same order.
 // The picks compare integer keys, not floats: a probability is >= 0, so its float bits order as
 // a u32 does; the key is those bits + 1, and 0 marks a taken expert (or a NaN, which no float
-// comparison ever picked). The same picks as comparing the floats, but each round's two
-// reductions are 32-bit integer max and min, which GPUs with an integer subgroup-reduce
-// instruction do in one (the H200 does: an f32 max is five shuffle steps); the routing's rounds
-// sit before the expert product's first weight load.
-//
-// The including kernel declares ROUTE_LOGITS (array<f32>), ROUTE_IDS (array<u32>, read_write) and
-// ROUTE_W (array<f32>, read_write), and defines RSG (its subgroup size) and PER_LANE
-// (ceil(experts / RSG)).
+// comparison ever picked). The same picks as comparing the floats; each round's reductions are
+// 32-bit integer max and min, which a GPU may do in one instruction where an f32 max takes
+// shuffle steps (on the H200 the routed gate/up measured 17.6 → 16.7 µs at one token, 2026-12-02).
 
 const ROUTE_NO_EXPERT: u32 = 0xffffffffu;
 // What a round reports when no expert is left (all taken): the float compare's "below every
