@@ -100,8 +100,9 @@ if [ "${QK_SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${QK_KERNELS:-0}" = 1 ]; then
   # QK_KERNEL_SETS: "all", or any of decode (the decode MoE layer and norm-fused projection per
-  # launch shape), engine (the decode GDN projections as the engine records them), prefill (the prefill kernels), moe / deltanet (the prefill MoE / chunked
-  # DeltaNet alone), attention; one kernels-<set>.txt each.
+  # launch shape), engine (the decode GDN projections as the engine records them), prefill (the
+  # prefill kernels), moe / deltanet (the prefill MoE / chunked DeltaNet alone), attention; one
+  # kernels-<set>.txt each.
   for set in ${QK_KERNEL_SETS:-all}; do
     echo "== kernel micro-benchmark (\$set)"
     case \$set in

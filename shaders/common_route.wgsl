@@ -5,6 +5,11 @@
 // holds experts lane + j·RSG for j < PER_LANE in registers, and each pick is two subgroup
 // reductions, no barrier. Several subgroups of a workgroup may route the same token: they compute
 // the same picks in the same order.
+//
+// The including kernel declares ROUTE_LOGITS (array<f32>), ROUTE_IDS (array<u32>, read_write) and
+// ROUTE_W (array<f32>, read_write), and defines RSG (its subgroup size) and PER_LANE
+// (ceil(experts / RSG)).
+//
 // The picks compare integer keys, not floats: a probability is >= 0, so its float bits order as
 // a u32 does; the key is those bits + 1, and 0 marks a taken expert (or a NaN, which no float
 // comparison ever picked). The same picks as comparing the floats; each round's reductions are
