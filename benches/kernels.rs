@@ -26,7 +26,7 @@
 use std::time::Instant;
 
 use qk::gguf::GgmlType;
-use qk::gpu::{Gpu, GpuBuffer, Recorder};
+use qk::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
 use qk::ops::attention::{
     self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrefillKernel, PrepareArgs,
     ProjLayout, reference,
@@ -70,6 +70,17 @@ fn weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
         }),
     }
     b
+}
+
+/// A dense `rows` × `k` matrix of random blocks of `ty` ([`weights`]) on the GPU.
+fn random_matrix(gpu: &Gpu, label: &str, ty: GgmlType, k: u64, rows: u64, rng: &mut Rng) -> WeightTensor {
+    gpu.upload_weight(label, ty, k, rows, 1, &weights(ty, (rows * k) as usize, rng))
+        .expect("upload")
+}
+
+/// A buffer of `len` floats, each `value`.
+fn filled(gpu: &Gpu, name: &str, value: f32, len: usize) -> GpuBuffer {
+    gpu.buffer_from_f32(name, &vec![value; len]).expect("buffer")
 }
 
 fn flag(name: &str) -> bool {
@@ -251,10 +262,8 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
         }
         let row_bytes = ty.bytes_for(k as u64).expect("k");
         let m = (target_bytes / row_bytes).max(64) as usize;
-        let w = gpu
-            .upload_weight("bench_w", ty, k as u64, m as u64, 1, &weights(ty, m * k, rng))
-            .expect("upload");
-        let x = gpu.buffer_from_f32("x", &vec![0.5; k * 8]).expect("x");
+        let w = random_matrix(gpu, "bench_w", ty, k as u64, m as u64, rng);
+        let x = filled(gpu, "x", 0.5, k * 8);
         let y = gpu.buffer_zeroed("y", (m * 8 * 4) as u64).expect("y");
         let mut line = format!(
             "matvec {:<7} {:>7.1} MiB",
@@ -295,17 +304,8 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
         (4096, 4096, 512)
     };
     for ty in [GgmlType::IQ4XS, GgmlType::Q8_0, GgmlType::F16] {
-        let w = gpu
-            .upload_weight(
-                "bench_mm",
-                ty,
-                mk as u64,
-                mm as u64,
-                1,
-                &weights(ty, mm * mk, rng),
-            )
-            .expect("upload");
-        let x: GpuBuffer = gpu.buffer_from_f32("x", &vec![0.5; mk * mn as usize]).expect("x");
+        let w = random_matrix(gpu, "bench_mm", ty, mk as u64, mm as u64, rng);
+        let x = filled(gpu, "x", 0.5, mk * mn as usize);
         let y = gpu.buffer_zeroed("y", (mm * mn as usize * 4) as u64).expect("y");
         let flops = 2.0 * mm as f64 * mk as f64 * f64::from(mn);
         let mut line = format!("matmul {:<7} {mm}x{mk}x{mn}:", ty.name());
@@ -388,17 +388,8 @@ fn projection_prefill(gpu: &Gpu, rng: &mut Rng) {
     };
     let max_cols = *pieces.iter().max().expect("a piece") as usize;
     for &(name, ty, rows, k) in shapes {
-        let w = gpu
-            .upload_weight(
-                "bench_proj",
-                ty,
-                k as u64,
-                rows as u64,
-                1,
-                &weights(ty, rows * k, rng),
-            )
-            .expect("upload");
-        let x = gpu.buffer_from_f32("x", &vec![0.5; k * max_cols]).expect("x");
+        let w = random_matrix(gpu, "bench_proj", ty, k as u64, rows as u64, rng);
+        let x = filled(gpu, "x", 0.5, k * max_cols);
         let y = gpu.buffer_zeroed("y", (rows * max_cols * 4) as u64).expect("y");
         let splits = k_splits(rows as u64, k as u64);
         let part = gpu
@@ -600,9 +591,7 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
         store: None,
     };
     let (rows, k) = if small { (96u32, 256u32) } else { (12288, 2048) };
-    let norm = gpu
-        .buffer_from_f32("norm_w", &vec![1.0; k as usize])
-        .expect("norm");
+    let norm = filled(gpu, "norm_w", 1.0, k as usize);
     let case = |label, ty, rows, k, cols| ProjectionCase {
         label,
         ty,
@@ -645,9 +634,7 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
     } else {
         (2048, 32, 128)
     };
-    let sums = gpu
-        .buffer_from_f32("head_sq", &vec![128.0; (8 * heads) as usize])
-        .expect("sums");
+    let sums = filled(gpu, "head_sq", 128.0, (8 * heads) as usize);
     let head_rms = MatvecInput::HeadRms {
         sums: &sums,
         heads,
@@ -706,27 +693,14 @@ fn projection_shapes(
         k,
         cols: col_counts,
     } = case;
-    let w = gpu
-        .upload_weight(
-            label,
-            ty,
-            u64::from(k),
-            u64::from(rows),
-            1,
-            &weights(ty, (rows * k) as usize, rng),
-        )
-        .expect("upload");
+    let w = random_matrix(gpu, label, ty, u64::from(k), u64::from(rows), rng);
     let iters = if smoke() { 1 } else { 20 };
     let bytes = (w.rows * w.row_bytes) as f64;
     for &cols in col_counts {
         hold_clocks(gpu);
-        let x = gpu
-            .buffer_from_f32("x", &vec![0.5; (cols * k) as usize])
-            .expect("x");
+        let x = filled(gpu, "x", 0.5, (cols * k) as usize);
         let y = gpu.buffer_zeroed("y", u64::from(cols * rows) * 4).expect("y");
-        let residual = gpu
-            .buffer_from_f32("residual", &vec![0.25; (cols * rows) as usize])
-            .expect("residual");
+        let residual = filled(gpu, "residual", 0.25, (cols * rows) as usize);
         let fusion = MatvecFusion {
             input,
             output: if add {
@@ -757,11 +731,6 @@ fn projection_shapes(
     }
 }
 
-/// A buffer of `len` floats, each `value`.
-fn filled(gpu: &Gpu, name: &str, value: f32, len: usize) -> GpuBuffer {
-    gpu.buffer_from_f32(name, &vec![value; len]).expect("buffer")
-}
-
 /// The decode step's two GDN projections as the engine records them, beside their bare kernel-bench
 /// cases: the q‖k‖v‖z with its conv epilogue (8192 conv channels, 4 taps, each column its own
 /// slot's state) and the 64 F32 beta/alpha rows riding in the dispatch, and the output projection
@@ -771,7 +740,6 @@ fn filled(gpu: &Gpu, name: &str, value: f32, len: usize) -> GpuBuffer {
 /// as the engine reads a layer's weights once per step). At 8 columns the engine's profile had
 /// these dispatches at 1.5–1.8× the bare cases (session 12).
 fn engine_projections_decode(gpu: &Gpu, rng: &mut Rng) {
-    use std::cell::Cell;
     let small = smoke();
     let (rows, k, channels, extra_rows) = if small {
         (96u32, 256u32, 64u32, 8u32)
@@ -787,37 +755,40 @@ fn engine_projections_decode(gpu: &Gpu, rng: &mut Rng) {
     let taps = 4u32;
     let max_cols = 8u32;
     let iters = if small { 1 } else { 20 };
+    // Copies of a matrix of `bytes` bytes that make ≥ 192 MB (2 in smoke runs).
     let copies_for = |bytes: u64| {
         if small {
             2
         } else {
-            (192u64 << 20).div_ceil(bytes).max(2) as usize
+            (192u64 << 20).div_ceil(bytes).max(2)
         }
     };
     let ty = GgmlType::IQ4XS;
-    let upload = |label: &str, ty: GgmlType, k: u32, rows: u32, rng: &mut Rng| {
-        gpu.upload_weight(
-            label,
-            ty,
-            u64::from(k),
-            u64::from(rows),
-            1,
-            &weights(ty, (rows * k) as usize, rng),
-        )
-        .expect("upload")
-    };
-    let qkvz_bytes = ty.bytes_for(u64::from(rows * k)).expect("blocks");
-    let qkvz: Vec<_> = (0..copies_for(qkvz_bytes))
-        .map(|_| upload("qkvz", ty, k, rows, rng))
-        .collect();
-    let ba: Vec<_> = (0..qkvz.len())
-        .map(|_| upload("ba", GgmlType::F32, k, extra_rows, rng))
-        .collect();
     let dk = heads * head_dim;
+    let qkvz_bytes = ty.bytes_for(u64::from(rows * k)).expect("blocks");
     let out_bytes = ty.bytes_for(u64::from(out_rows * dk)).expect("blocks");
-    let out: Vec<_> = (0..copies_for(out_bytes))
-        .map(|_| upload("out", ty, dk, out_rows, rng))
-        .collect();
+    let (mut qkvz, mut ba, mut out) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..copies_for(qkvz_bytes) {
+        qkvz.push(random_matrix(gpu, "qkvz", ty, u64::from(k), u64::from(rows), rng));
+        ba.push(random_matrix(
+            gpu,
+            "ba",
+            GgmlType::F32,
+            u64::from(k),
+            u64::from(extra_rows),
+            rng,
+        ));
+    }
+    for _ in 0..copies_for(out_bytes) {
+        out.push(random_matrix(
+            gpu,
+            "out",
+            ty,
+            u64::from(dk),
+            u64::from(out_rows),
+            rng,
+        ));
+    }
     let norm = filled(gpu, "norm_w", 1.0, k as usize);
     let conv_w = filled(gpu, "conv_w", 0.25, (channels * taps) as usize);
     let state_stride = (taps - 1) * channels;
@@ -835,83 +806,67 @@ fn engine_projections_decode(gpu: &Gpu, rng: &mut Rng) {
     let hidden = gpu
         .buffer_zeroed("hidden", u64::from(max_cols * out_rows) * 4)
         .expect("hidden");
+    let qkvz_fusion = MatvecFusion {
+        input: MatvecInput::Rms {
+            weight: &norm,
+            eps: 1e-6,
+            store: None,
+        },
+        output: MatvecOutput::Conv {
+            weights: &conv_w,
+            state: &state,
+            slots: &slots,
+            slots_offset: 0,
+            channels,
+            taps,
+            state_stride,
+        },
+    };
+    let out_fusion = MatvecFusion {
+        input: MatvecInput::HeadRms {
+            sums: &sums,
+            heads,
+            head_dim,
+            parts,
+            offset: 0,
+            stride: heads * parts,
+            eps: 1e-6,
+        },
+        output: MatvecOutput::AddTo { residual: &residual },
+    };
+    // (the q‖k‖v‖z rather than the output projection, cold): warm reads copy 0 every iteration.
+    let cases = [(true, false), (true, true), (false, false), (false, true)];
     for cols in [1u32, 8] {
         hold_clocks(gpu);
-        let qkvz_fusion = MatvecFusion {
-            input: MatvecInput::Rms {
-                weight: &norm,
-                eps: 1e-6,
-                store: None,
-            },
-            output: MatvecOutput::Conv {
-                weights: &conv_w,
-                state: &state,
-                slots: &slots,
-                slots_offset: 0,
-                channels,
-                taps,
-                state_stride,
-            },
-        };
-        let out_fusion = MatvecFusion {
-            input: MatvecInput::HeadRms {
-                sums: &sums,
-                heads,
-                head_dim,
-                parts,
-                offset: 0,
-                stride: heads * parts,
-                eps: 1e-6,
-            },
-            output: MatvecOutput::AddTo { residual: &residual },
-        };
-        // (label, copies used): warm is copy 0 only.
-        let cases: [(&str, bool); 4] = [
-            ("q‖k‖v‖z+conv+beta/alpha warm", false),
-            ("q‖k‖v‖z+conv+beta/alpha cold", true),
-            ("head_rms(16 parts)+out+add warm", false),
-            ("head_rms(16 parts)+out+add cold", true),
-        ];
         let best = best_of_two_passes(gpu, cases.len(), 0.0, 0.25, |i| {
-            let (_, cold) = cases[i];
-            let next = Cell::new(0usize);
-            let pick = |n: usize| {
-                let at = next.get();
-                next.set(at + 1);
-                if cold { at % n } else { 0 }
-            };
+            let (is_qkvz, cold) = cases[i];
+            let copies = if is_qkvz { qkvz.len() } else { out.len() };
+            let mut at = 0;
             time_submit(gpu, iters, |rec| {
-                if i < 2 {
-                    let c = pick(qkvz.len());
+                let c = if cold { at % copies } else { 0 };
+                at += 1;
+                if is_qkvz {
                     let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, proj_width));
                     matvec_fused_with_f32_rows(gpu, rec, &qkvz[c], Some(&ba[c]), xc, yc, cols, &qkvz_fusion)
                         .expect("q‖k‖v‖z");
                 } else {
-                    let c = pick(out.len());
                     let (xc, yc) = (Columns::packed(&x, dk), Columns::packed(&hidden, out_rows));
                     matvec_fused(gpu, rec, &out[c], xc, yc, cols, &out_fusion).expect("out");
                 }
             })
         });
-        for ((label, cold), t) in cases.iter().zip(best) {
-            let bytes = if label.starts_with("q") {
-                qkvz_bytes
+        for (&(is_qkvz, cold), t) in cases.iter().zip(best) {
+            let (what, bytes, copies) = if is_qkvz {
+                ("q‖k‖v‖z+conv+beta/alpha", qkvz_bytes, qkvz.len())
             } else {
-                out_bytes
-            } as f64;
-            let copies = if *cold {
-                if label.starts_with("q") {
-                    qkvz.len()
-                } else {
-                    out.len()
-                }
-            } else {
-                1
+                ("head_rms(16 parts)+out+add", out_bytes, out.len())
             };
+            let (temp, copies) = if cold { ("cold", copies) } else { ("warm", 1) };
             println!(
-                "engine decode {cols} column(s) {label:<34} {:>8.1} µs  {:>7.1} GB/s  ({copies} weight copies)",
+                "engine decode {cols} column(s) {:<34} {:>8.1} µs  {:>7.1} GB/s  ({copies} weight copies)",
+                format!("{what} {temp}"),
                 t * 1e6,
-                bytes / t / 1e9
+                bytes as f64 / t / 1e9
             );
         }
     }
@@ -926,17 +881,8 @@ fn engine_projections_decode(gpu: &Gpu, rng: &mut Rng) {
 fn coop_decode(gpu: &Gpu, rng: &mut Rng) {
     let (rows, k) = if smoke() { (256u32, 512u32) } else { (12288, 2048) };
     let ty = GgmlType::IQ4XS;
-    let w = gpu
-        .upload_weight(
-            "coop_decode",
-            ty,
-            u64::from(k),
-            u64::from(rows),
-            1,
-            &weights(ty, (rows * k) as usize, rng),
-        )
-        .expect("upload");
-    let x = gpu.buffer_from_f32("x", &vec![0.5; (8 * k) as usize]).expect("x");
+    let w = random_matrix(gpu, "coop_decode", ty, u64::from(k), u64::from(rows), rng);
+    let x = filled(gpu, "x", 0.5, (8 * k) as usize);
     let y = gpu.buffer_zeroed("y", u64::from(8 * rows) * 4).expect("y");
     let part = gpu
         .buffer_zeroed("partials", 8 * u64::from(8 * rows) * 4)
@@ -991,7 +937,7 @@ fn coop_decode(gpu: &Gpu, rng: &mut Rng) {
 fn dispatch_floor(gpu: &Gpu) {
     use qk::gpu::example::{ScaleParams, scale_add};
     let n = 64u32;
-    let x = gpu.buffer_from_f32("x", &vec![1.0; n as usize]).expect("x");
+    let x = filled(gpu, "x", 1.0, n as usize);
     let outs: Vec<(GpuBuffer, GpuBuffer)> = (0..20)
         .map(|_| {
             (
@@ -1184,15 +1130,9 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         let ids = random_picks(rng, tokens, picks - 1, experts - 1, Some(experts - 1));
         let entries = tokens * picks;
         let idb = gpu.buffer_from_u32("ids", &ids).expect("ids");
-        let wb = gpu
-            .buffer_from_f32("pick_weights", &vec![0.1; entries as usize])
-            .expect("weights");
-        let x = gpu
-            .buffer_from_f32("x", &vec![0.5; (tokens * n_embd) as usize])
-            .expect("x");
-        let gu = gpu
-            .buffer_from_f32("gu", &vec![0.5; (entries * 2 * ff) as usize])
-            .expect("gu");
+        let wb = filled(gpu, "pick_weights", 0.1, entries as usize);
+        let x = filled(gpu, "x", 0.5, (tokens * n_embd) as usize);
+        let gu = filled(gpu, "gu", 0.5, (entries * 2 * ff) as usize);
         let per_pick = gpu
             .buffer_zeroed("per_pick", u64::from(entries * n_embd) * 4)
             .expect("y");
@@ -1432,12 +1372,8 @@ fn moe_piece(gpu: &Gpu, rng: &mut Rng, tokens: u32) {
     let ids = random_picks(rng, tokens, n_used, experts, None);
     let idb = gpu.buffer_from_u32("ids", &ids).expect("ids");
     let entries = tokens * n_used;
-    let x = gpu
-        .buffer_from_f32("x", &vec![0.5; (tokens * n_embd) as usize])
-        .expect("x");
-    let act = gpu
-        .buffer_from_f32("act", &vec![0.5; (entries * ff) as usize])
-        .expect("act");
+    let x = filled(gpu, "x", 0.5, (tokens * n_embd) as usize);
+    let act = filled(gpu, "act", 0.5, (entries * ff) as usize);
     let y_gu = gpu
         .buffer_zeroed("y_gu", u64::from(entries * 2 * ff) * 4)
         .expect("y");
@@ -1824,9 +1760,7 @@ fn prepare_bench(gpu: &Gpu, shape: &AttnShape, kv: &[KvGroup<'_>], iters: u32, r
     let proj = gpu
         .buffer_from_f32("proj", &rng.floats(8 * layout.row_stride as usize, 2.0))
         .expect("proj");
-    let ones = gpu
-        .buffer_from_f32("norm", &vec![1.0; hd as usize])
-        .expect("norm");
+    let ones = filled(gpu, "norm", 1.0, hd as usize);
     let freqs = gpu
         .buffer_from_f32("freqs", &qk::ops::rope::freq_table(shape.n_rot, 1e7))
         .expect("freqs");
