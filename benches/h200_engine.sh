@@ -33,16 +33,11 @@ wait)
   exit 0 ;;
 kernels)
   source benches/device_vulkan.sh
+  source benches/kernel_sets.sh
+  kernel_sets_check ${2:-decode} || exit 2
   mkdir -p "$OUT"
   for set in ${2:-decode}; do
-    case $set in
-      decode) export QK_BENCH_ONLY_DECODE=1 ;;
-      prefill) export QK_BENCH_ONLY_PREFILL=1 QK_BENCH_NO_ATTENTION=1 ;;
-      moe) export QK_BENCH_ONLY_MOE=1 QK_BENCH_NO_ATTENTION=1 ;;
-      deltanet) export QK_BENCH_ONLY_DELTANET=1 QK_BENCH_NO_ATTENTION=1 ;;
-      attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
-      engine) export QK_BENCH_ONLY_ENGINE_PROJECTIONS=1 QK_BENCH_NO_ATTENTION=1 ;;
-    esac
+    kernel_set_env $set
     echo "== kernel micro-benchmark ($set)"
     .device/kernels-bench > "$OUT/kernels-$set.txt" 2>&1; grep -v "^adapter\|^counters" "$OUT/kernels-$set.txt" | tail -150
     if [ -n "${QK_KERNELS_BENCH_B:-}" ]; then
@@ -54,13 +49,17 @@ kernels)
       QK_CHECKED_SHADERS=1 .device/kernels-bench > "$OUT/kernels-$set-checked.txt" 2>&1
       grep -v "^adapter\|^counters" "$OUT/kernels-$set-checked.txt" | tail -150
     fi
-    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE QK_BENCH_ONLY_DELTANET QK_BENCH_ONLY_ENGINE_PROJECTIONS
   done
+  kernel_set_clear
   exit 0 ;;
 start) ;;
 *) echo "usage: $0 start [LAYERS] | wait [SECONDS] | kernels [SETS]"; exit 2 ;;
 esac
 LAYERS="${2:-48}"
+if [ "${QK_KERNELS:-0}" = 1 ]; then
+  source benches/kernel_sets.sh
+  kernel_sets_check ${QK_KERNEL_SETS:-all} || exit 2
+fi
 rm -rf $WORK && mkdir -p $WORK /tmp/site
 # The background run below inherits VK_DRIVER_FILES from here.
 source benches/device_vulkan.sh
@@ -99,27 +98,18 @@ if [ "${QK_SKIP_TESTS:-0}" != 1 ]; then
     | grep -E "^test result|FAILED|panicked|failures:" | head -20
 fi
 if [ "${QK_KERNELS:-0}" = 1 ]; then
-  # QK_KERNEL_SETS: "all", or any of decode (the decode MoE layer and norm-fused projection per
-  # launch shape), engine (the decode GDN projections as the engine records them), prefill (the
-  # prefill kernels), moe / deltanet (the prefill MoE / chunked DeltaNet alone), attention; one
-  # kernels-<set>.txt each.
+  # QK_KERNEL_SETS: any of benches/kernel_sets.sh's sets ("all" by default); kernels-<set>.txt each.
+  source benches/kernel_sets.sh
   for set in ${QK_KERNEL_SETS:-all}; do
     echo "== kernel micro-benchmark (\$set)"
-    case \$set in
-      decode) export QK_BENCH_ONLY_DECODE=1 ;;
-      prefill) export QK_BENCH_ONLY_PREFILL=1 QK_BENCH_NO_ATTENTION=1 ;;
-      moe) export QK_BENCH_ONLY_MOE=1 QK_BENCH_NO_ATTENTION=1 ;;
-      deltanet) export QK_BENCH_ONLY_DELTANET=1 QK_BENCH_NO_ATTENTION=1 ;;
-      attention) export QK_BENCH_ONLY_ATTENTION=1 ;;
-      engine) export QK_BENCH_ONLY_ENGINE_PROJECTIONS=1 QK_BENCH_NO_ATTENTION=1 ;;
-    esac
-    .device/kernels-bench > kernels-\$set.txt 2>&1; grep -v "^adapter\|^counters" kernels-\$set.txt | tail -80
+    kernel_set_env \$set
+    .device/kernels-bench > kernels-\$set.txt 2>&1; grep -v "^adapter\\|^counters" kernels-\$set.txt | tail -80
     if [ -n "${QK_KERNELS_BENCH_B:-}" ]; then
       echo "== kernel micro-benchmark (\$set), ${QK_KERNELS_BENCH_B:-}"
-      ${QK_KERNELS_BENCH_B:-} > kernels-\$set-b.txt 2>&1; grep -v "^adapter\|^counters" kernels-\$set-b.txt | tail -80
+      ${QK_KERNELS_BENCH_B:-} > kernels-\$set-b.txt 2>&1; grep -v "^adapter\\|^counters" kernels-\$set-b.txt | tail -80
     fi
-    unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION QK_BENCH_ONLY_MOE QK_BENCH_ONLY_DELTANET QK_BENCH_ONLY_ENGINE_PROJECTIONS
   done
+  kernel_set_clear
 fi
 wait \$MAKE
 # qk's host side (recording, Python) must not share the CPUs with llama.cpp's 16-way compile (the

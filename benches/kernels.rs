@@ -12,7 +12,9 @@
 //! only attention, QK_BENCH_ONLY_MOE=1 / QK_BENCH_ONLY_DELTANET=1 only the prefill MoE / chunked
 //! DeltaNet (with QK_BENCH_NO_ATTENTION=1), QK_BENCH_NO_ATTENTION=1 skips attention,
 //! QK_BENCH_ONLY_ENGINE_PROJECTIONS=1 runs only the decode GDN projections as the engine records
-//! them (with QK_BENCH_NO_ATTENTION=1).
+//! them (with QK_BENCH_NO_ATTENTION=1), QK_BENCH_ONLY_ATTENTION_DECODE=1 only decode attention per
+//! kernel and per walk of the keys, QK_BENCH_ONLY_MOE_COLD=1 only the decode MoE layer with its
+//! experts' weights cold and warm.
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
 //! (GpuOptions::checked_shaders): run the bench with and without it to compare.
@@ -28,8 +30,8 @@ use std::time::Instant;
 use qk::gguf::GgmlType;
 use qk::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
 use qk::ops::attention::{
-    self, AttnRows, AttnShape, CoreArgs, GateLayout, KvGroup, KvType, OutLayout, PrefillKernel, PrepareArgs,
-    ProjLayout, reference,
+    self, AttnRows, AttnShape, CoreArgs, DecodeTuning, GateLayout, KvGroup, KvType, OutLayout, PrefillKernel,
+    PrepareArgs, ProjLayout, reference,
 };
 use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
@@ -194,6 +196,14 @@ fn main() {
         copy_bytes as f64 / 1048576.0
     );
 
+    if flag("QK_BENCH_ONLY_MOE_COLD") {
+        moe_decode_cold(&gpu, &mut Rng(0x5eed));
+        return;
+    }
+    if flag("QK_BENCH_ONLY_ATTENTION_DECODE") {
+        attention_decode_sweep(&gpu);
+        return;
+    }
     if !flag("QK_BENCH_NO_ATTENTION") {
         attention_bench(&gpu, copy_gbs, smoke);
     }
@@ -1098,11 +1108,7 @@ fn gdn_step_decode(gpu: &Gpu) {
 /// GB/s over the weights the picks read (picks × tokens matrices, repeats counted: each is read).
 fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
     use qk::ops::elementwise::{self, EwArgs, EwKind, EwParams};
-    let (experts, picks, ff, n_embd) = if smoke() {
-        (17u32, 5u32, 256u32, 256u32)
-    } else {
-        (513, 11, 512, 2048)
-    };
+    let (experts, picks, ff, n_embd) = moe_decode_shape();
     let ty = GgmlType::IQ4XS;
     let (gate_up, down) = expert_stacks(gpu, rng, ty, experts, ff, n_embd);
     // Every width × rows × steps per iteration. A row's sum depends on the width alone, so rows and
@@ -1147,16 +1153,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         };
         // The engine's gate/up routes its tokens itself (matvec.wgsl ROUTE): the router's logits
         // (the routed experts', then the shared expert's gate) in, the picks and weights out.
-        let route_logits = rng.floats((tokens * experts) as usize, 2.0);
-        let rlb = gpu
-            .buffer_from_f32("route_logits", &route_logits)
-            .expect("logits");
-        let rib = gpu
-            .buffer_zeroed("route_ids", u64::from(entries) * 4)
-            .expect("ids");
-        let rwb = gpu
-            .buffer_zeroed("route_weights", u64::from(entries) * 4)
-            .expect("weights");
+        let (rlb, rib, rwb) = route_buffers(gpu, rng, 1, tokens, experts, entries);
         let route = MoeRoute {
             logits: &rlb,
             offset: 0,
@@ -1279,6 +1276,167 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
                 Case::DownThenSum => report("down, then sum (2 dispatches)", t, down_bytes),
                 Case::DownSum(s) => report(&format!("down+sum {}", label(s, true)), t, down_bytes),
             }
+        }
+    }
+}
+
+/// A routing-inside gate/up's buffers: random router logits for `sets` sets of `tokens` tokens
+/// (the routed experts' and the shared expert's gate, `experts` per token), and the picks and
+/// routing weights it writes (`entries` of each).
+fn route_buffers(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    sets: u32,
+    tokens: u32,
+    experts: u32,
+    entries: u32,
+) -> (GpuBuffer, GpuBuffer, GpuBuffer) {
+    let logits = rng.floats((sets * tokens * experts) as usize, 2.0);
+    (
+        gpu.buffer_from_f32("route_logits", &logits).expect("logits"),
+        gpu.buffer_zeroed("route_ids", u64::from(entries) * 4)
+            .expect("ids"),
+        gpu.buffer_zeroed("route_weights", u64::from(entries) * 4)
+            .expect("weights"),
+    )
+}
+
+/// (experts, picks per token, ff, n_embd) of the decode MoE cases: Qwen3-Next-80B's 512 experts
+/// and the shared one stacked as expert 512, 10 + 1 picks (smaller when smoke-testing).
+fn moe_decode_shape() -> (u32, u32, u32, u32) {
+    if smoke() {
+        (17, 5, 256, 256)
+    } else {
+        (513, 11, 512, 2048)
+    }
+}
+
+/// The decode MoE layer as the engine meets it: every layer routes to other experts, so its
+/// expert weights come from HBM, not from the L2 that the same picks every iteration (moe_decode)
+/// keep them in. Iterations rotate over COLD_SETS pick sets (≥ 140 MB of expert rows, the H200's
+/// L2 is 50 MB); warm = one set every iteration. The gate/up (picks given, and at one token routing
+/// inside) and the down projection with the weighted sum per launch shape, 1 and 8 tokens.
+fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
+    const COLD_SETS: u32 = 24;
+    let (experts, picks, ff, n_embd) = moe_decode_shape();
+    let ty = GgmlType::IQ4XS;
+    let (gate_up, down) = expert_stacks(gpu, rng, ty, experts, ff, n_embd);
+    let iters = if smoke() { 2 } else { 48 };
+    let sum_shapes: Vec<Option<MatvecShape>> = std::iter::once(None)
+        .chain(
+            [
+                (8, 128, 2),
+                (16, 128, 1),
+                (16, 128, 2),
+                (4, 128, 2),
+                (8, 256, 1),
+                (8, 256, 2),
+                (4, 256, 2),
+            ]
+            .map(|(rows, wg, unroll)| Some(MatvecShape { rows, wg, unroll })),
+        )
+        .collect();
+    for tokens in [1u32, 8] {
+        let entries = tokens * picks;
+        let mut all_ids = Vec::new();
+        for _ in 0..COLD_SETS {
+            all_ids.extend(random_picks(
+                rng,
+                tokens,
+                picks - 1,
+                experts - 1,
+                Some(experts - 1),
+            ));
+        }
+        let idb = gpu.buffer_from_u32("ids", &all_ids).expect("ids");
+        let wb = filled(gpu, "pick_weights", 0.1, (COLD_SETS * entries) as usize);
+        let x = filled(gpu, "x", 0.5, (tokens * n_embd) as usize);
+        let gu = filled(gpu, "gu", 0.5, (entries * 2 * ff) as usize);
+        let out = gpu
+            .buffer_zeroed("out", u64::from(tokens * n_embd) * 4)
+            .expect("out");
+        let (rlb, rib, rwb) = route_buffers(gpu, rng, COLD_SETS, tokens, experts, entries);
+        let ids_of = |set: u32| ExpertIds {
+            buf: &idb,
+            offset: set * entries,
+            n_used: picks,
+            n_tokens: tokens,
+        };
+        let gu_bytes = f64::from(entries) * (gate_up.rows * gate_up.row_bytes) as f64;
+        let down_bytes = f64::from(entries) * (down.rows * down.row_bytes) as f64;
+        let silu_mul = MatvecInput::SiluMul { up: ff };
+        // The set iteration i reads: the same one (warm) or the next of COLD_SETS (cold).
+        let set_at = |cold: bool, i: u32| if cold { i % COLD_SETS } else { 0 };
+        enum Case {
+            GateUp,
+            GateUpRouted,
+            DownSum(Option<MatvecShape>),
+        }
+        let mut cases = vec![Case::GateUp];
+        if tokens == 1 && route_lanes(gpu, experts - 1).is_some() {
+            cases.push(Case::GateUpRouted);
+        }
+        cases.extend(sum_shapes.iter().map(|&s| Case::DownSum(s)));
+        let runs: Vec<(usize, bool)> = (0..cases.len()).flat_map(|c| [(c, false), (c, true)]).collect();
+        let best = best_of_two_passes(gpu, runs.len(), 1.0, 0.1, |r| {
+            let (c, cold) = runs[r];
+            let mut i = 0u32;
+            time_submit(gpu, iters, |rec| {
+                let set = set_at(cold, i);
+                i += 1;
+                match cases[c] {
+                    Case::GateUp => {
+                        let y = Columns::packed(&gu, 2 * ff);
+                        let xc = Columns::packed(&x, n_embd);
+                        matvec_id(gpu, rec, &gate_up, xc, y, ids_of(set), MoeInput::PerToken)
+                            .expect("gate_up");
+                    }
+                    Case::GateUpRouted => {
+                        let route = MoeRoute {
+                            logits: &rlb,
+                            offset: set * tokens * experts,
+                            stride: experts,
+                            experts: experts - 1,
+                            shared: true,
+                            weights: &rwb,
+                        };
+                        let routed = ExpertIds {
+                            buf: &rib,
+                            offset: 0,
+                            n_used: picks,
+                            n_tokens: tokens,
+                        };
+                        let y = Columns::packed(&gu, 2 * ff);
+                        let xc = Columns::packed(&x, n_embd);
+                        matvec_id_routed(gpu, rec, &gate_up, xc, y, routed, &route).expect("routed gate_up");
+                    }
+                    Case::DownSum(s) => {
+                        let gc = Columns::packed(&gu, 2 * ff);
+                        let y = Columns::packed(&out, n_embd);
+                        let ids = ids_of(set);
+                        let weights = &wb;
+                        matvec_id_sum(gpu, rec, &down, gc, y, ids, weights, silu_mul, s).expect("down sum");
+                    }
+                }
+            })
+        });
+        for (&(c, cold), t) in runs.iter().zip(best) {
+            let (name, bytes) = match cases[c] {
+                Case::GateUp => ("gate_up (default)".to_string(), gu_bytes),
+                Case::GateUpRouted => ("gate_up routing inside (default)".to_string(), gu_bytes),
+                Case::DownSum(s) => {
+                    let shape = s.unwrap_or_else(|| expert_shape(ty, true));
+                    let mark = if s.is_none() { " (default)" } else { "" };
+                    (format!("down+sum {}{mark}", shape_name(shape)), down_bytes)
+                }
+            };
+            println!(
+                "moe decode {} {tokens} token(s) × {picks} picks ({}) {name:<34} {:>8.1} µs  {:>7.1} GB/s",
+                if cold { "cold" } else { "warm" },
+                ty.name(),
+                t * 1e6,
+                bytes / t / 1e9
+            );
         }
     }
 }
@@ -1598,6 +1756,38 @@ fn packed_args<'a>(
     }
 }
 
+/// Decode attention's operands for up to `rows` rows at the bench's shape: random prepared q and
+/// gate logits, the output and the partials.
+struct DecodeOperands {
+    q: GpuBuffer,
+    gate: GpuBuffer,
+    out: GpuBuffer,
+    part: (GpuBuffer, GpuBuffer),
+}
+
+impl DecodeOperands {
+    fn random(gpu: &Gpu, rows: u32, rng: &mut Rng) -> Self {
+        let qn = (ATTN_HEADS * ATTN_DIM) as usize;
+        let (po, pml) = attention::partial_len(rows, 0, ATTN_HEADS, ATTN_DIM);
+        DecodeOperands {
+            q: gpu
+                .buffer_from_f32("q", &rng.floats(rows as usize * qn, 1.0))
+                .expect("q"),
+            gate: gpu
+                .buffer_from_f32("gate", &rng.floats(rows as usize * qn, 2.0))
+                .expect("gate"),
+            out: gpu
+                .buffer_zeroed("out", (rows as usize * qn * 4) as u64)
+                .expect("out"),
+            part: partials(gpu, po, pml),
+        }
+    }
+
+    fn args(&self) -> CoreArgs<'_> {
+        packed_args(&self.q, Some(&self.gate), &self.out, &self.part)
+    }
+}
+
 fn kv_views(groups: &[(GpuBuffer, GpuBuffer, u32, u32)]) -> Vec<KvGroup<'_>> {
     groups
         .iter()
@@ -1626,20 +1816,9 @@ fn attention_bench(gpu: &Gpu, copy_gbs: f64, smoke: bool) {
     let ctx = *depths.last().expect("depths");
     let iters = if smoke { 1 } else { 20 };
     let mut rng = Rng(0xa77e);
-    let qn = (ATTN_HEADS * ATTN_DIM) as usize;
-    let q = gpu
-        .buffer_from_f32("q", &rng.floats(max_rows as usize * qn, 1.0))
-        .expect("q");
-    let gate = gpu
-        .buffer_from_f32("gate", &rng.floats(max_rows as usize * qn, 2.0))
-        .expect("gate");
-    let out = gpu
-        .buffer_zeroed("out", (max_rows as usize * qn * 4) as u64)
-        .expect("out");
-    let (po, pml) = attention::partial_len(max_rows, 0, ATTN_HEADS, ATTN_DIM);
-    let part = partials(gpu, po, pml);
+    let ops = DecodeOperands::random(gpu, max_rows, &mut rng);
     let rows_buf = gpu.buffer_zeroed("rows", u64::from(max_rows) * 8).expect("rows");
-    let args = packed_args(&q, Some(&gate), &out, &part);
+    let args = ops.args();
     println!(
         "attention {ATTN_HEADS} q heads / {ATTN_KV_HEADS} kv heads x {ATTN_DIM}, decode (split + merge, 2 dispatches), \
          {} splits at most:",
@@ -1747,34 +1926,59 @@ fn decode_nmse(
     err / want.iter().map(|b| f64::from(*b).powi(2)).sum::<f64>()
 }
 
+/// The prepare op's inputs for up to `rows` rows: random q ‖ gate ‖ k ‖ v projection rows, unit
+/// q/k norm weights and the RoPE frequencies.
+struct PrepareInputs {
+    layout: ProjLayout,
+    proj: GpuBuffer,
+    ones: GpuBuffer,
+    freqs: GpuBuffer,
+}
+
+impl PrepareInputs {
+    fn random(gpu: &Gpu, shape: &AttnShape, rows: u32, rng: &mut Rng) -> Self {
+        let (h, kvh, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
+        let layout = ProjLayout {
+            row_stride: 2 * h * hd + 2 * kvh * hd,
+            q_offset: 0,
+            q_head_stride: 2 * hd,
+            k_offset: 2 * h * hd,
+            v_offset: 2 * h * hd + kvh * hd,
+        };
+        let proj = gpu
+            .buffer_from_f32("proj", &rng.floats((rows * layout.row_stride) as usize, 2.0))
+            .expect("proj");
+        let freqs = gpu
+            .buffer_from_f32("freqs", &qk::ops::rope::freq_table(shape.n_rot, 1e7))
+            .expect("freqs");
+        PrepareInputs {
+            layout,
+            proj,
+            ones: filled(gpu, "norm", 1.0, hd as usize),
+            freqs,
+        }
+    }
+
+    /// The op's arguments, prepared q written to `q_out`.
+    fn args<'a>(&'a self, q_out: &'a GpuBuffer) -> PrepareArgs<'a> {
+        PrepareArgs {
+            proj: &self.proj,
+            layout: self.layout,
+            q_norm: &self.ones,
+            k_norm: &self.ones,
+            freqs: &self.freqs,
+            q_out,
+        }
+    }
+}
+
 /// The prepare op (q/k norms, RoPE, K/V store) for a step of 1 and 8 rows.
 fn prepare_bench(gpu: &Gpu, shape: &AttnShape, kv: &[KvGroup<'_>], iters: u32, rng: &mut Rng) {
-    let (h, kvh, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
-    let layout = ProjLayout {
-        row_stride: 2 * h * hd + 2 * kvh * hd,
-        q_offset: 0,
-        q_head_stride: 2 * hd,
-        k_offset: 2 * h * hd,
-        v_offset: 2 * h * hd + kvh * hd,
-    };
-    let proj = gpu
-        .buffer_from_f32("proj", &rng.floats(8 * layout.row_stride as usize, 2.0))
-        .expect("proj");
-    let ones = filled(gpu, "norm", 1.0, hd as usize);
-    let freqs = gpu
-        .buffer_from_f32("freqs", &qk::ops::rope::freq_table(shape.n_rot, 1e7))
-        .expect("freqs");
     let q_out = gpu
-        .buffer_zeroed("q_out", u64::from(8 * h * hd) * 4)
+        .buffer_zeroed("q_out", u64::from(8 * shape.heads * shape.head_dim) * 4)
         .expect("q_out");
-    let args = PrepareArgs {
-        proj: &proj,
-        layout,
-        q_norm: &ones,
-        k_norm: &ones,
-        freqs: &freqs,
-        q_out: &q_out,
-    };
+    let inputs = PrepareInputs::random(gpu, shape, 8, rng);
+    let args = inputs.args(&q_out);
     let rows_buf = gpu.buffer_zeroed("rows", 64).expect("rows");
     let mut line = format!(
         "  prepare ({} K, {} V):",
@@ -1795,6 +1999,88 @@ fn prepare_bench(gpu: &Gpu, shape: &AttnShape, kv: &[KvGroup<'_>], iters: u32, r
         line += &format!("  {rows} row(s) {:>6.1} µs", t * 1e6);
     }
     println!("{line}");
+}
+
+/// Decode attention as the engine's step runs it (f16 cache of 16,384 positions, 8 slots): each
+/// kernel's GPU time (timestamps, one profiled submit of prepare, split and merge) at depths 512
+/// and 8192 for 1 and 8 rows, then split + merge per call for every walk of the keys
+/// ([`DecodeTuning`]: key columns, keys per column per iteration, shortest split).
+fn attention_decode_sweep(gpu: &Gpu) {
+    let smoke = smoke();
+    let ctx = if smoke { 1024 } else { 16_384 };
+    let max_rows = 8u32;
+    let iters = if smoke { 1 } else { 20 };
+    let mut rng = Rng(0xa77f);
+    let shape = attn_shape(ctx, KvType::F16, KvType::F16);
+    let groups = filled_cache(gpu, &shape, max_rows, &mut rng);
+    let kv = kv_views(&groups);
+    let inputs = PrepareInputs::random(gpu, &shape, max_rows, &mut rng);
+    let ops = DecodeOperands::random(gpu, max_rows, &mut rng);
+    let args = ops.args();
+    let prep = inputs.args(&ops.q);
+    let rows_buf = gpu.buffer_zeroed("rows", u64::from(max_rows) * 8).expect("rows");
+    let depths: &[u32] = if smoke { &[64, 512] } else { &[512, 8192] };
+    let mut tunings = Vec::new();
+    for min_split in [16, 32, 64] {
+        for cols in [1, 2, 4, 8] {
+            for unroll in [1, 2, 4] {
+                tunings.push(DecodeTuning {
+                    cols,
+                    unroll,
+                    min_split,
+                });
+            }
+        }
+    }
+    println!(
+        "attention decode (f16 cache of {ctx} positions, 16 q / 2 kv heads x 256), per kernel and per walk of the keys:"
+    );
+    for &depth in depths {
+        for rows in [1u32, max_rows] {
+            let pairs: Vec<u32> = (0..rows).flat_map(|r| [r, depth - 1]).collect();
+            gpu.write(&rows_buf, 0, bytemuck::cast_slice(&pairs))
+                .expect("rows");
+            let step = AttnRows::Step {
+                buf: &rows_buf,
+                n: rows,
+            };
+            hold_clocks(gpu);
+            let times = kernel_times(gpu, |rec| {
+                attention::record_prepare(gpu, rec, &shape, step, &kv, &prep).expect("prepare");
+                attention::record_decode(gpu, rec, &shape, &rows_buf, rows, &kv, &args).expect("decode");
+            });
+            println!("  depth {depth:>5}, {rows} row(s), one profiled submit (prepare, split, merge):");
+            print_kernel_times(&times);
+            let whole = time_submit(gpu, iters, |rec| {
+                attention::record_prepare(gpu, rec, &shape, step, &kv, &prep).expect("prepare");
+                attention::record_decode(gpu, rec, &shape, &rows_buf, rows, &kv, &args).expect("decode");
+            });
+            println!(
+                "    prepare + split + merge per call (default): {:>7.1} µs",
+                whole * 1e6
+            );
+            let best = best_of_two_passes(gpu, tunings.len(), 1.0, 0.05, |i| {
+                time_submit(gpu, iters, |rec| {
+                    attention::record_decode_tuned(gpu, rec, &shape, &rows_buf, rows, &kv, &args, tunings[i])
+                        .expect("decode")
+                })
+            });
+            for (t, us) in tunings.iter().zip(best) {
+                let mark = if *t == DecodeTuning::DEFAULT {
+                    " (default)"
+                } else {
+                    ""
+                };
+                println!(
+                    "    split + merge cols {:>2} unroll {} min split {:>3}: {:>7.1} µs{mark}",
+                    t.cols,
+                    t.unroll,
+                    t.min_split,
+                    us * 1e6
+                );
+            }
+        }
+    }
 }
 
 /// Prefill attention over an f16 cache with each kernel ([`PrefillKernel`]): 4096 tokens as the

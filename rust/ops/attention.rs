@@ -66,6 +66,24 @@ pub const PREFILL_ROWS: u32 = 64;
 /// keys' K and V rows (4 KiB at head_dim 256, f16) in flight per 32-lane column.
 pub const DECODE_COLS: u32 = 4;
 pub const DECODE_UNROLL: u32 = 4;
+
+/// How the decode split kernel walks a row's keys: key columns per workgroup, keys per column per
+/// iteration, and the shortest split. [`DecodeTuning::DEFAULT`] is what the engine records; tuning
+/// runs (benches/kernels.rs) pass others to [`record_decode_tuned`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeTuning {
+    pub cols: u32,
+    pub unroll: u32,
+    pub min_split: u32,
+}
+
+impl DecodeTuning {
+    pub const DEFAULT: DecodeTuning = DecodeTuning {
+        cols: DECODE_COLS,
+        unroll: DECODE_UNROLL,
+        min_split: DECODE_MIN_SPLIT,
+    };
+}
 /// Keys per K/V block staged in workgroup memory by the prefill kernel (`BK`).
 pub const PREFILL_KEYS: u32 = 16;
 /// Subgroups of the cooperative prefill workgroup, and the keys of its staged K/V blocks
@@ -419,6 +437,16 @@ fn lanes(gpu: &Gpu, head_dim: u32, most: u32) -> u32 {
 }
 
 fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'static str, String); 13] {
+    tuned_defines(shape, op, lanes, wg, DecodeTuning::DEFAULT)
+}
+
+fn tuned_defines(
+    shape: &AttnShape,
+    op: &str,
+    lanes: u32,
+    wg: u32,
+    tuning: DecodeTuning,
+) -> [(&'static str, String); 13] {
     [
         ("OP", op.into()),
         ("K_TYPE", shape.k_type.define()),
@@ -427,8 +455,8 @@ fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'stati
         ("GROUP", shape.group().to_string()),
         ("LANES", lanes.to_string()),
         ("UPL", (shape.head_dim / 8 / lanes).to_string()),
-        ("COLS", DECODE_COLS.to_string()),
-        ("UNROLL", DECODE_UNROLL.to_string()),
+        ("COLS", tuning.cols.to_string()),
+        ("UNROLL", tuning.unroll.to_string()),
         ("PR", PREFILL_ROWS.to_string()),
         ("BK", PREFILL_KEYS.to_string()),
         ("WG", wg.to_string()),
@@ -441,10 +469,10 @@ fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'stati
 
 /// Workgroup memory of the decode kernel (q of the group, the column merge) and of the prefill
 /// kernel (one staged K or V block), checked against the device before the pipeline is built.
-fn check_workgroup_memory(gpu: &Gpu, shape: &AttnShape, decode: bool) -> Result<()> {
+fn check_workgroup_memory(gpu: &Gpu, shape: &AttnShape, decode: Option<DecodeTuning>) -> Result<()> {
     let unit_bytes = 32 * u64::from(shape.head_dim / 8);
-    let bytes = if decode {
-        unit_bytes * u64::from(shape.group() + DECODE_COLS) + 8 * u64::from(DECODE_COLS)
+    let bytes = if let Some(t) = decode {
+        unit_bytes * u64::from(shape.group() + t.cols) + 8 * u64::from(t.cols)
     } else {
         unit_bytes * u64::from(PREFILL_KEYS)
     };
@@ -702,26 +730,47 @@ pub fn record_decode(
     kv: &[KvGroup<'_>],
     args: &CoreArgs<'_>,
 ) -> Result<()> {
+    record_decode_tuned(gpu, rec, shape, rows_buf, n, kv, args, DecodeTuning::DEFAULT)
+}
+
+/// [`record_decode`] with another walk of the keys (tuning runs).
+#[allow(clippy::too_many_arguments)]
+pub fn record_decode_tuned(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    shape: &AttnShape,
+    rows_buf: &GpuBuffer,
+    n: u32,
+    kv: &[KvGroup<'_>],
+    args: &CoreArgs<'_>,
+    tuning: DecodeTuning,
+) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
+    crate::ensure!(
+        (1..=16).contains(&tuning.cols)
+            && (1..=8).contains(&tuning.unroll)
+            && tuning.min_split.is_power_of_two(),
+        QkError::Engine(format!("attention: decode tuning {tuning:?} out of range"))
+    );
     check_core(shape, n, true, kv, args)?;
-    check_workgroup_memory(gpu, shape, true)?;
+    check_workgroup_memory(gpu, shape, Some(tuning))?;
     require_len("attention rows", rows_buf, 2 * u64::from(n))?;
     let lanes = lanes(gpu, shape.head_dim, 32);
     let pipe = gpu.pipeline(
         &FILE,
-        &kernel_defines(shape, "decode", lanes, DECODE_COLS * lanes),
+        &tuned_defines(shape, "decode", lanes, tuning.cols * lanes, tuning),
         &[],
     )?;
     let mut p = CoreParams {
         rows_from_buffer: 1,
         split_stride: DECODE_MAX_SPLITS,
-        min_split: DECODE_MIN_SPLIT,
+        min_split: tuning.min_split,
         max_splits: DECODE_MAX_SPLITS,
         ..core_params(shape, n, args)
     };
-    let splits = split_plan(shape.ctx, DECODE_MIN_SPLIT, DECODE_MAX_SPLITS).1;
+    let splits = split_plan(shape.ctx, tuning.min_split, DECODE_MAX_SPLITS).1;
     for g in kv {
         p.first_slot = g.first_slot;
         p.slots = g.slots;
@@ -773,7 +822,7 @@ pub fn record_prefill(
     let grid = [splits, shape.kv_heads, n.div_ceil(tokens_per_tile)];
     let pipe = match kernel {
         PrefillKernel::Tiled => {
-            check_workgroup_memory(gpu, shape, false)?;
+            check_workgroup_memory(gpu, shape, None)?;
             let lanes = lanes(gpu, shape.head_dim, 4);
             gpu.pipeline(
                 &FILE,
