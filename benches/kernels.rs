@@ -14,7 +14,7 @@
 //! QK_BENCH_ONLY_ENGINE_PROJECTIONS=1 runs only the decode GDN projections as the engine records
 //! them (with QK_BENCH_NO_ATTENTION=1), QK_BENCH_ONLY_ATTENTION_DECODE=1 only decode attention per
 //! kernel and per walk of the keys, QK_BENCH_ONLY_MOE_COLD=1 only the decode MoE layer with its
-//! experts' weights cold and warm.
+//! experts' weights cold and warm, QK_BENCH_ONLY_GDN_STEP=1 only the gated DeltaNet decode step.
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
 //! (GpuOptions::checked_shaders): run the bench with and without it to compare.
@@ -196,6 +196,10 @@ fn main() {
         copy_bytes as f64 / 1048576.0
     );
 
+    if flag("QK_BENCH_ONLY_GDN_STEP") {
+        gdn_step_decode(&gpu);
+        return;
+    }
     if flag("QK_BENCH_ONLY_MOE_COLD") {
         moe_decode_cold(&gpu, &mut Rng(0x5eed));
         return;
@@ -1024,11 +1028,12 @@ fn handoff_round_trip(gpu: &Gpu) {
     );
 }
 
-/// The GDN decode step (delta rule + gate, ops/gdn_step.rs) at the Qwen3-Next-80B shape (32 v-heads,
-/// 16 k-heads, dk = dv = 128) for 1 and 8 rows, per workgroup width (a head's columns spread over
-/// dv / (width / lanes) workgroups).
+/// The gated DeltaNet decode step (shaders/gdn_step.wgsl) at the Qwen3-Next-80B shape for 1 and 8
+/// rows, per spread of the columns ([`GdnStepShape`]: invocations per workgroup, columns per
+/// invocation), its states cold as in the engine (each iteration steps other slots of 64, 134 MB
+/// of state against the H200's 50 MB L2): µs and GB/s of state read and written.
 fn gdn_step_decode(gpu: &Gpu) {
-    use qk::ops::gdn_step::{GdnStepArgs, GdnStepParams, record_shaped};
+    use qk::ops::gdn_step::{GdnStepArgs, GdnStepParams, GdnStepShape, record_shaped};
     let (nk, nv, dk, dv) = if smoke() {
         (2u32, 4u32, 64u32, 64u32)
     } else {
@@ -1038,15 +1043,16 @@ fn gdn_step_decode(gpu: &Gpu) {
     let cd = 2 * key_dim + vd;
     let stride = cd + vd + 2 * nv;
     let rows = 8u32;
+    let slots = if smoke() { 16u32 } else { 64 };
     let buf =
         |name: &str, floats: u32, v: f32| gpu.buffer_from_f32(name, &vec![v; floats as usize]).expect(name);
     let proj = buf("proj", rows * stride, 0.01);
     let (ssm_a, dt_bias, norm) = (buf("a", nv, -0.5), buf("dt", nv, 0.1), buf("norm", dv, 1.0));
-    let state = buf("state", rows * vd * dk, 0.001);
+    let state = buf("state", slots * vd * dk, 0.001);
     let out = buf("out", rows * vd, 0.0);
     let sq = buf("sq", rows * vd, 0.0);
-    let slots = gpu
-        .buffer_from_u32("slots", &(0..rows).collect::<Vec<_>>())
+    let slot_table = gpu
+        .buffer_from_u32("slots", &(0..slots).collect::<Vec<_>>())
         .expect("slots");
     let args = GdnStepArgs {
         qkv: &proj,
@@ -1056,13 +1062,27 @@ fn gdn_step_decode(gpu: &Gpu) {
         z: &proj,
         norm: &norm,
         sq: &sq,
-        slots: &slots,
+        slots: &slot_table,
         state: &state,
         out: &out,
     };
-    let iters = if smoke() { 1 } else { 20 };
+    let iters = if smoke() { 1 } else { 48 };
+    let shapes: Vec<GdnStepShape> = [
+        (256, 1),
+        (64, 1),
+        (128, 1),
+        (256, 2),
+        (128, 2),
+        (64, 2),
+        (256, 4),
+        (128, 4),
+        (64, 4),
+        (32, 4),
+        (64, 8),
+    ]
+    .map(|(max_wg, columns)| GdnStepShape { max_wg, columns })
+    .to_vec();
     for n in [1u32, 8] {
-        hold_clocks(gpu);
         let p = GdnStepParams {
             rows: n,
             k_heads: nk,
@@ -1087,13 +1107,29 @@ fn gdn_step_decode(gpu: &Gpu) {
             q_scale: 1.0 / (dk as f32).sqrt(),
             ..Default::default()
         };
-        for wg in [64u32, 128, 256, 512, 1024] {
-            let t = time_submit(gpu, iters, |rec| {
-                record_shaped(gpu, rec, &p, &args, wg).expect("gdn step");
-            });
+        let best = best_of_two_passes(gpu, shapes.len(), 1.0, 0.1, |i| {
+            let mut window = 0u32;
+            time_submit(gpu, iters, |rec| {
+                // The next n slots of the table each iteration (wrapping before its end).
+                let p = GdnStepParams {
+                    slots_offset: window,
+                    ..p
+                };
+                window = (window + n) % (slots - n + 1);
+                record_shaped(gpu, rec, &p, &args, shapes[i]).expect("gdn step");
+            })
+        });
+        for (shape, t) in shapes.iter().zip(best) {
             let bytes = 2.0 * f64::from(n * vd * dk) * 4.0;
+            let mark = if *shape == GdnStepShape::DEFAULT {
+                " (default)"
+            } else {
+                ""
+            };
             println!(
-                "gdn step decode {n} row(s) ({nv} v-heads, dk {dk}, dv {dv}) workgroup ≤ {wg:<5} {:>8.1} µs  {:>7.1} GB/s of state",
+                "gdn step decode {n} row(s) ({nv} v-heads, dk {dk}, dv {dv}) workgroup ≤ {:<4} {} column(s) per invocation {:>8.1} µs  {:>7.1} GB/s of state{mark}",
+                shape.max_wg,
+                shape.columns,
                 t * 1e6,
                 bytes / t / 1e9
             );

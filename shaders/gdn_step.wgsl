@@ -4,7 +4,9 @@
 // o · NORM · SiLU(z). Grid (v_heads · parts, rows): a workgroup owns COLS value columns of one head
 // (part g of head n takes columns g · COLS ..), so a one-row step spreads over v_heads · dv / COLS
 // workgroups instead of one per head; row r is slot SLOTS[slots_offset + r], whose states start at
-// float slot · state_stride. The per-head RMS of o needs every column, so each workgroup writes its
+// float slot · state_stride. Each invocation takes CPC columns (WG / LANES apart), all their S
+// loads issued first: the step streams the states once, and one column per invocation left too
+// few bytes in flight to cover the memory's latency. The per-head RMS of o needs every column, so each workgroup writes its
 // columns' sum of o² to SQ[sq_offset + r · sq_stride + n · parts + g] and the output projection
 // (matvec.wgsl PRE=head_rms) finishes the norm.
 //
@@ -21,10 +23,13 @@
 #include "common_reduce.wgsl"
 #define WG 128
 #define LANES 1
-// Key rows per invocation (MAX_DK / LANES); a workgroup's columns are WG / LANES.
+// Key rows per invocation (MAX_DK / LANES); value columns per invocation (a workgroup's columns
+// are WG / LANES · CPC).
 #define ROWS 128
+#define CPC 1
 #variants LANES=32 ROWS=4 WG=256 SUBGROUPS=1
 #variants LANES=8 ROWS=16 WG=256 SUBGROUPS=1
+#variants LANES=32 ROWS=4 WG=128 CPC=2 SUBGROUPS=1
 
 struct StepParams {
     rows: u32,
@@ -61,7 +66,9 @@ struct StepParams {
     q_scale: f32,
 }
 
-const COLS: u32 = {{WG}}u / {{LANES}}u;
+// Column groups of a workgroup (invocations per column: LANES), and its columns.
+const GROUPS: u32 = {{WG}}u / {{LANES}}u;
+const COLS: u32 = GROUPS * {{CPC}}u;
 
 var<immediate> P: StepParams;
 @group(0) @binding(0) var<storage, read> QKV: array<f32>;
@@ -101,27 +108,38 @@ fn main(ids: ComputeIds) {
     let part = ids.wid.x % P.parts;
     let r = ids.wid.y;
     let lane = ids.lid % {{LANES}}u;
-    let j = part * COLS + ids.lid / {{LANES}}u;
-    let valid = j < P.dv;
     let dk = P.dk;
     let kh = k_head_of(n);
     let qkv = P.qkv_offset + r * P.qkv_stride;
     let st = SLOTS[P.slots_offset + r] * P.state_stride + n * P.dv * dk;
+    // Column c of this invocation, and whether it is one of the head's.
+    var j: array<u32, {{CPC}}>;
+    var valid: array<bool, {{CPC}}>;
+#for c in 0..CPC
+    j[{{c}}] = part * COLS + {{c}}u * GROUPS + ids.lid / {{LANES}}u;
+    valid[{{c}}] = j[{{c}}] < P.dv;
+#endfor
 
     // Every S load first: column j, key rows lane + t · LANES.
-    var s: array<f32, {{ROWS}}>;
+    var s: array<array<f32, {{ROWS}}>, {{CPC}}>;
+#for c in 0..CPC
 #for t in 0..ROWS
-    if valid && lane + {{t}}u * {{LANES}}u < dk {
-        s[{{t}}] = STATE[st + j * dk + lane + {{t}}u * {{LANES}}u];
+    if valid[{{c}}] && lane + {{t}}u * {{LANES}}u < dk {
+        s[{{c}}][{{t}}] = STATE[st + j[{{c}}] * dk + lane + {{t}}u * {{LANES}}u];
     }
 #endfor
-    // The column's v and z too, before any arithmetic waits on a load.
-    var v = 0.0;
-    var z = 0.0;
-    if valid {
-        v = QKV[qkv + P.v_offset + n * P.dv + j];
-        z = Z[P.z_offset + r * P.z_stride + n * P.dv + j];
+#endfor
+    // The columns' v and z too, before any arithmetic waits on a load.
+    var v: array<f32, {{CPC}}>;
+    var z: array<f32, {{CPC}}>;
+#for c in 0..CPC
+    v[{{c}}] = 0.0;
+    z[{{c}}] = 0.0;
+    if valid[{{c}}] {
+        v[{{c}}] = QKV[qkv + P.v_offset + n * P.dv + j[{{c}}]];
+        z[{{c}}] = Z[P.z_offset + r * P.z_stride + n * P.dv + j[{{c}}]];
     }
+#endfor
     var q: array<f32, {{ROWS}}>;
     var k: array<f32, {{ROWS}}>;
     var qq = 0.0;
@@ -148,28 +166,36 @@ fn main(ids: ComputeIds) {
     let decay = exp(SSM_A[n] * softplus);
     let beta = 1.0 / (1.0 + exp(-ba_at(r, n, P.beta_offset)));
 
-    var kv = 0.0;
+    // This invocation's share of the part's sum of o² (lane 0 of each valid column contributes).
+    var sq_part = 0.0;
+#for c in 0..CPC
+    {
+        var kv = 0.0;
 #for t in 0..ROWS
-    s[{{t}}] *= decay;
-    kv += s[{{t}}] * k[{{t}}];
+        s[{{c}}][{{t}}] *= decay;
+        kv += s[{{c}}][{{t}}] * k[{{t}}];
 #endfor
-    kv = column_sum(kv);
-    let delta = beta * (v - kv);
-    var op = 0.0;
+        kv = column_sum(kv);
+        let delta = beta * (v[{{c}}] - kv);
+        var op = 0.0;
 #for t in 0..ROWS
-    s[{{t}}] += k[{{t}}] * delta;
-    op += s[{{t}}] * q[{{t}}];
-    if valid && lane + {{t}}u * {{LANES}}u < dk {
-        STATE[st + j * dk + lane + {{t}}u * {{LANES}}u] = s[{{t}}];
+        s[{{c}}][{{t}}] += k[{{t}}] * delta;
+        op += s[{{c}}][{{t}}] * q[{{t}}];
+        if valid[{{c}}] && lane + {{t}}u * {{LANES}}u < dk {
+            STATE[st + j[{{c}}] * dk + lane + {{t}}u * {{LANES}}u] = s[{{c}}][{{t}}];
+        }
+#endfor
+        let o = column_sum(op);
+        sq_part += select(0.0, o * o, valid[{{c}}] && lane == 0u);
+        if valid[{{c}}] && lane == 0u {
+            let zc = z[{{c}}];
+            OUT[P.out_offset + r * P.out_stride + n * P.dv + j[{{c}}]] = o * NORM[j[{{c}}]] * (zc / (1.0 + exp(-zc)));
+        }
     }
 #endfor
-    let o = column_sum(op);
-    // This part's sum of o² (lane 0 of each valid column contributes), for the norm downstream.
-    let sq = wg_sum(select(0.0, o * o, valid && lane == 0u), ids);
+    // The part's sum of o², for the norm downstream.
+    let sq = wg_sum(sq_part, ids);
     if ids.lid == 0u {
         SQ[P.sq_offset + r * P.sq_stride + n * P.parts + part] = sq;
-    }
-    if valid && lane == 0u {
-        OUT[P.out_offset + r * P.out_stride + n * P.dv + j] = o * NORM[j] * (z / (1.0 + exp(-z)));
     }
 }

@@ -10,9 +10,26 @@ use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
 pub const FILE: ShaderFile = crate::shader_file!("gdn_step");
-/// Largest workgroup: 8 columns of a head at 32 lanes each, so a one-row step of 32 heads of 128
-/// columns is 512 workgroups (one workgroup per head left most of an H200 idle: 18 µs per step).
-const MAX_WG: u32 = 256;
+/// How the step spreads a head's value columns: invocations per workgroup at most, and columns per
+/// invocation (gdn_step.wgsl `CPC`). Many workgroups per head: one per head left most of an H200
+/// idle (18 µs per one-row step). [`GdnStepShape::DEFAULT`] is what [`record`] and [`parts`]
+/// use; tuning runs pass others to [`record_shaped`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GdnStepShape {
+    pub max_wg: u32,
+    pub columns: u32,
+}
+
+impl GdnStepShape {
+    /// 4 columns of 32 lanes per workgroup, 2 columns per invocation. Kernel bench `gdn_step`
+    /// (H200, 2026-12-02, states cold): 1 row 7.3 µs, 8 rows 19.6, against 7.3 and 24.8 for 8
+    /// columns of one per invocation (the former default); 4 per invocation took 18.3 at 8 rows but
+    /// 9.1 at one. A row's sums of o² group by this shape, so it cannot follow the batch.
+    pub const DEFAULT: GdnStepShape = GdnStepShape {
+        max_wg: 128,
+        columns: 2,
+    };
+}
 /// Largest key and value head dims one workgroup holds.
 pub const MAX_DK: u32 = 128;
 pub const MAX_DV: u32 = 128;
@@ -96,11 +113,20 @@ fn extent(rows: u32, offset: u32, stride: u32, width: u32) -> u64 {
 /// Workgroups per head of `dv` columns on this device (the `parts` of [`GdnStepParams`]): the
 /// output projection's norm sums that many partial sums per head.
 pub fn parts(gpu: &Gpu, dv: u32) -> u32 {
-    parts_with(gpu, dv, MAX_WG)
+    GdnStepShape::DEFAULT.parts(gpu, dv)
 }
 
-fn parts_with(gpu: &Gpu, dv: u32, max_wg: u32) -> u32 {
-    dv.div_ceil(workgroup(gpu, max_wg) / lanes(gpu))
+impl GdnStepShape {
+    /// Workgroups per head of `dv` columns on this device at this shape.
+    pub fn parts(self, gpu: &Gpu, dv: u32) -> u32 {
+        dv.div_ceil(workgroup(gpu, self.max_wg) / lanes(gpu) * self.columns_on(gpu))
+    }
+
+    /// Columns per invocation on this device: one without subgroups, where an invocation already
+    /// holds a whole column (MAX_DK floats).
+    fn columns_on(self, gpu: &Gpu) -> u32 {
+        if lanes(gpu) == 1 { 1 } else { self.columns }
+    }
 }
 
 fn workgroup(gpu: &Gpu, max_wg: u32) -> u32 {
@@ -110,18 +136,22 @@ fn workgroup(gpu: &Gpu, max_wg: u32) -> u32 {
 
 /// Record the step for `p.rows` rows (grid: v_heads · parts × rows).
 pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepArgs<'_>) -> Result<()> {
-    record_shaped(gpu, rec, p, a, MAX_WG)
+    record_shaped(gpu, rec, p, a, GdnStepShape::DEFAULT)
 }
 
-/// [`record`] with workgroups of at most `max_wg` invocations (tuning runs; the output
-/// projection's `parts` must then be [`parts`] of the same width, which only [`record`] keeps).
+/// [`record`] with another spread of the columns (tuning runs; the output projection's `parts`
+/// must then be those of the same shape, which only [`record`] keeps).
 pub fn record_shaped(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
     p: &GdnStepParams,
     a: &GdnStepArgs<'_>,
-    max_wg: u32,
+    shape: GdnStepShape,
 ) -> Result<()> {
+    crate::ensure!(
+        (1..=8).contains(&shape.columns),
+        QkError::Engine(format!("gdn step: {} columns per invocation", shape.columns))
+    );
     crate::ensure!(
         p.dk >= 1
             && p.dk <= MAX_DK
@@ -172,7 +202,7 @@ pub fn record_shaped(
         QkError::Engine("gdn step: state stride smaller than one slot's S".into())
     );
     require_len("gdn step state", a.state, u64::from(p.state_stride))?;
-    let parts = parts_with(gpu, p.dv, max_wg);
+    let parts = shape.parts(gpu, p.dv);
     crate::ensure!(
         p.sq_stride >= p.v_heads * parts,
         QkError::Engine(format!(
@@ -191,9 +221,10 @@ pub fn record_shaped(
     let pipe = gpu.pipeline(
         &FILE,
         &[
-            ("WG", workgroup(gpu, max_wg).to_string()),
+            ("WG", workgroup(gpu, shape.max_wg).to_string()),
             ("LANES", lanes.to_string()),
             ("ROWS", (MAX_DK / lanes).to_string()),
+            ("CPC", shape.columns_on(gpu).to_string()),
         ],
         &[],
     )?;

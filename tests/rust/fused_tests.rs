@@ -514,23 +514,33 @@ fn gdn_step_then_head_norm_projection_match_the_recurrent_reference_per_slot() {
     // workgroups) and the output projection that finishes the gated norm from the step's sums of
     // squares and adds the residual. Subgroups on: a column shared by a subgroup's lanes; off: one
     // invocation per column.
+    // With subgroups, other spreads of a head's columns (invocations per workgroup, columns per
+    // invocation) too; without, an invocation holds a whole column whatever the shape.
+    use qk::ops::gdn_step::GdnStepShape;
+    let shapes = [(256, 1), (64, 4), (128, 2)].map(|(max_wg, columns)| GdnStepShape { max_wg, columns });
     for no_subgroups in [false, true] {
         if let Some(gpu) = test_gpu(no_subgroups) {
-            gdn_step_case(gpu);
+            gdn_step_case(gpu, GdnStepShape::DEFAULT);
+            for shape in shapes
+                .into_iter()
+                .filter(|s| !no_subgroups && *s != GdnStepShape::DEFAULT)
+            {
+                gdn_step_case(gpu, shape);
+            }
         }
     }
 }
 
-fn gdn_step_case(gpu: &Gpu) {
+fn gdn_step_case(gpu: &Gpu, shape: qk::ops::gdn_step::GdnStepShape) {
     use qk::ops::deltanet::{DeltaParams, reference};
-    use qk::ops::gdn_step::{GdnStepArgs, GdnStepParams, parts, record};
+    use qk::ops::gdn_step::{GdnStepArgs, GdnStepParams, record_shaped};
     // qwen3next grouping: 2 k-heads, 4 v-heads, dk = dv = 64; 3 rows on slots 1, 3, 0 of 4; two steps.
     let (nk, nv, dk, dv, rows, n_slots) = (2u32, 4u32, 64u32, 64u32, 3u32, 4u32);
     let (key_dim, vd) = (nk * dk, nv * dv);
     let cd = 2 * key_dim + vd;
     let (bstride, zstride) = (cd + 2 * nv, vd);
     let r = nv / nk;
-    let parts = parts(gpu, dv);
+    let parts = shape.parts(gpu, dv);
     // The output projection: 40 rows of IQ4_XS over the vd gated values, a residual beside it.
     let m = 40usize;
     let (w, dense) = upload(gpu, GgmlType::IQ4XS, m, vd as usize, 1, 7);
@@ -606,7 +616,7 @@ fn gdn_step_case(gpu: &Gpu) {
             state: &sb,
             out: &ob,
         };
-        record(gpu, &mut rec, &p, &args).unwrap();
+        record_shaped(gpu, &mut rec, &p, &args, shape).unwrap();
         let fusion = MatvecFusion {
             input: MatvecInput::HeadRms {
                 sums: &sqb,
@@ -674,10 +684,10 @@ fn gdn_step_case(gpu: &Gpu) {
             })
             .collect();
         let e = nmse(&read(gpu, &yb, rows as usize * m), &want_y);
-        assert!(e < NMSE_MAX, "step {step}: projected output NMSE {e:e}");
+        assert!(e < NMSE_MAX, "{shape:?} step {step}: projected output NMSE {e:e}");
         let want_state: Vec<f64> = state.iter().map(|&v| f64::from(v)).collect();
         let e = nmse(&read(gpu, &sb, state.len()), &want_state);
-        assert!(e < NMSE_MAX, "step {step}: state NMSE {e:e}");
+        assert!(e < NMSE_MAX, "{shape:?} step {step}: state NMSE {e:e}");
     }
 }
 
