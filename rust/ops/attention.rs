@@ -47,12 +47,12 @@ pub const FILE: ShaderFile = crate::shader_file!("attention");
 /// The cooperative-matrix prefill kernel (f16 cache; [`PrefillKernel::Coop`]).
 pub const COOP_FILE: ShaderFile = crate::shader_file!("attention_coop");
 
-/// Decode splits: at least 16 keys each, at most 256 per row (longer caches get longer splits).
+/// Decode splits: at least 32 keys each, at most 256 per row (longer caches get longer splits).
 /// A decode row has only kv_heads × splits workgroups, each walking its split's keys serially: up
-/// to 4096 keys stay at 16 per split (512 workgroups of one row at 2 kv heads), so a deep cache
+/// to 8192 keys stay at 32 per split (512 workgroups of one row at 2 kv heads), so a deep cache
 /// costs more workgroups, not longer ones (measured on the H200: at 64 splits a row at depth 8192
-/// cost ~1.4 ms more per step than at 512). See [`DECODE_COLS`] for the sweep that chose 16.
-pub const DECODE_MIN_SPLIT: u32 = 16;
+/// cost ~1.4 ms more per step than at 512).
+pub const DECODE_MIN_SPLIT: u32 = 32;
 /// Invocations of the merge workgroup (one per row head): split groups of head_dim / 8 units each.
 const MERGE_WG: u32 = 256;
 pub const DECODE_MAX_SPLITS: u32 = 256;
@@ -62,14 +62,9 @@ pub const PREFILL_MIN_SPLIT: u32 = 256;
 pub const PREFILL_MAX_SPLITS: u32 = 16;
 /// Query rows (token × q head of one group) per prefill workgroup (`PR`).
 pub const PREFILL_ROWS: u32 = 64;
-/// Key columns per decode workgroup (`COLS`) and keys per column per iteration (`UNROLL`): 4 keys'
-/// K and V rows (2 KiB at head_dim 256, f16) in flight per 32-lane column, two columns. Kernel
-/// bench `attention_decode` (H200, 2026-12-02, f16 cache of 16,384 positions, split + merge µs at
-/// depth 512 / 8192 for 1 row, then 8 rows): 2 columns × 4 keys with splits of 16 keys at least
-/// 18.3 / 25.4 and 27.4 / 134.6, against 18.3 / 31.0 and 25.7 / 138.2 for the former 4 × 4 with
-/// splits of 32; no walk of the 36 swept was best everywhere (4 × 4 from 64 keys: 20.9 / 27.7 and
-/// 28.3 / 118.1).
-pub const DECODE_COLS: u32 = 2;
+/// Key columns per decode workgroup (`COLS`) and keys per column per iteration (`UNROLL`): 4 × 4
+/// keys' K and V rows (4 KiB at head_dim 256, f16) in flight per 32-lane column.
+pub const DECODE_COLS: u32 = 4;
 pub const DECODE_UNROLL: u32 = 4;
 
 /// How the decode split kernel walks a row's keys: key columns per workgroup, keys per column per
@@ -89,7 +84,6 @@ impl DecodeTuning {
         min_split: DECODE_MIN_SPLIT,
     };
 }
-
 /// Keys per K/V block staged in workgroup memory by the prefill kernel (`BK`).
 pub const PREFILL_KEYS: u32 = 16;
 /// Subgroups of the cooperative prefill workgroup, and the keys of its staged K/V blocks
