@@ -1121,7 +1121,7 @@ fn gdn_step_decode(gpu: &Gpu) {
         });
         for (shape, t) in shapes.iter().zip(best) {
             let bytes = 2.0 * f64::from(n * vd * dk) * 4.0;
-            let mark = if *shape == GdnStepShape::DEFAULT {
+            let mark = if *shape == GdnStepShape::for_rows(n) {
                 " (default)"
             } else {
                 ""

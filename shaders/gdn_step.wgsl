@@ -5,10 +5,12 @@
 // (part g of head n takes columns g · COLS ..), so a one-row step spreads over v_heads · dv / COLS
 // workgroups instead of one per head; row r is slot SLOTS[slots_offset + r], whose states start at
 // float slot · state_stride. Each invocation takes CPC columns (WG / LANES apart), all their S
-// loads issued first: the step streams the states once, and one column per invocation left too
-// few bytes in flight to cover the memory's latency. The per-head RMS of o needs every column, so each workgroup writes its
+// loads issued first (several columns per invocation keep more bytes in flight when many rows
+// stream their states). The per-head RMS of o needs every column, so each workgroup writes its
 // columns' sum of o² to SQ[sq_offset + r · sq_stride + n · parts + g] and the output projection
-// (matvec.wgsl PRE=head_rms) finishes the norm.
+// (matvec.wgsl PRE=head_rms) finishes the norm. That sum adds the part's columns in column order,
+// so it has the same bits for any WG and CPC with the same COLS (the host picks CPC by the rows of
+// a step; a row's bytes must not depend on the batch).
 //
 // S is value-major ((n · dv + j) · dk + i: a value column's dk floats are contiguous), so LANES
 // neighbouring invocations share a column, each holding every LANES-th key row: their loads of a
@@ -20,7 +22,6 @@
 // {q,k,v}_offset; beta/alpha logits as DeltaParams; z of row r at z_offset + r · z_stride + n · dv
 // + j; the output likewise at out_offset + r · out_stride.
 #include "common.wgsl"
-#include "common_reduce.wgsl"
 #define WG 128
 #define LANES 1
 // Key rows per invocation (MAX_DK / LANES); value columns per invocation (a workgroup's columns
@@ -69,6 +70,8 @@ struct StepParams {
 // Column groups of a workgroup (invocations per column: LANES), and its columns.
 const GROUPS: u32 = {{WG}}u / {{LANES}}u;
 const COLS: u32 = GROUPS * {{CPC}}u;
+// Each column's o² (0 for a column past the head's), for the part's sum in column order.
+var<workgroup> col_sq: array<f32, COLS>;
 
 var<immediate> P: StepParams;
 @group(0) @binding(0) var<storage, read> QKV: array<f32>;
@@ -166,8 +169,6 @@ fn main(ids: ComputeIds) {
     let decay = exp(SSM_A[n] * softplus);
     let beta = 1.0 / (1.0 + exp(-ba_at(r, n, P.beta_offset)));
 
-    // This invocation's share of the part's sum of o² (lane 0 of each valid column contributes).
-    var sq_part = 0.0;
 #for c in 0..CPC
     {
         var kv = 0.0;
@@ -186,7 +187,9 @@ fn main(ids: ComputeIds) {
         }
 #endfor
         let o = column_sum(op);
-        sq_part += select(0.0, o * o, valid[{{c}}] && lane == 0u);
+        if lane == 0u {
+            col_sq[{{c}}u * GROUPS + ids.lid / {{LANES}}u] = select(0.0, o * o, valid[{{c}}]);
+        }
         if valid[{{c}}] && lane == 0u {
             let zc = z[{{c}}];
             OUT[P.out_offset + r * P.out_stride + n * P.dv + j[{{c}}]] = o * NORM[j[{{c}}]] * (zc / (1.0 + exp(-zc)));
@@ -194,8 +197,12 @@ fn main(ids: ComputeIds) {
     }
 #endfor
     // The part's sum of o², for the norm downstream.
-    let sq = wg_sum(sq_part, ids);
+    workgroupBarrier();
     if ids.lid == 0u {
+        var sq = 0.0;
+        for (var i = 0u; i < COLS; i++) {
+            sq += col_sq[i];
+        }
         SQ[P.sq_offset + r * P.sq_stride + n * P.parts + part] = sq;
     }
 }

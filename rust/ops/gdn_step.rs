@@ -12,8 +12,8 @@ use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 pub const FILE: ShaderFile = crate::shader_file!("gdn_step");
 /// How the step spreads a head's value columns: invocations per workgroup at most, and columns per
 /// invocation (gdn_step.wgsl `CPC`). Many workgroups per head: one per head left most of an H200
-/// idle (18 µs per one-row step). [`GdnStepShape::DEFAULT`] is what [`record`] and [`parts`]
-/// use; tuning runs pass others to [`record_shaped`].
+/// idle (18 µs per one-row step). [`record`] takes [`GdnStepShape::for_rows`]; tuning runs pass
+/// others to [`record_shaped`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GdnStepShape {
     pub max_wg: u32,
@@ -21,15 +21,53 @@ pub struct GdnStepShape {
 }
 
 impl GdnStepShape {
-    /// 4 columns of 32 lanes per workgroup, 2 columns per invocation. Kernel bench `gdn_step`
-    /// (H200, 2026-12-02, states cold): 1 row 7.3 µs, 8 rows 19.6, against 7.3 and 24.8 for 8
-    /// columns of one per invocation (the former default); 4 per invocation took 18.3 at 8 rows but
-    /// 9.1 at one. A row's sums of o² group by this shape, so it cannot follow the batch.
-    pub const DEFAULT: GdnStepShape = GdnStepShape {
+    /// One row: 8 columns of 32 lanes per workgroup, one column per invocation.
+    pub const ONE_ROW: GdnStepShape = GdnStepShape {
+        max_wg: 256,
+        columns: 1,
+    };
+    /// Several rows: the same 8 columns per workgroup, two per invocation (half the invocations),
+    /// so each keeps twice the state loads in flight. Kernel bench `gdn_step` (H200, 2026-12-02,
+    /// states cold): 8 rows 24.8 → 19.6 µs, one row 7.3 either way; in the engine (same lease) the
+    /// 8-slot step's `dn.step` 1,032 → 871 µs but the one-slot one 411 → 461, hence a shape per
+    /// case. Both have the same columns per workgroup, so the same parts and the same bytes.
+    pub const ROWS: GdnStepShape = GdnStepShape {
         max_wg: 128,
         columns: 2,
     };
+
+    /// The shape [`record`] uses for a step of `rows` rows.
+    pub fn for_rows(rows: u32) -> GdnStepShape {
+        if rows > 1 { Self::ROWS } else { Self::ONE_ROW }
+    }
+
+    /// Workgroups per head of `dv` columns on this device at this shape.
+    pub fn parts(self, gpu: &Gpu, dv: u32) -> u32 {
+        dv.div_ceil(self.columns_per_workgroup(gpu))
+    }
+
+    fn columns_per_workgroup(self, gpu: &Gpu) -> u32 {
+        workgroup(gpu, self.max_wg) / lanes(gpu) * self.columns_on(gpu)
+    }
+
+    /// Columns per invocation on this device: one without subgroups, where an invocation already
+    /// holds a whole column (MAX_DK floats).
+    fn columns_on(self, gpu: &Gpu) -> u32 {
+        if lanes(gpu) == 1 { 1 } else { self.columns }
+    }
+
+    /// This shape on this device: [`GdnStepShape::ROWS`] falls back to one column per invocation
+    /// where the device's workgroups would give it fewer columns than [`GdnStepShape::ONE_ROW`]
+    /// (a row's sums must group the same columns in every batch).
+    fn on(self, gpu: &Gpu) -> GdnStepShape {
+        if self == Self::ROWS && self.columns_per_workgroup(gpu) != Self::ONE_ROW.columns_per_workgroup(gpu) {
+            Self::ONE_ROW
+        } else {
+            self
+        }
+    }
 }
+
 /// Largest key and value head dims one workgroup holds.
 pub const MAX_DK: u32 = 128;
 pub const MAX_DV: u32 = 128;
@@ -111,22 +149,9 @@ fn extent(rows: u32, offset: u32, stride: u32, width: u32) -> u64 {
 }
 
 /// Workgroups per head of `dv` columns on this device (the `parts` of [`GdnStepParams`]): the
-/// output projection's norm sums that many partial sums per head.
+/// output projection's norm sums that many partial sums per head, whatever the step's rows.
 pub fn parts(gpu: &Gpu, dv: u32) -> u32 {
-    GdnStepShape::DEFAULT.parts(gpu, dv)
-}
-
-impl GdnStepShape {
-    /// Workgroups per head of `dv` columns on this device at this shape.
-    pub fn parts(self, gpu: &Gpu, dv: u32) -> u32 {
-        dv.div_ceil(workgroup(gpu, self.max_wg) / lanes(gpu) * self.columns_on(gpu))
-    }
-
-    /// Columns per invocation on this device: one without subgroups, where an invocation already
-    /// holds a whole column (MAX_DK floats).
-    fn columns_on(self, gpu: &Gpu) -> u32 {
-        if lanes(gpu) == 1 { 1 } else { self.columns }
-    }
+    GdnStepShape::ONE_ROW.parts(gpu, dv)
 }
 
 fn workgroup(gpu: &Gpu, max_wg: u32) -> u32 {
@@ -136,7 +161,7 @@ fn workgroup(gpu: &Gpu, max_wg: u32) -> u32 {
 
 /// Record the step for `p.rows` rows (grid: v_heads · parts × rows).
 pub fn record(gpu: &Gpu, rec: &mut Recorder<'_>, p: &GdnStepParams, a: &GdnStepArgs<'_>) -> Result<()> {
-    record_shaped(gpu, rec, p, a, GdnStepShape::DEFAULT)
+    record_shaped(gpu, rec, p, a, GdnStepShape::for_rows(p.rows).on(gpu))
 }
 
 /// [`record`] with another spread of the columns (tuning runs; the output projection's `parts`
