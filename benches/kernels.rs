@@ -2037,24 +2037,27 @@ fn prepare_bench(gpu: &Gpu, shape: &AttnShape, kv: &[KvGroup<'_>], iters: u32, r
     println!("{line}");
 }
 
-/// Decode attention as the engine's step runs it (f16 cache of 16,384 positions, 8 slots): each
-/// kernel's GPU time (timestamps, one profiled submit of prepare, split and merge) at depths 512
-/// and 8192 for 1 and 8 rows, then split + merge per call for every walk of the keys
-/// ([`DecodeTuning`]: key columns, keys per column per iteration, shortest split).
+/// Decode attention as the engine's step runs it (f16 cache of 16,384 positions): each kernel's GPU
+/// time (timestamps, one profiled submit of prepare, split and merge) at depths 512 and 8192 for 1
+/// and 8 rows, then split + merge per call for every walk of the keys ([`DecodeTuning`]: key
+/// columns, keys per column per iteration, shortest split). The cache is cold as in the engine,
+/// whose 12 attention layers' caches do not fit the L2: each iteration reads other slots of 64
+/// (the first sweep read one row's keys every iteration, warm in L2, and chose a walk that was
+/// slower in the engine).
 fn attention_decode_sweep(gpu: &Gpu) {
     let smoke = smoke();
     let ctx = if smoke { 1024 } else { 16_384 };
     let max_rows = 8u32;
     let iters = if smoke { 1 } else { 20 };
     let mut rng = Rng(0xa77f);
+    let slots = if smoke { 16 } else { 64u32 };
     let shape = attn_shape(ctx, KvType::F16, KvType::F16);
-    let groups = filled_cache(gpu, &shape, max_rows, &mut rng);
+    let groups = filled_cache(gpu, &shape, slots, &mut rng);
     let kv = kv_views(&groups);
     let inputs = PrepareInputs::random(gpu, &shape, max_rows, &mut rng);
     let ops = DecodeOperands::random(gpu, max_rows, &mut rng);
     let args = ops.args();
     let prep = inputs.args(&ops.q);
-    let rows_buf = gpu.buffer_zeroed("rows", u64::from(max_rows) * 8).expect("rows");
     let depths: &[u32] = if smoke { &[64, 512] } else { &[512, 8192] };
     let mut tunings = Vec::new();
     for min_split in [16, 32, 64] {
@@ -2073,31 +2076,43 @@ fn attention_decode_sweep(gpu: &Gpu) {
     );
     for &depth in depths {
         for rows in [1u32, max_rows] {
-            let pairs: Vec<u32> = (0..rows).flat_map(|r| [r, depth - 1]).collect();
-            gpu.write(&rows_buf, 0, bytemuck::cast_slice(&pairs))
-                .expect("rows");
+            // One rows buffer per window of `rows` slots; iteration i reads window i.
+            let windows: Vec<GpuBuffer> = (0..slots / rows)
+                .map(|w| {
+                    let pairs: Vec<u32> = (0..rows).flat_map(|r| [w * rows + r, depth - 1]).collect();
+                    gpu.buffer_from_u32("rows", &pairs).expect("rows")
+                })
+                .collect();
+            let rows_buf = &windows[0];
             let step = AttnRows::Step {
-                buf: &rows_buf,
+                buf: rows_buf,
                 n: rows,
             };
             hold_clocks(gpu);
             let times = kernel_times(gpu, |rec| {
                 attention::record_prepare(gpu, rec, &shape, step, &kv, &prep).expect("prepare");
-                attention::record_decode(gpu, rec, &shape, &rows_buf, rows, &kv, &args).expect("decode");
+                attention::record_decode(gpu, rec, &shape, rows_buf, rows, &kv, &args).expect("decode");
             });
             println!("  depth {depth:>5}, {rows} row(s), one profiled submit (prepare, split, merge):");
             print_kernel_times(&times);
+            let mut i = 0;
             let whole = time_submit(gpu, iters, |rec| {
+                let buf = &windows[i % windows.len()];
+                i += 1;
+                let step = AttnRows::Step { buf, n: rows };
                 attention::record_prepare(gpu, rec, &shape, step, &kv, &prep).expect("prepare");
-                attention::record_decode(gpu, rec, &shape, &rows_buf, rows, &kv, &args).expect("decode");
+                attention::record_decode(gpu, rec, &shape, buf, rows, &kv, &args).expect("decode");
             });
             println!(
                 "    prepare + split + merge per call (default): {:>7.1} µs",
                 whole * 1e6
             );
-            let best = best_of_two_passes(gpu, tunings.len(), 1.0, 0.05, |i| {
+            let best = best_of_two_passes(gpu, tunings.len(), 1.0, 0.05, |t| {
+                let mut i = 0;
                 time_submit(gpu, iters, |rec| {
-                    attention::record_decode_tuned(gpu, rec, &shape, &rows_buf, rows, &kv, &args, tunings[i])
+                    let buf = &windows[i % windows.len()];
+                    i += 1;
+                    attention::record_decode_tuned(gpu, rec, &shape, buf, rows, &kv, &args, tunings[t])
                         .expect("decode")
                 })
             });
