@@ -359,14 +359,17 @@ impl MatvecShape {
         // five columns: since the workgroup's sums go through one exchange (session 12), at 8
         // columns they took 22.3 (GDN) and 21.2 µs (attention) at 8 rows against 27.1 and 25.6 at
         // 4 (H200, 2026-12-02, clocks held); at 4 columns 16.2 against 16.3, so 4 stay below five.
-        let big_norm = norm && rows * steps >= BIG_NORM_STEPS;
-        let plain_rows = !matches!(input, MatvecInput::Rms { .. });
-        let rows_per_group = match (norm, ncols) {
-            _ if big_norm => 8,
-            (_, 5..) if plain_rows => 8,
-            (true, _) | (_, 3..) => 4,
-            (false, 2) => 2,
-            _ => 1,
+        let big = rows * steps >= BIG_NORM_STEPS;
+        let rows_per_group = match input {
+            MatvecInput::Rms { .. } | MatvecInput::HeadRms { .. } if big => 8,
+            MatvecInput::HeadRms { .. } if ncols >= 5 => 8,
+            MatvecInput::Rms { .. } | MatvecInput::HeadRms { .. } => 4,
+            MatvecInput::Plain | MatvecInput::SiluMul { .. } => match ncols {
+                5.. => 8,
+                3.. => 4,
+                2 => 2,
+                _ => 1,
+            },
         };
         // With a fused norm over K = 2048 (the models' n_embd) the word paths take two steps per
         // invocation: the norm-fused q‖k‖v‖z at 4 × 64 took 24.5 µs for 1 column and 81.5 for 8,

@@ -971,3 +971,66 @@ fn matvec_tensor_larger_than_128_mib() {
     let e = run_matvec(gpu, &case, m, k, 1, None);
     assert!(e < NMSE_MAX, "large Q8_0 matvec: NMSE {e:e}");
 }
+
+#[test]
+fn decode_projection_shapes_follow_their_measured_rule() {
+    use qk::ops::matmul::{MatvecInput, MatvecShape};
+    // The decode step's dense products at the 80B shape (rows × K), the rows per workgroup
+    // `MatvecShape::for_matrix` gives each at 1, 2, 4, 5 and 8 columns (its doc has the sweeps).
+    let Some(gpu) = test_gpu(false) else { return };
+    let buf = gpu.buffer_zeroed("norm", 4 * 4096).unwrap();
+    let rms = MatvecInput::Rms {
+        weight: &buf,
+        eps: 1e-6,
+        store: None,
+    };
+    let head_rms = MatvecInput::HeadRms {
+        sums: &buf,
+        heads: 32,
+        head_dim: 128,
+        parts: 16,
+        offset: 0,
+        stride: 512,
+        eps: 1e-6,
+    };
+    let cases = [
+        ("q‖k‖v‖z", GgmlType::IQ4XS, 12_288, 2048, rms, [8, 8, 8, 8, 8]),
+        (
+            "attention q‖k‖v",
+            GgmlType::IQ4XS,
+            9216,
+            2048,
+            rms,
+            [8, 8, 8, 8, 8],
+        ),
+        ("router", GgmlType::F32, 513, 2048, rms, [4, 4, 4, 4, 4]),
+        (
+            "GDN output",
+            GgmlType::IQ4XS,
+            2048,
+            4096,
+            head_rms,
+            [4, 4, 4, 8, 8],
+        ),
+        (
+            "attention output",
+            GgmlType::IQ4XS,
+            2048,
+            4096,
+            MatvecInput::Plain,
+            [1, 2, 4, 8, 8],
+        ),
+    ];
+    for (name, ty, rows, k, input, want) in cases {
+        for (ncols, want) in [1, 2, 4, 5, 8].into_iter().zip(want) {
+            let shape = MatvecShape::for_matrix(ty, rows, k, ncols, &input);
+            assert_eq!(shape.rows, want, "{name} at {ncols} columns");
+            // The width, which fixes how a row's K is split, never follows the columns.
+            assert_eq!(
+                shape.wg,
+                MatvecShape::for_matrix(ty, rows, k, 1, &input).wg,
+                "{name}"
+            );
+        }
+    }
+}
