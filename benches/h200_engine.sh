@@ -8,6 +8,7 @@
 #   bash benches/h200_engine.sh wait [SECONDS]   wait for the background run; print its log
 #   bash benches/h200_engine.sh kernels [SETS]   only the kernel micro-benchmark (no model, no
 #                                                 llama.cpp), in the foreground: kernels-<set>.txt
+#                                                 (the sets: benches/kernel_sets.sh)
 # Results land in $OUT (engine.log, qk-bench.json, llama-bench.md, llama-batched.txt, kernels.txt).
 # env: QK_SKIP_TESTS=1, QK_TEST_FILTER (a cargo test filter), QK_SKIP_LLAMA=1, QK_KERNELS=1 (kernel micro-benchmark;
 #      QK_KERNEL_SETS picks its parts),
