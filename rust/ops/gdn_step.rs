@@ -56,9 +56,9 @@ impl GdnStepShape {
         if lanes(gpu) == 1 { 1 } else { self.columns }
     }
 
-    /// This shape on this device: [`GdnStepShape::ROWS`] falls back to one column per invocation
-    /// where the device's workgroups would give it fewer columns than [`GdnStepShape::ONE_ROW`]
-    /// (a row's sums must group the same columns in every batch).
+    /// This shape on this device: [`GdnStepShape::ROWS`] falls back to [`GdnStepShape::ONE_ROW`]
+    /// where the device's workgroup limit would give the two different columns per workgroup (a
+    /// row's sums must group the same columns in every batch).
     fn on(self, gpu: &Gpu) -> GdnStepShape {
         if self == Self::ROWS && self.columns_per_workgroup(gpu) != Self::ONE_ROW.columns_per_workgroup(gpu) {
             Self::ONE_ROW
