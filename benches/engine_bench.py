@@ -253,6 +253,11 @@ def main() -> None:
         help="decode steps of up to this many slots route inside the experts' gate/up, larger ones run "
         "the router kernel first (default: the engine's, 1)",
     )
+    ap.add_argument(
+        "--attention-walk",
+        default=None,
+        help="COLS,UNROLL,MIN_SPLIT: how decode attention walks a row's keys (default: the engine's)",
+    )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -263,6 +268,8 @@ def main() -> None:
     # Options passed only when given, so this script also drives wheels older than an option
     # (benches/h200_ab.sh compares two builds with one copy of it).
     options = {} if a.route_inside_max_rows is None else {"route_inside_max_rows": a.route_inside_max_rows}
+    if a.attention_walk is not None:
+        options["attention_walk"] = tuple(int(v) for v in a.attention_walk.split(","))
     eng = qk.Engine(
         a.model,
         slots=a.slots,
@@ -342,6 +349,7 @@ def main() -> None:
         "layers": info.get("n_layer"),
         "precise": a.precise,
         "route_inside_max_rows": a.route_inside_max_rows,
+        "attention_walk": a.attention_walk,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,
         "prefill_tok_s": round(a.prompt / prefill_s, 1),

@@ -19,7 +19,7 @@ use crate::model::forward::{Batch, Model, Scratch, SlotState, write_step_rows};
 use crate::model::kv::attn_shape;
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
 use crate::model::{LayerKind, ModelConfig};
-use crate::ops::attention::KvType;
+use crate::ops::attention::{DecodeTuning, KvType};
 use crate::ops::deltanet::CHUNK;
 use crate::ops::embed::Ids;
 use crate::ops::matmul::{ColumnClass, Precision, column_class};
@@ -298,6 +298,11 @@ pub struct EngineOptions {
     /// slots stepped together went from 560.6 to 588.8 tok/s. The results are the same bytes
     /// either way (one routing code, common_route.wgsl); only the speed differs.
     pub route_inside_max_rows: Option<u32>,
+    /// How decode attention walks a row's keys (key columns per workgroup, keys per column per
+    /// iteration, shortest split); None: [`DecodeTuning::DEFAULT`]. A speed choice a bench can
+    /// compare in one process; it changes the last bits of attention (the split plan and so the
+    /// merge), never a row's independence from the batch.
+    pub attention_walk: Option<DecodeTuning>,
 }
 
 impl EngineOptions {
@@ -407,6 +412,8 @@ impl Engine {
             QkError::Engine("slots must be at least 1".into())
         );
         crate::ensure!(opts.ctx >= 1, QkError::Engine("ctx must be at least 1".into()));
+        let attention_walk = opts.attention_walk.unwrap_or(DecodeTuning::DEFAULT);
+        attention_walk.check()?;
         if let Some(rows) = opts.prefill_rows {
             crate::ensure!(
                 rows >= CHUNK && rows.is_multiple_of(CHUNK),
@@ -474,6 +481,7 @@ impl Engine {
                     Precision::Fast
                 },
                 route_inside_max_rows: opts.route_inside_max_rows.unwrap_or(1),
+                attention_walk,
             },
             kv_types: (k_type, v_type),
             layers,

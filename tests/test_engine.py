@@ -313,6 +313,34 @@ def test_step_is_one_submit_and_creates_nothing():
     assert delta["submits"] == 1 and delta["readbacks"] == 1
 
 
+def test_attention_walk_is_a_speed_choice():
+    """attention_walk (key columns, keys per column, shortest split) changes how decode attention
+    walks the cache, not what it computes: greedy tokens equal the default's and top-k logits
+    agree to f32 rounding (the split plan, and so the merge order, differ). A walk the kernel
+    cannot take is refused when the engine is built."""
+    qk = _qk()
+    name = F32[0]
+    path = str(FIXTURES / f"{name}.gguf")
+    walked = qk.Engine(path, slots=1, ctx=512, precise=True, attention_walk=(2, 4, 16))
+    base = qk.Engine(path, slots=1, ctx=512, precise=True)
+    p = prompt(name)[:80]
+    runs = []
+    for eng in (walked, base):
+        tok = eng.stage_run(0, p, 0)[0][-1]
+        steps = []
+        for _ in range(6):
+            (ids, top) = eng.step([0], [tok], topk=4)[0]
+            steps.append((ids, top))
+            tok = ids[0]
+        runs.append(steps)
+    for (ids_w, top_w), (ids_b, top_b) in zip(*runs, strict=True):
+        assert ids_w == ids_b
+        assert [i for i, _ in top_w] == [i for i, _ in top_b]
+        assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for (_, a), (_, b) in zip(top_w, top_b, strict=True))
+    with pytest.raises(qk.EngineError, match="attention walk"):
+        qk.Engine(path, slots=1, ctx=512, attention_walk=(0, 4, 16))
+
+
 def test_routing_inside_or_by_the_router_kernel_gives_the_same_bytes():
     """route_inside_max_rows is a speed choice: steps over more slots than it run the router kernel
     (a `moe.route` dispatch per layer) before the experts' gate/up instead of routing inside it,

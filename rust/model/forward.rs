@@ -452,6 +452,8 @@ pub struct Model {
     /// Decode steps of up to this many rows route inside the experts' gate/up product
     /// (`EngineOptions::route_inside_max_rows`; 1 by default).
     pub route_inside_max_rows: u32,
+    /// How decode attention walks the keys (`EngineOptions::attention_walk`).
+    pub attention_walk: attention::DecodeTuning,
 }
 
 /// Bytes of a dense weight matrix (what one mat-vec reads).
@@ -889,7 +891,8 @@ impl Model {
                 attention::record_prepare(gpu, rec, &shape, rows, &groups, &prep)?;
                 let keys: u64 = positions.iter().map(|&p| u64::from(p) + 1).sum();
                 rec.op("attn.core", layer, kv_bytes(keys));
-                attention::record_decode(gpu, rec, &shape, &s.attn_rows, t, &groups, &core)?;
+                let walk = self.attention_walk;
+                attention::record_decode_tuned(gpu, rec, &shape, &s.attn_rows, t, &groups, &core, walk)?;
             }
         }
         Ok(())

@@ -83,6 +83,21 @@ impl DecodeTuning {
         unroll: DECODE_UNROLL,
         min_split: DECODE_MIN_SPLIT,
     };
+
+    /// Within what the kernel takes: 1–16 columns, 1–8 keys per column, a power-of-two shortest
+    /// split.
+    pub fn check(&self) -> Result<()> {
+        crate::ensure!(
+            (1..=16).contains(&self.cols)
+                && (1..=8).contains(&self.unroll)
+                && self.min_split.is_power_of_two(),
+            QkError::Engine(format!(
+                "attention walk: {} columns (1-16), {} keys per column (1-8), shortest split {} (a power of two)",
+                self.cols, self.unroll, self.min_split
+            ))
+        );
+        Ok(())
+    }
 }
 /// Keys per K/V block staged in workgroup memory by the prefill kernel (`BK`).
 pub const PREFILL_KEYS: u32 = 16;
@@ -748,12 +763,7 @@ pub fn record_decode_tuned(
     if n == 0 {
         return Ok(());
     }
-    crate::ensure!(
-        (1..=16).contains(&tuning.cols)
-            && (1..=8).contains(&tuning.unroll)
-            && tuning.min_split.is_power_of_two(),
-        QkError::Engine(format!("attention: decode tuning {tuning:?} out of range"))
-    );
+    tuning.check()?;
     check_core(shape, n, true, kv, args)?;
     check_workgroup_memory(gpu, shape, Some(tuning))?;
     require_len("attention rows", rows_buf, 2 * u64::from(n))?;

@@ -12,7 +12,7 @@ use super::errors::detach;
 use crate::engine::{
     Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepFeed, StepProfile, StepTiming,
 };
-use crate::ops::attention::KvType;
+use crate::ops::attention::{DecodeTuning, KvType};
 use crate::transport::engine_stage::lock_engine;
 
 /// A model (or a layer range of it) loaded on one GPU, with `slots` independent sequences of up to
@@ -24,7 +24,9 @@ use crate::transport::engine_stage::lock_engine;
 /// fits, else 512. The results are the same whatever it is; the scratch grows with it.
 /// `route_inside_max_rows`: decode steps of at most that many slots route their tokens inside the
 /// experts' gate/up product, larger ones run the router kernel first (default 1: one slot routes
-/// inside); the same results either way, a speed choice a bench can compare.
+/// inside); the same results either way, a speed choice a bench can compare. `attention_walk`
+/// `(columns, keys per column, shortest split)`: how decode attention walks a row's keys (default
+/// (4, 4, 32)); a speed choice too, though it changes attention's last bits.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -112,7 +114,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -126,6 +128,7 @@ impl PyEngine {
         cache_type_v: Option<String>,
         prefill_rows: Option<u32>,
         route_inside_max_rows: Option<u32>,
+        attention_walk: Option<(u32, u32, u32)>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -138,6 +141,11 @@ impl PyEngine {
             cache_type_v: parse(cache_type_v)?,
             prefill_rows,
             route_inside_max_rows,
+            attention_walk: attention_walk.map(|(cols, unroll, min_split)| DecodeTuning {
+                cols,
+                unroll,
+                min_split,
+            }),
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {

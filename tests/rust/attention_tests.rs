@@ -37,6 +37,8 @@ struct Case {
     part: (GpuBuffer, GpuBuffer),
     rows_buf: GpuBuffer,
     rng: Rng,
+    /// How decode walks the keys (`DecodeTuning::DEFAULT` unless a test sets another).
+    walk: attention::DecodeTuning,
 }
 
 impl Case {
@@ -81,6 +83,7 @@ impl Case {
             rows_buf: gpu.buffer_zeroed("rows", u64::from(rows) * 8).unwrap(),
             shape,
             rng,
+            walk: attention::DecodeTuning::DEFAULT,
         }
     }
 
@@ -157,7 +160,7 @@ impl Case {
     fn decode(&self, gpu: &Gpu, n: u32, gate: &GpuBuffer) {
         let mut rec = gpu.recorder();
         let args = self.core_args(gate);
-        attention::record_decode(
+        attention::record_decode_tuned(
             gpu,
             &mut rec,
             &self.shape,
@@ -165,6 +168,7 @@ impl Case {
             n,
             &self.views(),
             &args,
+            self.walk,
         )
         .unwrap();
         rec.submit().unwrap();
@@ -436,9 +440,16 @@ fn decode_case(gpu: &Gpu, c: &mut Case, rows: &[[u32; 2]]) -> Vec<Vec<f32>> {
 /// A decode step over rows of three slots at very different positions (one of ~2900 keys), across
 /// two buffer groups, with a padding row, matches the reference row by row in every cache type;
 /// each row's bytes equal those of the row stepped alone. Head dim 256 as well (32 lanes per key
-/// on a GPU with 32-wide subgroups), on the first device.
+/// on a GPU with 32-wide subgroups), and other walks of the keys (columns, keys per column,
+/// shortest split), on the first device.
 #[test]
 fn gpu_attention_decode_matches_reference() {
+    use attention::DecodeTuning;
+    let walks = [(2, 4, 16), (1, 1, 64), (8, 2, 32)].map(|(cols, unroll, min_split)| DecodeTuning {
+        cols,
+        unroll,
+        min_split,
+    });
     for (i, gpu) in devices().into_iter().enumerate() {
         for types in TYPES {
             let mut c = Case::new(gpu, shape(4, 2, 64, 3000, types), 3, 2, 64);
@@ -446,6 +457,13 @@ fn gpu_attention_decode_matches_reference() {
             if i == 0 {
                 let mut c = Case::new(gpu, shape(4, 2, 256, 200, types), 2, 2, 64);
                 decode_case(gpu, &mut c, &[[1, 150], [0, 3]]);
+            }
+        }
+        if i == 0 {
+            for walk in walks {
+                let mut c = Case::new(gpu, shape(4, 2, 64, 3000, TYPES[0]), 3, 2, 64);
+                c.walk = walk;
+                decode_case(gpu, &mut c, &[[0, 2900], [2, 0], [1, 40]]);
             }
         }
     }

@@ -57,6 +57,7 @@ fn load(name: &str, layers: Option<(u32, u32)>, ctx: u32, precise: bool) -> Opti
             cache_type_v: None,
             prefill_rows: None,
             route_inside_max_rows: None,
+            attention_walk: None,
         },
     )
 }
@@ -289,6 +290,7 @@ fn fast_engine_matches_precise_on_quantised_fixture() {
         cache_type_v: Some(qk::ops::attention::KvType::F32),
         prefill_rows: None,
         route_inside_max_rows: None,
+        attention_walk: None,
     };
     let Some(mut fast) = load_with(name, f32_cache) else {
         return;
@@ -342,6 +344,7 @@ fn load_piece(name: &str, prefill_rows: Option<u32>) -> Option<Engine> {
             cache_type_v: None,
             prefill_rows,
             route_inside_max_rows: None,
+            attention_walk: None,
         },
     )
 }
@@ -397,6 +400,7 @@ fn prefill_rows_must_be_whole_chunks() {
                 cache_type_v: None,
                 prefill_rows: Some(rows),
                 route_inside_max_rows: None,
+                attention_walk: None,
             },
             &mut |_| {},
         ) {

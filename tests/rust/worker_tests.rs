@@ -1101,6 +1101,7 @@ fn fixture_engine(layers: Option<(u32, u32)>) -> Option<qk::engine::Engine> {
         cache_type_v: None,
         prefill_rows: None,
         route_inside_max_rows: None,
+        attention_walk: None,
     };
     match qk::engine::Engine::load(path, &opts, &mut |_| {}) {
         Ok(e) => Some(e),
