@@ -68,8 +68,9 @@ pub const DECODE_COLS: u32 = 4;
 pub const DECODE_UNROLL: u32 = 4;
 
 /// How the decode split kernel walks a row's keys: key columns per workgroup, keys per column per
-/// iteration, and the shortest split. [`DecodeTuning::DEFAULT`] is what the engine records; tuning
-/// runs (benches/kernels.rs) pass others to [`record_decode_tuned`].
+/// iteration, and the shortest split. [`DecodeTuning::DEFAULT`] unless the engine is given another
+/// (`EngineOptions::attention_walk`); tuning runs (benches/kernels.rs) sweep them through
+/// [`record_decode_tuned`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeTuning {
     pub cols: u32,
@@ -748,7 +749,7 @@ pub fn record_decode(
     record_decode_tuned(gpu, rec, shape, rows_buf, n, kv, args, DecodeTuning::DEFAULT)
 }
 
-/// [`record_decode`] with another walk of the keys (tuning runs).
+/// [`record_decode`] with another walk of the keys (the engine's `attention_walk`, tuning runs).
 #[allow(clippy::too_many_arguments)]
 pub fn record_decode_tuned(
     gpu: &Gpu,
@@ -768,6 +769,13 @@ pub fn record_decode_tuned(
     check_workgroup_memory(gpu, shape, Some(tuning))?;
     require_len("attention rows", rows_buf, 2 * u64::from(n))?;
     let lanes = lanes(gpu, shape.head_dim, 32);
+    crate::ensure!(
+        tuning.cols * lanes <= gpu.caps.max_invocations,
+        QkError::Engine(format!(
+            "attention walk: {} columns of {lanes} lanes exceed the device's {} invocations per workgroup",
+            tuning.cols, gpu.caps.max_invocations
+        ))
+    );
     let pipe = gpu.pipeline(
         &FILE,
         &tuned_defines(shape, "decode", lanes, tuning.cols * lanes, tuning),
