@@ -1885,7 +1885,17 @@ fn attention_bench(gpu: &Gpu, copy_gbs: f64, smoke: bool) {
                 gpu.write(&rows_buf, 0, bytemuck::cast_slice(&pairs))
                     .expect("rows");
                 let t = time_submit(gpu, iters, |rec| {
-                    attention::record_decode(gpu, rec, &shape, &rows_buf, rows, &kv, &args).expect("decode")
+                    attention::record_decode(
+                        gpu,
+                        rec,
+                        &shape,
+                        &rows_buf,
+                        rows,
+                        &kv,
+                        &args,
+                        DecodeTuning::DEFAULT,
+                    )
+                    .expect("decode")
                 });
                 let bytes = u64::from(rows)
                     * u64::from(depth)
@@ -1934,7 +1944,17 @@ fn decode_nmse(
 ) -> f64 {
     let rows = gpu.buffer_from_u32("rows", &[0, depth - 1]).expect("rows");
     let mut rec = gpu.recorder();
-    attention::record_decode(gpu, &mut rec, shape, &rows, 1, &kv_views(groups), args).expect("decode");
+    attention::record_decode(
+        gpu,
+        &mut rec,
+        shape,
+        &rows,
+        1,
+        &kv_views(groups),
+        args,
+        DecodeTuning::DEFAULT,
+    )
+    .expect("decode");
     rec.submit().expect("submit");
     let qn = (ATTN_HEADS * ATTN_DIM) as usize;
     let got = gpu.read_f32(args.out, 0, qn).expect("out");
@@ -2091,7 +2111,17 @@ fn attention_decode_sweep(gpu: &Gpu) {
             hold_clocks(gpu);
             let times = kernel_times(gpu, |rec| {
                 attention::record_prepare(gpu, rec, &shape, step, &kv, &prep).expect("prepare");
-                attention::record_decode(gpu, rec, &shape, rows_buf, rows, &kv, &args).expect("decode");
+                attention::record_decode(
+                    gpu,
+                    rec,
+                    &shape,
+                    rows_buf,
+                    rows,
+                    &kv,
+                    &args,
+                    DecodeTuning::DEFAULT,
+                )
+                .expect("decode");
             });
             println!("  depth {depth:>5}, {rows} row(s), one profiled submit (prepare, split, merge):");
             print_kernel_times(&times);
@@ -2101,7 +2131,8 @@ fn attention_decode_sweep(gpu: &Gpu) {
                 i += 1;
                 let step = AttnRows::Step { buf, n: rows };
                 attention::record_prepare(gpu, rec, &shape, step, &kv, &prep).expect("prepare");
-                attention::record_decode(gpu, rec, &shape, buf, rows, &kv, &args).expect("decode");
+                attention::record_decode(gpu, rec, &shape, buf, rows, &kv, &args, DecodeTuning::DEFAULT)
+                    .expect("decode");
             });
             println!(
                 "    prepare + split + merge per call (default): {:>7.1} µs",
@@ -2112,7 +2143,7 @@ fn attention_decode_sweep(gpu: &Gpu) {
                 time_submit(gpu, iters, |rec| {
                     let buf = &windows[i % windows.len()];
                     i += 1;
-                    attention::record_decode_tuned(gpu, rec, &shape, buf, rows, &kv, &args, tunings[t])
+                    attention::record_decode(gpu, rec, &shape, buf, rows, &kv, &args, tunings[t])
                         .expect("decode")
                 })
             });

@@ -892,7 +892,7 @@ impl Model {
                 let keys: u64 = positions.iter().map(|&p| u64::from(p) + 1).sum();
                 rec.op("attn.core", layer, kv_bytes(keys));
                 let walk = self.attention_walk;
-                attention::record_decode_tuned(gpu, rec, &shape, &s.attn_rows, t, &groups, &core, walk)?;
+                attention::record_decode(gpu, rec, &shape, &s.attn_rows, t, &groups, &core, walk)?;
             }
         }
         Ok(())

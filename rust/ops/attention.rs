@@ -8,7 +8,7 @@
 //!   (normally one): every q head of every row gets its RMSNorm (weight `q_norm`) and RoPE into
 //!   `args.q_out`; every kv head's K its RMSNorm (`k_norm`) and RoPE, then K and V go into the row's
 //!   cache cell in the cache types.
-//! * [`record_decode`]`(gpu, rec, shape, rows_buf, n, kv, args)` — a decode step: one split
+//! * [`record_decode`]`(gpu, rec, shape, rows_buf, n, kv, args, walk)` — a decode step: one split
 //!   dispatch per buffer group (normally one) over every row, then one merge dispatch writing the
 //!   gated output. Nothing in it depends on the rows' positions, so one recording serves every step
 //!   once the rows buffer is rewritten.
@@ -70,7 +70,7 @@ pub const DECODE_UNROLL: u32 = 4;
 /// How the decode split kernel walks a row's keys: key columns per workgroup, keys per column per
 /// iteration, and the shortest split. [`DecodeTuning::DEFAULT`] unless the engine is given another
 /// (`EngineOptions::attention_walk`); tuning runs (benches/kernels.rs) sweep them through
-/// [`record_decode_tuned`].
+/// [`record_decode`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeTuning {
     pub cols: u32,
@@ -736,7 +736,10 @@ fn record_merge(
 
 /// Record decode attention over the `n` rows of `rows_buf` (a step: `[slot, pos]` pairs, K/V of
 /// each row's own position already stored by [`record_prepare`]): one split dispatch per buffer
-/// group, sized for `shape.ctx` (splits past a row's keys exit at once), then the merge.
+/// group, sized for `shape.ctx` (splits past a row's keys exit at once), then the merge. `walk`:
+/// how the split kernel walks the keys ([`DecodeTuning::DEFAULT`], the engine's `attention_walk`,
+/// or a tuning run's).
+#[allow(clippy::too_many_arguments)]
 pub fn record_decode(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -745,50 +748,36 @@ pub fn record_decode(
     n: u32,
     kv: &[KvGroup<'_>],
     args: &CoreArgs<'_>,
-) -> Result<()> {
-    record_decode_tuned(gpu, rec, shape, rows_buf, n, kv, args, DecodeTuning::DEFAULT)
-}
-
-/// [`record_decode`] with another walk of the keys (the engine's `attention_walk`, tuning runs).
-#[allow(clippy::too_many_arguments)]
-pub fn record_decode_tuned(
-    gpu: &Gpu,
-    rec: &mut Recorder<'_>,
-    shape: &AttnShape,
-    rows_buf: &GpuBuffer,
-    n: u32,
-    kv: &[KvGroup<'_>],
-    args: &CoreArgs<'_>,
-    tuning: DecodeTuning,
+    walk: DecodeTuning,
 ) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    tuning.check()?;
+    walk.check()?;
     check_core(shape, n, true, kv, args)?;
-    check_workgroup_memory(gpu, shape, Some(tuning))?;
+    check_workgroup_memory(gpu, shape, Some(walk))?;
     require_len("attention rows", rows_buf, 2 * u64::from(n))?;
     let lanes = lanes(gpu, shape.head_dim, 32);
     crate::ensure!(
-        tuning.cols * lanes <= gpu.caps.max_invocations,
+        walk.cols * lanes <= gpu.caps.max_invocations,
         QkError::Engine(format!(
             "attention walk: {} columns of {lanes} lanes exceed the device's {} invocations per workgroup",
-            tuning.cols, gpu.caps.max_invocations
+            walk.cols, gpu.caps.max_invocations
         ))
     );
     let pipe = gpu.pipeline(
         &FILE,
-        &tuned_defines(shape, "decode", lanes, tuning.cols * lanes, tuning),
+        &tuned_defines(shape, "decode", lanes, walk.cols * lanes, walk),
         &[],
     )?;
     let mut p = CoreParams {
         rows_from_buffer: 1,
         split_stride: DECODE_MAX_SPLITS,
-        min_split: tuning.min_split,
+        min_split: walk.min_split,
         max_splits: DECODE_MAX_SPLITS,
         ..core_params(shape, n, args)
     };
-    let splits = split_plan(shape.ctx, tuning.min_split, DECODE_MAX_SPLITS).1;
+    let splits = split_plan(shape.ctx, walk.min_split, DECODE_MAX_SPLITS).1;
     for g in kv {
         p.first_slot = g.first_slot;
         p.slots = g.slots;

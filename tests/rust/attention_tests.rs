@@ -160,7 +160,7 @@ impl Case {
     fn decode(&self, gpu: &Gpu, n: u32, gate: &GpuBuffer) {
         let mut rec = gpu.recorder();
         let args = self.core_args(gate);
-        attention::record_decode_tuned(
+        attention::record_decode(
             gpu,
             &mut rec,
             &self.shape,
