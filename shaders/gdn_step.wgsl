@@ -189,10 +189,10 @@ fn main(ids: ComputeIds) {
         let o = column_sum(op);
         if lane == 0u {
             col_sq[{{c}}u * GROUPS + ids.lid / {{LANES}}u] = select(0.0, o * o, valid[{{c}}]);
-        }
-        if valid[{{c}}] && lane == 0u {
-            let zc = z[{{c}}];
-            OUT[P.out_offset + r * P.out_stride + n * P.dv + j[{{c}}]] = o * NORM[j[{{c}}]] * (zc / (1.0 + exp(-zc)));
+            if valid[{{c}}] {
+                let zc = z[{{c}}];
+                OUT[P.out_offset + r * P.out_stride + n * P.dv + j[{{c}}]] = o * NORM[j[{{c}}]] * (zc / (1.0 + exp(-zc)));
+            }
         }
     }
 #endfor

@@ -56,11 +56,11 @@ impl GdnStepShape {
         if lanes(gpu) == 1 { 1 } else { self.columns }
     }
 
-    /// This shape on this device: [`GdnStepShape::ROWS`] falls back to [`GdnStepShape::ONE_ROW`]
-    /// where the device's workgroup limit would give the two different columns per workgroup (a
-    /// row's sums must group the same columns in every batch).
+    /// This shape on this device: [`GdnStepShape::ONE_ROW`] where the device's workgroup limit would
+    /// give it other columns per workgroup than that one (a row's sums must group the same columns
+    /// in every batch).
     fn on(self, gpu: &Gpu) -> GdnStepShape {
-        if self == Self::ROWS && self.columns_per_workgroup(gpu) != Self::ONE_ROW.columns_per_workgroup(gpu) {
+        if self.columns_per_workgroup(gpu) != Self::ONE_ROW.columns_per_workgroup(gpu) {
             Self::ONE_ROW
         } else {
             self
