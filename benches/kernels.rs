@@ -14,7 +14,8 @@
 //! QK_BENCH_ONLY_ENGINE_PROJECTIONS=1 runs only the decode GDN projections as the engine records
 //! them (with QK_BENCH_NO_ATTENTION=1), QK_BENCH_ONLY_ATTENTION_DECODE=1 only decode attention per
 //! kernel and per walk of the keys, QK_BENCH_ONLY_MOE_COLD=1 only the decode MoE layer with its
-//! experts' weights cold and warm, QK_BENCH_ONLY_GDN_STEP=1 only the gated DeltaNet decode step.
+//! experts' weights cold and warm, QK_BENCH_ONLY_GDN_STEP=1 only the gated DeltaNet decode step,
+//! QK_BENCH_ONLY_MATVEC=1 only the large mat-vecs per type (no mat-mat).
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
 //! (GpuOptions::checked_shaders): run the bench with and without it to compare.
@@ -208,6 +209,10 @@ fn main() {
         attention_decode_sweep(&gpu);
         return;
     }
+    if flag("QK_BENCH_ONLY_MATVEC") {
+        matrix_kernels(&gpu, &mut Rng(0x5eed), target_bytes, iters, copy_gbs);
+        return;
+    }
     if !flag("QK_BENCH_NO_ATTENTION") {
         attention_bench(&gpu, copy_gbs, smoke);
     }
@@ -309,7 +314,7 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
         println!("{line}");
     }
 
-    if flag("QK_BENCH_NO_MATMUL") {
+    if flag("QK_BENCH_NO_MATMUL") || flag("QK_BENCH_ONLY_MATVEC") {
         return;
     }
     let (mm, mk, mn) = if smoke {
