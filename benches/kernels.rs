@@ -36,9 +36,9 @@ use qk::ops::attention::{
 };
 use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
-    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MatmulKernel, MatvecFusion, MatvecInput,
-    MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator, expert_shape, group_experts,
-    k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec, matvec_fused,
+    Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, Iq4Lookup, MatmulKernel, MatvecFusion,
+    MatvecInput, MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator, expert_shape,
+    group_experts, k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec, matvec_fused,
     matvec_fused_with_f32_rows, matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped,
     route_lanes,
 };
@@ -106,6 +106,7 @@ fn matvec_shape_from_env(ty: GgmlType, ncols: u32) -> Option<MatvecShape> {
         rows: nr.unwrap_or(d.rows),
         wg: wg.unwrap_or(d.wg),
         unroll: unroll.unwrap_or(d.unroll),
+        lookup: d.lookup,
     })
 }
 
@@ -592,7 +593,7 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
     // (rows, width, steps per iteration) per workgroup.
     let shapes = |list: &[(u32, u32, u32)]| -> Vec<Option<MatvecShape>> {
         list.iter()
-            .map(|&(rows, wg, unroll)| Some(MatvecShape { rows, wg, unroll }))
+            .map(|&(rows, wg, unroll)| Some(MatvecShape::new(rows, wg, unroll)))
             .collect()
     };
     #[rustfmt::skip]
@@ -1160,14 +1161,14 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
     for wg in [32, 64] {
         for rows in [4, 8, 16] {
             for unroll in [1, 2] {
-                gate_up_shapes.push(MatvecShape { rows, wg, unroll });
+                gate_up_shapes.push(MatvecShape::new(rows, wg, unroll));
             }
         }
     }
     let mut sum_shapes = Vec::new();
     for wg in [64, 128, 256] {
         for rows in [4, 8, 16] {
-            sum_shapes.push(MatvecShape { rows, wg, unroll: 1 });
+            sum_shapes.push(MatvecShape::new(rows, wg, 1));
         }
     }
     let iters = if smoke() { 1 } else { 50 };
@@ -1246,7 +1247,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         let routed_run = |rec: &mut Recorder<'_>| {
             let y = Columns::packed(&gu, 2 * ff);
             let x = Columns::packed(&x, n_embd);
-            matvec_id_routed(gpu, rec, &gate_up, x, y, routed_ids, &route).expect("routed gate_up");
+            matvec_id_routed(gpu, rec, &gate_up, x, y, routed_ids, &route, None).expect("routed gate_up");
         };
         let sum_run = |rec: &mut Recorder<'_>, s: Option<MatvecShape>| {
             let gc = Columns::packed(&gu, 2 * ff);
@@ -1374,7 +1375,7 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
                 (8, 256, 2),
                 (4, 256, 2),
             ]
-            .map(|(rows, wg, unroll)| Some(MatvecShape { rows, wg, unroll })),
+            .map(|(rows, wg, unroll)| Some(MatvecShape::new(rows, wg, unroll))),
         )
         .collect();
     for tokens in [1u32, 8] {
@@ -1409,14 +1410,17 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
         // The set iteration i reads: the same one (warm) or the next of COLD_SETS (cold).
         let set_at = |cold: bool, i: u32| if cold { i % COLD_SETS } else { 0 };
         enum Case {
-            GateUp,
-            GateUpRouted,
+            GateUp(Option<MatvecShape>),
+            GateUpRouted(Option<MatvecShape>),
             DownSum(Option<MatvecShape>),
         }
-        let mut cases = vec![Case::GateUp];
+        // Each default shape also with the IQ4 values from subgroup shuffles.
+        let shuffled = |sum: bool| Some(expert_shape(ty, sum).with_lookup(Iq4Lookup::Shuffle));
+        let mut cases = vec![Case::GateUp(None), Case::GateUp(shuffled(false))];
         if tokens == 1 && route_lanes(gpu, experts - 1).is_some() {
-            cases.push(Case::GateUpRouted);
+            cases.extend([Case::GateUpRouted(None), Case::GateUpRouted(shuffled(false))]);
         }
+        cases.push(Case::DownSum(shuffled(true)));
         cases.extend(sum_shapes.iter().map(|&s| Case::DownSum(s)));
         let runs: Vec<(usize, bool)> = (0..cases.len()).flat_map(|c| [(c, false), (c, true)]).collect();
         let best = best_of_two_passes(gpu, runs.len(), 1.0, 0.1, |r| {
@@ -1426,13 +1430,14 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
                 let set = set_at(cold, i);
                 i += 1;
                 match cases[c] {
-                    Case::GateUp => {
+                    Case::GateUp(s) => {
                         let y = Columns::packed(&gu, 2 * ff);
                         let xc = Columns::packed(&x, n_embd);
-                        matvec_id(gpu, rec, &gate_up, xc, y, ids_of(set), MoeInput::PerToken)
+                        let (ids, plain) = (ids_of(set), MatvecInput::Plain);
+                        matvec_id_with(gpu, rec, &gate_up, xc, y, ids, MoeInput::PerToken, plain, s)
                             .expect("gate_up");
                     }
-                    Case::GateUpRouted => {
+                    Case::GateUpRouted(s) => {
                         let route = MoeRoute {
                             logits: &rlb,
                             offset: set * tokens * experts,
@@ -1449,7 +1454,8 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
                         };
                         let y = Columns::packed(&gu, 2 * ff);
                         let xc = Columns::packed(&x, n_embd);
-                        matvec_id_routed(gpu, rec, &gate_up, xc, y, routed, &route).expect("routed gate_up");
+                        matvec_id_routed(gpu, rec, &gate_up, xc, y, routed, &route, s)
+                            .expect("routed gate_up");
                     }
                     Case::DownSum(s) => {
                         let gc = Columns::packed(&gu, 2 * ff);
@@ -1463,8 +1469,17 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
         });
         for (&(c, cold), t) in runs.iter().zip(best) {
             let (name, bytes) = match cases[c] {
-                Case::GateUp => ("gate_up (default)".to_string(), gu_bytes),
-                Case::GateUpRouted => ("gate_up routing inside (default)".to_string(), gu_bytes),
+                Case::GateUp(s) => (
+                    format!("gate_up {}", shape_or_default(s, expert_shape(ty, false))),
+                    gu_bytes,
+                ),
+                Case::GateUpRouted(s) => (
+                    format!(
+                        "gate_up routing inside {}",
+                        shape_or_default(s, expert_shape(ty, false))
+                    ),
+                    gu_bytes,
+                ),
                 Case::DownSum(s) => {
                     let shape = s.unwrap_or_else(|| expert_shape(ty, true));
                     let mark = if s.is_none() { " (default)" } else { "" };
@@ -1482,9 +1497,20 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
     }
 }
 
-/// `rows`x`wg`u`unroll`, as the sweeps print a mat-vec launch shape.
+/// `rows`x`wg`u`unroll`, as the sweeps print a mat-vec launch shape (`+shuffle`: the IQ4 values
+/// from subgroup shuffles).
 fn shape_name(s: MatvecShape) -> String {
-    format!("{}x{}u{}", s.rows, s.wg, s.unroll)
+    let lookup = if s.lookup == Iq4Lookup::Shuffle {
+        "+shuffle"
+    } else {
+        ""
+    };
+    format!("{}x{}u{}{lookup}", s.rows, s.wg, s.unroll)
+}
+
+/// A swept shape's name, or the default's followed by "(default)".
+fn shape_or_default(s: Option<MatvecShape>, default: MatvecShape) -> String {
+    s.map_or_else(|| format!("{} (default)", shape_name(default)), shape_name)
 }
 
 /// `time(i)` of every case i < n, the list forward then backward, the faster of each case's two

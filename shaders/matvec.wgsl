@@ -86,6 +86,8 @@
 // Steps per loop iteration of the word paths (loads of all issued first); 1 for many columns,
 // whose activation registers would otherwise crowd out occupancy.
 #define UNROLL 2
+// IQ4_XS values from subgroup shuffles instead of a workgroup table (host: Iq4Lookup).
+#define KV_SHUFFLE 0
 // The device's smallest subgroup size (the host's; sizes the epilogue's exchange).
 #define SG_MIN 4
 #variants QTYPE=f32
@@ -126,6 +128,8 @@
 #variants QTYPE=q6_k MOE=1 SUM=1 PRE=silu_mul EPI=accumulate UNROLL=1
 #variants QTYPE=q5_k MOE=1 SUM=1 PRE=silu_mul EPI=accumulate
 #variants QTYPE=iq4_xs MOE=1 ROUTE=1 RSG=32 PER_LANE=16 WG=128 NR=1 SUBGROUPS=1
+#variants QTYPE=iq4_xs MOE=1 ROUTE=1 RSG=32 PER_LANE=16 WG=128 NR=1 SUBGROUPS=1 KV_SHUFFLE=1
+#variants QTYPE=iq4_xs MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=8 WG=128 ACC4=2 SUBGROUPS=1 KV_SHUFFLE=1
 #variants QTYPE=q8_0 MOE=1 ROUTE=1 RSG=8 PER_LANE=9 SUBGROUPS=1
 
 struct MatvecParams {
@@ -323,19 +327,32 @@ fn x_at(c: u32, v: u32) -> vec4<f32> {
 }
 
 #if QTYPE == iq4_xs
+#if KV_SHUFFLE
+// kvalues_iq4nl[lane % 16] in a register of every lane: a value is a subgroup shuffle from the lane
+// its nibble names (subgroups of at least 16 lanes, every lane active at each lookup), so a
+// workgroup starts its weight loads without filling a table and waiting at a barrier.
+var<private> kv_lane: f32;
+
+fn kv4(n: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(subgroupShuffle(kv_lane, n.x), subgroupShuffle(kv_lane, n.y), subgroupShuffle(kv_lane, n.z), subgroupShuffle(kv_lane, n.w));
+}
+#else
 // kvalues_iq4nl as floats: a 16-entry table in workgroup memory is one shared load per weight (no
 // bank conflicts: distinct entries sit in distinct banks), fewer instructions than select chains.
 var<workgroup> kv_table: array<f32, 16>;
+
+fn kv4(n: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(kv_table[n.x], kv_table[n.y], kv_table[n.z], kv_table[n.w]);
+}
 #endif
 
-#if QTYPE == iq4_xs
 // The IQ4 values of the low (high) nibbles of the four bytes of q.
 fn kv_word_lo(q: u32) -> vec4<f32> {
-    return vec4<f32>(kv_table[q & 15u], kv_table[(q >> 8u) & 15u], kv_table[(q >> 16u) & 15u], kv_table[(q >> 24u) & 15u]);
+    return kv4((vec4<u32>(q) >> vec4<u32>(0u, 8u, 16u, 24u)) & vec4<u32>(15u));
 }
 
 fn kv_word_hi(q: u32) -> vec4<f32> {
-    return vec4<f32>(kv_table[(q >> 4u) & 15u], kv_table[(q >> 12u) & 15u], kv_table[(q >> 20u) & 15u], kv_table[q >> 28u]);
+    return kv4((vec4<u32>(q) >> vec4<u32>(4u, 12u, 20u, 28u)) & vec4<u32>(15u));
 }
 #endif
 
@@ -378,10 +395,19 @@ fn i8x4_to_f32(w: u32) -> vec4<f32> {
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
 #if QTYPE == iq4_xs
+#if KV_SHUFFLE
+#if SUBGROUPS
+    kv_lane = kv_iq4nl4(vec4<u32>(ids.sg_lane & 15u)).x;
+#else
+    // (Never dispatched: the host asks for shuffles only where subgroups exist.)
+    kv_lane = kv_iq4nl4(vec4<u32>(ids.lid & 15u)).x;
+#endif
+#else
     if ids.lid < 16u {
         kv_table[ids.lid] = kv_iq4nl4(vec4<u32>(ids.lid)).x;
     }
     workgroupBarrier();
+#endif
 #endif
 #if MOE
     let row0 = ids.wid.x * {{NR}}u;
@@ -509,7 +535,13 @@ fn main(ids: ComputeIds) {
     generic = false;
     let np = P.k / 16u;
     let nv = np * picks;
+#if KV_SHUFFLE
+    // Every invocation runs the workgroup's iterations (the shuffles need the whole subgroup); steps
+    // past the end re-read the last pair, weighted 0 below.
+    for (var v0 = ids.lid; v0 - ids.lid < nv; v0 += {{UNROLL}}u * {{WG}}u) {
+#else
     for (var v0 = ids.lid; v0 < nv; v0 += {{UNROLL}}u * {{WG}}u) {
+#endif
 #for u in 0..UNROLL
         // Past the end (second pair only): re-read the last pair, weighted 0 below.
         let s{{u}} = pick_step(min(v0 + {{u}}u * {{WG}}u, nv - 1u), np);

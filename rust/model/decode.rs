@@ -434,7 +434,7 @@ impl Model {
                 weights: &s.expert_w,
             };
             rec.op("moe.gate_up", layer, expert_bytes(gate_up, picks, t));
-            matvec_id_routed(gpu, rec, gate_up, xn, gu_out, ids, &route)?;
+            matvec_id_routed(gpu, rec, gate_up, xn, gu_out, ids, &route, None)?;
         } else {
             let rp = RouterParams {
                 tokens: t,

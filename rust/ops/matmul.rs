@@ -304,9 +304,50 @@ pub struct MatvecShape {
     pub rows: u32,
     pub wg: u32,
     pub unroll: u32,
+    pub lookup: Iq4Lookup,
+}
+
+/// Where the IQ4_XS decoder finds the 16 values its nibbles name: a table in workgroup memory
+/// (every device), or one register per subgroup lane read with shuffles, which needs no table fill
+/// and barrier before the workgroup's first weight load. The same values and the same sums either
+/// way; `Shuffle` falls back to `Table` where subgroups are missing or narrower than 16 lanes, on a
+/// workgroup narrower than 16, and for every other type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Iq4Lookup {
+    #[default]
+    Table,
+    Shuffle,
+}
+
+impl Iq4Lookup {
+    /// What a kernel of type `ty` and `wg` invocations on this device really uses.
+    pub fn effective(self, gpu: &Gpu, ty: GgmlType, wg: u32) -> Iq4Lookup {
+        let fits =
+            ty == GgmlType::IQ4XS && gpu.caps.subgroups && gpu.caps.subgroup_min_size >= 16 && wg >= 16;
+        if self == Iq4Lookup::Shuffle && fits {
+            Iq4Lookup::Shuffle
+        } else {
+            Iq4Lookup::Table
+        }
+    }
 }
 
 impl MatvecShape {
+    /// A shape with the table lookup (tuning runs and tests name the rest).
+    pub const fn new(rows: u32, wg: u32, unroll: u32) -> Self {
+        MatvecShape {
+            rows,
+            wg,
+            unroll,
+            lookup: Iq4Lookup::Table,
+        }
+    }
+
+    /// The same shape with the IQ4_XS values found by `lookup`.
+    pub const fn with_lookup(self, lookup: Iq4Lookup) -> Self {
+        MatvecShape { lookup, ..self }
+    }
+
     /// Rows per workgroup and workgroup size (ggml uses 1–4 rows per
     /// workgroup and one to four subgroups). IQ4_XS defaults to 8 rows × 32 invocations, Q8_0, Q4_K
     /// and Q6_K to 4 × 32: best of the shapes swept on the H200 (2026-11-29, 256 MiB, K = 4096, one
@@ -319,11 +360,7 @@ impl MatvecShape {
             GgmlType::Q8_0 | GgmlType::Q4K | GgmlType::Q6K => (4, 32),
             _ => (2, 64),
         };
-        MatvecShape {
-            rows,
-            wg,
-            unroll: if ncols <= 2 { 2 } else { 1 },
-        }
+        MatvecShape::new(rows, wg, if ncols <= 2 { 2 } else { 1 })
     }
 
     /// The shape of a dense mat-vec over a matrix of `rows` rows of K = `k`, with `ncols` columns and
@@ -375,11 +412,8 @@ impl MatvecShape {
         // invocation: the norm-fused q‖k‖v‖z at 4 × 64 took 24.5 µs for 1 column and 81.5 for 8,
         // at 4 × 128 28.4 and 101.5 (H200, 2026-12-02).
         let per_invocation = if norm && per_step == 16 && k <= 2048 { 2 } else { 1 };
-        MatvecShape {
-            rows: rows_per_group,
-            wg: ((steps / per_invocation).next_power_of_two() as u32).clamp(32, 256),
-            unroll: 1,
-        }
+        let wg = ((steps / per_invocation).next_power_of_two() as u32).clamp(32, 256);
+        MatvecShape::new(rows_per_group, wg, 1)
     }
 
     /// Within what the shader takes: 1–16 rows, a power-of-two workgroup of 8–1024, 1–4 steps.
@@ -388,6 +422,7 @@ impl MatvecShape {
             rows: self.rows.clamp(1, 16),
             wg: self.wg.clamp(8, 1024).next_power_of_two(),
             unroll: self.unroll.clamp(1, 4),
+            lookup: self.lookup,
         }
     }
 }
@@ -412,6 +447,9 @@ fn matvec_pipeline(
         ("UNROLL", shape.unroll.to_string()),
         ("SG_MIN", gpu.caps.subgroup_min_size.max(1).to_string()),
     ];
+    if shape.lookup.effective(gpu, ty, shape.wg) == Iq4Lookup::Shuffle {
+        defines.push(("KV_SHUFFLE", "1".into()));
+    }
     if moe {
         defines.push(("B_IDS", "3".into()));
     }
@@ -809,9 +847,11 @@ pub fn matvec_id_routed(
     y: Columns<'_>,
     ids: ExpertIds<'_>,
     route: &MoeRoute<'_>,
+    shape: Option<MatvecShape>,
 ) -> Result<()> {
     let call = ExpertCall {
         route: Some(route),
+        shape,
         ..ExpertCall::new(MoeInput::PerToken)
     };
     expert_matvec(gpu, rec, w, x, y, ids, &call)
@@ -907,17 +947,9 @@ impl ExpertCall<'_> {
 /// batch, so neither does a row's sum.
 pub fn expert_shape(ty: GgmlType, sum: bool) -> MatvecShape {
     if sum {
-        return MatvecShape {
-            rows: 8,
-            wg: 128,
-            unroll: 1,
-        };
+        return MatvecShape::new(8, 128, 1);
     }
-    MatvecShape {
-        rows: MatvecShape::default_for(ty, 1).rows,
-        wg: 64,
-        unroll: 1,
-    }
+    MatvecShape::new(MatvecShape::default_for(ty, 1).rows, 64, 1)
 }
 
 fn expert_matvec(

@@ -10,11 +10,11 @@ use qk::gguf::GgmlType;
 use qk::gguf::dequant::dequantize;
 use qk::gpu::{Gpu, GpuBuffer, WeightTensor};
 use qk::ops::matmul::{
-    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecOutput, MatvecShape, MoeInput, matvec_fused,
-    matvec_id_sum, matvec_id_with,
+    Columns, ExpertIds, Iq4Lookup, MatvecFusion, MatvecInput, MatvecOutput, MatvecShape, MoeInput,
+    expert_shape, matvec_fused, matvec_id_sum, matvec_id_with,
 };
 
-use crate::gpu_tests::test_gpu;
+use crate::gpu_tests::{same_bits, test_gpu};
 use crate::matmul_tests::{Rng, nmse, random_weights};
 
 const NMSE_MAX: f64 = 1e-9;
@@ -288,7 +288,7 @@ fn f32_rows_ride_in_the_normed_conv_product_without_changing_it() {
     for c in 0..cols {
         let col = c * width;
         assert!(
-            crate::gpu_tests::same_bits(&y0[col..col + m], &y1[col..col + m]),
+            same_bits(&y0[col..col + m], &y1[col..col + m]),
             "column {c}: rows changed"
         );
         assert_eq!(
@@ -303,10 +303,7 @@ fn f32_rows_ride_in_the_normed_conv_product_without_changing_it() {
         let e = nmse(&y1[col + m..col + m + extra], &want);
         assert!(e < NMSE_MAX, "column {c}: extra rows NMSE {e:e}");
     }
-    assert!(
-        crate::gpu_tests::same_bits(&state0, &state1),
-        "conv states changed"
-    );
+    assert!(same_bits(&state0, &state1), "conv states changed");
 }
 
 #[test]
@@ -327,11 +324,7 @@ fn expert_down_reads_silu_of_gate_times_up() {
         want.extend((0..m).map(|r| dot(&we[r * k..(r + 1) * k], &act)));
     }
     // The default shape and the largest row group the shader takes.
-    let big = MatvecShape {
-        rows: 16,
-        wg: 32,
-        unroll: 1,
-    };
+    let big = MatvecShape::new(16, 32, 1);
     for shape in [None, Some(big)] {
         let yb = gpu.buffer_zeroed("y", (m * n_used * tokens * 4) as u64).unwrap();
         let mut rec = gpu.recorder();
@@ -368,28 +361,15 @@ fn expert_sum_adds_every_picks_weighted_product_to_the_residual() {
     let weights = [0.5f32, 0.25, 1.5, -0.75, 2.0, 0.125, 1.0, 0.5, -1.25];
     let shapes = [
         None,
-        Some(MatvecShape {
-            rows: 1,
-            wg: 32,
-            unroll: 1,
-        }),
+        Some(MatvecShape::new(1, 32, 1)),
         // Two live steps per loop iteration that fall in different picks.
-        Some(MatvecShape {
-            rows: 8,
-            wg: 64,
-            unroll: 2,
-        }),
-        Some(MatvecShape {
-            rows: 4,
-            wg: 256,
-            unroll: 2,
-        }),
+        Some(MatvecShape::new(8, 64, 2)),
+        Some(MatvecShape::new(4, 256, 2)),
         // The largest row group: 37 rows end inside the third.
-        Some(MatvecShape {
-            rows: 16,
-            wg: 128,
-            unroll: 1,
-        }),
+        Some(MatvecShape::new(16, 128, 1)),
+        // IQ4_XS values from subgroup shuffles (a table elsewhere), with 32 of the 128 invocations
+        // past the last step.
+        Some(expert_shape(GgmlType::IQ4XS, true).with_lookup(Iq4Lookup::Shuffle)),
     ];
     for (i, ty) in [
         GgmlType::IQ4XS,
@@ -419,6 +399,7 @@ fn expert_sum_adds_every_picks_weighted_product_to_the_residual() {
                 want[t * m + r] += f64::from(wt) * dot(&we[r * k..(r + 1) * k], &act);
             }
         }
+        let mut table_sum = Vec::new();
         for shape in shapes {
             let run = |first: usize, count: usize| {
                 let yb = gpu
@@ -449,6 +430,17 @@ fn expert_sum_adds_every_picks_weighted_product_to_the_residual() {
             assert!(e < NMSE_MAX, "{ty} {shape:?}: NMSE {e:e}");
             // A token's sum does not depend on the batch around it.
             assert_eq!(run(1, 1), got[m..2 * m], "{ty} {shape:?}: token 1 alone");
+            if let Some(sh) = shape.filter(|sh| sh.lookup == Iq4Lookup::Shuffle) {
+                // The same values found another way: the same bytes as the table.
+                assert!(
+                    same_bits(&got, &table_sum),
+                    "{ty} {sh:?}: {:?} lookup differs from the table",
+                    sh.lookup.effective(gpu, ty, sh.wg)
+                );
+            }
+            if shape.is_none() {
+                table_sum = got;
+            }
         }
     }
 }
@@ -732,7 +724,7 @@ fn routing_inside_the_expert_product_matches_the_router_then_the_product() {
     let xb = gpu.buffer_from_f32("x", &x).unwrap();
     let picks = top + 1;
     let n = (tokens * picks) as usize;
-    let run = |routed: bool| {
+    let run = |routed: bool, shape: Option<MatvecShape>| {
         let ib = gpu.buffer_zeroed("ids", n as u64 * 4).unwrap();
         let wb = gpu.buffer_zeroed("weights", n as u64 * 4).unwrap();
         let yb = gpu.buffer_zeroed("y", (n * m * 4) as u64).unwrap();
@@ -753,7 +745,7 @@ fn routing_inside_the_expert_product_matches_the_router_then_the_product() {
                 shared: true,
                 weights: &wb,
             };
-            matvec_id_routed(gpu, &mut rec, &w, xc, yc, ids, &route).unwrap();
+            matvec_id_routed(gpu, &mut rec, &w, xc, yc, ids, &route, shape).unwrap();
         } else {
             let rp = RouterParams {
                 tokens,
@@ -778,10 +770,14 @@ fn routing_inside_the_expert_product_matches_the_router_then_the_product() {
             read(gpu, &yb, n * m),
         )
     };
-    let (ids_a, w_a, y_a) = run(false);
-    let (ids_b, w_b, y_b) = run(true);
-    // The same routing code and the same product: the same bytes.
-    assert_eq!(ids_a, ids_b);
-    assert_eq!(w_a, w_b);
-    assert_eq!(y_a, y_b);
+    let (ids_a, w_a, y_a) = run(false, None);
+    // The same routing code and the same product: the same bytes, with the IQ4_XS values from the
+    // workgroup table or (where subgroups are wide enough) from subgroup shuffles.
+    let shuffled = expert_shape(GgmlType::IQ4XS, false).with_lookup(Iq4Lookup::Shuffle);
+    for shape in [None, Some(shuffled)] {
+        let (ids_b, w_b, y_b) = run(true, shape);
+        assert_eq!(ids_a, ids_b, "{shape:?}");
+        assert_eq!(w_a, w_b, "{shape:?}");
+        assert!(same_bits(&y_a, &y_b), "{shape:?}");
+    }
 }
