@@ -37,10 +37,10 @@ use qk::ops::attention::{
 use qk::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, Iq4Lookup, MatmulKernel, MatvecFusion,
-    MatvecInput, MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator, expert_shape,
-    group_experts, k_splits, matmul_id, matmul_kernel, matmul_split, matmul_with, matvec, matvec_fused,
-    matvec_fused_with_f32_rows, matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped,
-    route_lanes,
+    MatvecInput, MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator,
+    expert_call_shape, expert_shape, group_experts, k_splits, matmul_id, matmul_kernel, matmul_split,
+    matmul_with, matvec, matvec_fused, matvec_fused_with_f32_rows, matvec_id, matvec_id_routed,
+    matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes,
 };
 
 struct Rng(u64);
@@ -1470,18 +1470,21 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
         for (&(c, cold), t) in runs.iter().zip(best) {
             let (name, bytes) = match cases[c] {
                 Case::GateUp(s) => (
-                    format!("gate_up {}", shape_or_default(s, expert_shape(ty, false))),
+                    format!(
+                        "gate_up {}",
+                        shape_or_default(s, expert_call_shape(ty, false, false, tokens))
+                    ),
                     gu_bytes,
                 ),
                 Case::GateUpRouted(s) => (
                     format!(
                         "gate_up routing inside {}",
-                        shape_or_default(s, expert_shape(ty, false))
+                        shape_or_default(s, expert_call_shape(ty, false, true, tokens))
                     ),
                     gu_bytes,
                 ),
                 Case::DownSum(s) => {
-                    let shape = s.unwrap_or_else(|| expert_shape(ty, true));
+                    let shape = s.unwrap_or_else(|| expert_call_shape(ty, true, false, tokens));
                     let mark = if s.is_none() { " (default)" } else { "" };
                     (format!("down+sum {}{mark}", shape_name(shape)), down_bytes)
                 }

@@ -952,6 +952,24 @@ pub fn expert_shape(ty: GgmlType, sum: bool) -> MatvecShape {
     MatvecShape::new(MatvecShape::default_for(ty, 1).rows, 64, 1)
 }
 
+/// The default shape of one expert call: [`expert_shape`], with the IQ4_XS values from subgroup
+/// shuffles for one token's routed gate/up and weighted-sum down projection, where no table fill and
+/// barrier delay the few workgroups' first loads (kernel bench `moe_cold`, H200 2026-12-03, cold
+/// weights, two passes: routed gate/up 18.6–18.9 → 17.8–17.9 µs, down+sum 12.5–12.6 → 10.6–10.8).
+/// The table stays for the plain gate/up and for several tokens, which were slower with shuffles
+/// (1 token 12.9–13.3 → 14.4–14.7 µs; 8 tokens gate/up 60.9–61.5 → 65.0–65.2, down+sum 41.4 →
+/// 41.9–43.0). In the engine (48 layers, same lease, benches/RESULTS.md) one stream's chained step
+/// went 3.768 → 3.627 ms; 8 slots unchanged. Same bytes either way, so a row's result does not
+/// depend on the batch.
+pub fn expert_call_shape(ty: GgmlType, sum: bool, routed: bool, n_tokens: u32) -> MatvecShape {
+    let shape = expert_shape(ty, sum);
+    if n_tokens == 1 && (sum || routed) {
+        shape.with_lookup(Iq4Lookup::Shuffle)
+    } else {
+        shape
+    }
+}
+
 fn expert_matvec(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
@@ -1016,7 +1034,7 @@ fn expert_matvec(
     }
     let shape = call
         .shape
-        .unwrap_or_else(|| expert_shape(w.ty, call.sum.is_some()))
+        .unwrap_or_else(|| expert_call_shape(w.ty, call.sum.is_some(), call.route.is_some(), n_tokens))
         .clamped();
     let mut extra = Vec::new();
     let mut route_params = [0u32; 4];
