@@ -290,6 +290,9 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
             ty.name(),
             (m as u64 * row_bytes) as f64 / 1048576.0
         );
+        // Wall-clock timing: without the hold, a type's figures moved 2× with its place in the list
+        // (Q8_0 1.3 vs 2.5 TB/s in two runs of one kernel, H200 2026-12-03).
+        hold_clocks(gpu);
         for cols in [1u32, 4, 8] {
             let shape = matvec_shape_from_env(ty, cols);
             let t = time_submit(gpu, iters, |rec| {
