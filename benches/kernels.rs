@@ -1367,7 +1367,16 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
     let ty = GgmlType::IQ4XS;
     let (gate_up, down) = expert_stacks(gpu, rng, ty, experts, ff, n_embd);
     let iters = if smoke() { 2 } else { 48 };
-    let sum_shapes: Vec<Option<MatvecShape>> = std::iter::once(None)
+    let shuffles = Iq4Lookup::Shuffle.effective(gpu, ty, 64) == Iq4Lookup::Shuffle;
+    println!(
+        "moe decode: +shuffle shapes {}",
+        if shuffles {
+            "read the IQ4_XS values by subgroup shuffles"
+        } else {
+            "fall back to the table here"
+        }
+    );
+    let sum_shapes: Vec<Option<MatvecShape>> = std::iter::once(Some(expert_shape(ty, true)))
         .chain(
             [
                 (8, 128, 2),
@@ -1418,12 +1427,32 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
             DownSum(Option<MatvecShape>),
         }
         // Each default shape also with the IQ4 values from subgroup shuffles.
-        let shuffled = |sum: bool| Some(expert_shape(ty, sum).with_lookup(Iq4Lookup::Shuffle));
-        let mut cases = vec![Case::GateUp(None), Case::GateUp(shuffled(false))];
+        // The default shapes with either lookup; at one token, other row counts and unrolls with the
+        // shuffles (each keeps its workgroup width, so a row's sum stays the batch's).
+        let table = |sum: bool| expert_shape(ty, sum);
+        let shuffled = |rows: u32, wg: u32, unroll: u32| {
+            Some(MatvecShape::new(rows, wg, unroll).with_lookup(Iq4Lookup::Shuffle))
+        };
+        let gus = table(false);
+        let mut cases = vec![
+            Case::GateUp(Some(gus)),
+            Case::GateUp(shuffled(gus.rows, gus.wg, 1)),
+        ];
         if tokens == 1 && route_lanes(gpu, experts - 1).is_some() {
-            cases.extend([Case::GateUpRouted(None), Case::GateUpRouted(shuffled(false))]);
+            cases.push(Case::GateUpRouted(Some(gus)));
+            for (rows, unroll) in [(gus.rows, 1), (16, 1), (4, 1), (gus.rows, 2)] {
+                cases.push(Case::GateUpRouted(shuffled(rows, gus.wg, unroll)));
+            }
         }
-        cases.push(Case::DownSum(shuffled(true)));
+        let ds = table(true);
+        let sum_rows_unroll: &[(u32, u32)] = if tokens == 1 {
+            &[(8, 1), (16, 1), (4, 1), (8, 2)]
+        } else {
+            &[(8, 1)]
+        };
+        for &(rows, unroll) in sum_rows_unroll {
+            cases.push(Case::DownSum(shuffled(rows, ds.wg, unroll)));
+        }
         cases.extend(sum_shapes.iter().map(|&s| Case::DownSum(s)));
         let runs: Vec<(usize, bool)> = (0..cases.len()).flat_map(|c| [(c, false), (c, true)]).collect();
         let best = best_of_two_passes(gpu, runs.len(), 1.0, 0.1, |r| {
@@ -1486,11 +1515,13 @@ fn moe_decode_cold(gpu: &Gpu, rng: &mut Rng) {
                     ),
                     gu_bytes,
                 ),
-                Case::DownSum(s) => {
-                    let shape = s.unwrap_or_else(|| expert_call_shape(ty, true, false, tokens));
-                    let mark = if s.is_none() { " (default)" } else { "" };
-                    (format!("down+sum {}{mark}", shape_name(shape)), down_bytes)
-                }
+                Case::DownSum(s) => (
+                    format!(
+                        "down+sum {}",
+                        shape_or_default(s, expert_call_shape(ty, true, false, tokens))
+                    ),
+                    down_bytes,
+                ),
             };
             println!(
                 "moe decode {} {tokens} token(s) × {picks} picks ({}) {name:<34} {:>8.1} µs  {:>7.1} GB/s",
@@ -1514,9 +1545,11 @@ fn shape_name(s: MatvecShape) -> String {
     format!("{}x{}u{}{lookup}", s.rows, s.wg, s.unroll)
 }
 
-/// A swept shape's name, or the default's followed by "(default)".
+/// A swept shape's name (None: the default), followed by "(default)" where it is the default.
 fn shape_or_default(s: Option<MatvecShape>, default: MatvecShape) -> String {
-    s.map_or_else(|| format!("{} (default)", shape_name(default)), shape_name)
+    let s = s.unwrap_or(default);
+    let mark = if s == default { " (default)" } else { "" };
+    format!("{}{mark}", shape_name(s))
 }
 
 /// `time(i)` of every case i < n, the list forward then backward, the faster of each case's two
