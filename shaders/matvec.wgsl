@@ -3,9 +3,10 @@
 // consecutive rows; its WG invocations stride over K, then reduce across the workgroup.
 // IQ4_XS, Q8_0, Q4_K and Q6_K (the bulk of a model's weights) have their own steps: neighbouring
 // invocations read neighbouring words (coalesced), every nibble of a word is decoded (IQ4 values
-// looked up in workgroup memory), block scales apply once per dot product, ints become floats by
-// exact float-bit tricks instead of quarter-rate conversions, and UNROLL steps' loads are issued
-// before their arithmetic: the 4-bit decoders were bound by instructions per byte on the H200.
+// looked up in workgroup memory or, KV_SHUFFLE=1, by subgroup shuffles), block scales apply once per
+// dot product, ints become floats by exact float-bit tricks instead of quarter-rate conversions, and
+// UNROLL steps' loads are issued before their arithmetic: the 4-bit decoders were bound by
+// instructions per byte on the H200.
 // Every other type goes 8 weights at a time through common_dequant. With MOE=1 the grid is
 // (row groups, n_used, tokens) and each workgroup reads its expert id from IDS (no CPU round
 // trip) and skips experts outside this window.
