@@ -17,7 +17,8 @@
 #      QK_WHEEL_B (that run with another build's wheel, e.g. the base of a change; its flags
 #      QK_BENCH_ARGS_B, else QK_BENCH_ARGS), QK_KERNELS_BENCH_B (each kernel set also run by
 #      another kernels-bench binary: kernels-<set>-b.txt),
-#      QK_SPLIT=1 (the split bench),
+#      QK_SPLIT=1 (the split bench), QK_DEEP=N (one stream decoding after an N-token prompt,
+#      benches/deep_context.py, its flags QK_DEEP_ARGS: deep.json),
 #      QK_LLAMA_PREFILL_ONLY=1 (llama.cpp: pp512, pp4096, tg128 and pp32768 only: a prefill change's
 #      side by side in less device time), QK_AB_CHECKED=1 (every kernel bench set and the engine
 #      bench run again with wgpu's shader checks, QK_CHECKED_SHADERS=1: kernels-<set>-checked.txt,
@@ -129,6 +130,11 @@ if [ "${QK_AB_CHECKED:-0}" = 1 ]; then
   echo "== qk engine (release wheel), $LAYERS layers, checked shaders"
   QK_CHECKED_SHADERS=1 python3 benches/engine_bench.py \$MODEL ${QK_BENCH_ARGS:---prompt 512 --decode 128 --depths 8192,32000 --long 4096,32768 --slots 8 --ctx 33792 --profile --top 12} \
     > qk-bench-checked.json 2> qk-bench-checked.err; echo "rc=\$?"; grep -v "^qk: layer" qk-bench-checked.err | tail -40; cat qk-bench-checked.json
+fi
+if [ -n "${QK_DEEP:-}" ]; then
+  echo "== one stream at depth ${QK_DEEP:-}"
+  python3 benches/deep_context.py \$MODEL --depth ${QK_DEEP:-} ${QK_DEEP_ARGS:-} > deep.json 2> deep.err
+  echo "rc=\$?"; grep -v "^qk: layer" deep.err | tail -20; cat deep.json
 fi
 if [ "${QK_SPLIT:-0}" = 1 ]; then
   echo "== split serving on one GPU"
