@@ -19,7 +19,7 @@
 #      another kernels-bench binary: kernels-<set>-b.txt),
 #      QK_SPLIT=1 (the split bench), QK_DEEP=N (one stream decoding after an N-token prompt,
 #      benches/deep_context.py, its flags QK_DEEP_ARGS: deep.json),
-#      QK_LLAMA_PREFILL_ONLY=1 (llama.cpp: pp512, pp4096, tg128 and pp32768 only: a prefill change's
+#      QK_LLAMA_DEPTHS (llama-bench -d, default 8192,32000), QK_LLAMA_PREFILL_ONLY=1 (llama.cpp: pp512, pp4096, tg128 and pp32768 only: a prefill change's
 #      side by side in less device time), QK_AB_CHECKED=1 (every kernel bench set and the engine
 #      bench run again with wgpu's shader checks, QK_CHECKED_SHADERS=1: kernels-<set>-checked.txt,
 #      qk-bench-checked.json).
@@ -145,7 +145,7 @@ if [ "${QK_SKIP_LLAMA:-0}" != 1 ]; then
   echo "== llama.cpp CUDA: llama-bench -fa 1"
   \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 512,4096 -n 128 -r 2 -o md 2>&1 | tee llama-bench.md
   [ "${QK_LLAMA_PREFILL_ONLY:-0}" = 1 ] \
-    || \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 0 -n 128 -d 8192,32000 -r 2 -o md 2>&1 | tee -a llama-bench.md
+    || \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 0 -n 128 -d ${QK_LLAMA_DEPTHS:-8192,32000} -r 2 -o md 2>&1 | tee -a llama-bench.md
   \$B/bin/llama-bench -m \$MODEL -ngl 99 -fa 1 -p 32768 -n 0 -r 1 -o md 2>&1 | tee -a llama-bench.md
   if [ "${QK_LLAMA_PREFILL_ONLY:-0}" != 1 ]; then
     echo "== llama.cpp CUDA: llama-batched-bench, 8 streams"
