@@ -46,7 +46,6 @@
 #define BK 16
 #define WG 32
 #define MAX_SPLITS 64
-#define PREP 0
 #variants OP=prefill LANES=4 UPL=2 WG=256
 #variants OP=merge WG=256
 #variants K_TYPE=0 V_TYPE=0
@@ -56,9 +55,6 @@
 #variants OP=prepare
 #variants OP=prepare K_TYPE=0 V_TYPE=0
 #variants OP=prepare K_TYPE=2
-#variants PREP=1
-#variants PREP=1 K_TYPE=0 V_TYPE=0
-#variants PREP=1 K_TYPE=2 LANES=4 UPL=2 WG=16
 
 struct PrepareParams {
     // Rows of the dispatch; with rows_from_buffer = 0 row r is (slot, pos + r).
@@ -146,28 +142,6 @@ var<immediate> P: CoreParams;
 #endif
 #if OP != merge
 #if OP != prepare
-#if PREP
-@group(0) @binding(1) var<storage, read> PROJ: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> Q_NORM: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> K_NORM: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> FREQS: array<f32>;
-#if K_TYPE == 0
-@group(0) @binding(5) var<storage, read_write> K_CACHE: array<vec4<f32>>;
-#endif
-#if K_TYPE == 1
-@group(0) @binding(5) var<storage, read_write> K_CACHE: array<vec4<u32>>;
-#endif
-#if K_TYPE == 2
-@group(0) @binding(5) var<storage, read_write> K_CACHE: array<u32>;
-#endif
-#if V_TYPE == 0
-@group(0) @binding(6) var<storage, read_write> V_CACHE: array<vec4<f32>>;
-#else
-@group(0) @binding(6) var<storage, read_write> V_CACHE: array<vec4<u32>>;
-#endif
-@group(0) @binding(7) var<storage, read_write> PART_O: array<mat2x4<f32>>;
-@group(0) @binding(8) var<storage, read_write> PART_ML: array<vec2<f32>>;
-#else
 @group(0) @binding(1) var<storage, read> Q: array<vec4<f32>>;
 #if K_TYPE == 0
 @group(0) @binding(2) var<storage, read> K_CACHE: array<vec4<f32>>;
@@ -185,7 +159,6 @@ var<immediate> P: CoreParams;
 #endif
 @group(0) @binding(4) var<storage, read_write> PART_O: array<mat2x4<f32>>;
 @group(0) @binding(5) var<storage, read_write> PART_ML: array<vec2<f32>>;
-#endif
 #endif
 #endif
 
@@ -257,13 +230,11 @@ fn load_v(w: u32, u: u32) -> mat2x4<f32> {
 #endif
 }
 
-#if PREP == 0
 // Dims 8u..8u+8 of prepared q for row r, head h, times the attention scale.
 fn load_q(r: u32, h: u32, u: u32) -> mat2x4<f32> {
     let i = (P.q_offset + r * P.q_row_stride + h * D) / 4u + 2u * u;
     return mat2x4<f32>(Q[i], Q[i + 1u]) * P.scale;
 }
-#endif
 
 fn dot8(a: mat2x4<f32>, b: mat2x4<f32>) -> f32 {
     return dot(a[0], b[0]) + dot(a[1], b[1]);
@@ -300,159 +271,9 @@ fn lane_group(ids: ComputeIds) -> vec2<u32> {
 const COLS: u32 = {{COLS}}u;
 const U: u32 = {{UNROLL}}u;
 // The group's q heads (scaled), read by every column; the column merge's scratch.
-#if PREP
-// PREP=1: the row's own K head is staged after them (PH heads in all).
-const PH: u32 = G + 1u;
-var<workgroup> qs: array<mat2x4<f32>, PH * UNITS>;
-#else
 var<workgroup> qs: array<mat2x4<f32>, G * UNITS>;
-#endif
 var<workgroup> comb_ml: array<vec2<f32>, COLS>;
 var<workgroup> comb_o: array<mat2x4<f32>, COLS * UNITS>;
-
-#if PREP
-// PREP=1 folds OP=prepare into the split kernel for the row's own position: every workgroup
-// normalises and rotates its group's q heads itself, and the one whose split holds the position
-// (the last) does the same to the K head and stores K and V in the cache cell before its walk
-// reads that cell. The same operations as OP=prepare but for the order of each head's sum of
-// squares (unit by unit here), so a dispatch fewer per layer and step.
-const PREP_PER: u32 = (PH * UNITS + {{WG}}u - 1u) / {{WG}}u;
-var<workgroup> unit_sq: array<f32, PH * UNITS>;
-var<workgroup> head_inv: array<f32, PH>;
-#if K_TYPE == 2
-var<workgroup> block_scale: array<f32, D / 32u + 1u>;
-#endif
-
-fn norm_weight(is_q: bool, d: u32) -> f32 {
-    if is_q {
-        return Q_NORM[d / 4u][d % 4u];
-    }
-    return K_NORM[d / 4u][d % 4u];
-}
-
-// Unit i (head i / UNITS, dims 8u..8u+8 of it) of the staged raw heads in qs, normalised by its
-// head's inverse RMS and norm weight, then RoPE'd at `pos` as OP=prepare does.
-fn prep_unit(i: u32, pos: u32) -> mat2x4<f32> {
-    let h = i / UNITS;
-    let is_q = h < G;
-    let inv = head_inv[h];
-    let half = P.n_rot / 2u;
-    var y: mat2x4<f32>;
-    for (var e = 0u; e < 8u; e++) {
-        let d = 8u * (i % UNITS) + e;
-        let v = qs[i][e / 4u][e % 4u] * inv * norm_weight(is_q, d);
-        var out = v;
-        if d < P.n_rot {
-            let pd = select(d - half, d + half, d < half);
-            let pv = qs[h * UNITS + pd / 8u][(pd % 8u) / 4u][pd % 4u] * inv * norm_weight(is_q, pd);
-            let angle = f32(pos) * FREQS[d % half];
-            let k = round(angle / TWO_PI);
-            let reduced = (angle - k * TWO_PI_HEAD) - k * TWO_PI_TAIL;
-            let c = cos(reduced);
-            let s = sin(reduced);
-            out = select(pv * s + v * c, v * c - pv * s, d < half);
-        }
-        y[e / 4u][e % 4u] = out;
-    }
-    return y;
-}
-
-// Stage the group's q heads (and, `own`, the K head) of projection row r, normalised and
-// rotated at `pos` (q times the attention scale); `own`: store K and V at (local, pos, g).
-fn prepare_row(ids: ComputeIds, r: u32, local: u32, pos: u32, g: u32, own: bool) {
-    let heads = select(G, PH, own);
-    let base = r * P.proj_row_stride;
-    for (var i = ids.lid; i < heads * UNITS; i += {{WG}}u) {
-        let h = i / UNITS;
-        var at = base + P.proj_k_offset + g * D;
-        if h < G {
-            at = base + P.proj_q_offset + (g * G + h) * P.proj_q_head_stride;
-        }
-        let w = (at + 8u * (i % UNITS)) / 4u;
-        let x = mat2x4<f32>(PROJ[w], PROJ[w + 1u]);
-        qs[i] = x;
-        unit_sq[i] = dot8(x, x);
-    }
-    workgroupBarrier();
-    for (var h = ids.lid; h < heads; h += {{WG}}u) {
-        var sum = 0.0;
-        for (var u = 0u; u < UNITS; u++) {
-            sum += unit_sq[h * UNITS + u];
-        }
-        head_inv[h] = inverseSqrt(sum / f32(D) + P.eps);
-    }
-    workgroupBarrier();
-    var done: array<mat2x4<f32>, PREP_PER>;
-    for (var j = 0u; j < PREP_PER; j++) {
-        let i = ids.lid + j * {{WG}}u;
-        if i < heads * UNITS {
-            done[j] = prep_unit(i, pos);
-        }
-    }
-    workgroupBarrier();
-    for (var j = 0u; j < PREP_PER; j++) {
-        let i = ids.lid + j * {{WG}}u;
-        if i < heads * UNITS {
-            var y = done[j];
-            if i < G * UNITS {
-                y *= P.scale;
-            }
-            qs[i] = y;
-        }
-    }
-    workgroupBarrier();
-    let kw = k_row(local, pos, g);
-#if K_TYPE == 2
-    if own && ids.lid < D / 32u {
-        var amax = 0.0;
-        for (var u = 4u * ids.lid; u < 4u * ids.lid + 4u; u++) {
-            let y = qs[G * UNITS + u];
-            amax = max(amax, max(max(abs(y[0].x), abs(y[0].y)), max(abs(y[0].z), abs(y[0].w))));
-            amax = max(amax, max(max(abs(y[1].x), abs(y[1].y)), max(abs(y[1].z), abs(y[1].w))));
-        }
-        block_scale[ids.lid] = amax / 127.0;
-    }
-    workgroupBarrier();
-#endif
-    if own {
-        let vw = v_row(local, pos, g);
-        let vsrc = (base + P.proj_v_offset + g * D) / 4u;
-        for (var u = ids.lid; u < UNITS; u += {{WG}}u) {
-            let y = qs[G * UNITS + u];
-#if K_TYPE == 0
-            K_CACHE[kw / 4u + 2u * u] = y[0];
-            K_CACHE[kw / 4u + 2u * u + 1u] = y[1];
-#endif
-#if K_TYPE == 1
-            K_CACHE[kw / 4u + u] = vec4<u32>(pack2x16float(y[0].xy), pack2x16float(y[0].zw),
-                pack2x16float(y[1].xy), pack2x16float(y[1].zw));
-#endif
-#if K_TYPE == 2
-            let d = block_scale[u / 4u];
-            let id = select(0.0, 1.0 / d, d != 0.0);
-            K_CACHE[kw + 2u * u] = pack4xI8(vec4<i32>(round(y[0] * id)));
-            K_CACHE[kw + 2u * u + 1u] = pack4xI8(vec4<i32>(round(y[1] * id)));
-            // The scales as f16 pairs after the quants (an odd count leaves the last high half 0).
-            if u < (D / 32u + 1u) / 2u {
-                let hi = select(0.0, block_scale[2u * u + 1u], 2u * u + 1u < D / 32u);
-                K_CACHE[kw + D / 4u + u] = pack2x16float(vec2<f32>(block_scale[2u * u], hi));
-            }
-#endif
-            let v0 = PROJ[vsrc + 2u * u];
-            let v1 = PROJ[vsrc + 2u * u + 1u];
-#if V_TYPE == 0
-            V_CACHE[vw / 4u + 2u * u] = v0;
-            V_CACHE[vw / 4u + 2u * u + 1u] = v1;
-#else
-            V_CACHE[vw / 4u + u] = vec4<u32>(pack2x16float(v0.xy), pack2x16float(v0.zw), pack2x16float(v1.xy),
-                pack2x16float(v1.zw));
-#endif
-        }
-    }
-    // The cell is read back by this workgroup's walk.
-    storageBarrier();
-}
-#endif
 
 @compute @workgroup_size({{WG}})
 fn main(ids: ComputeIds) {
@@ -474,14 +295,10 @@ fn main(ids: ComputeIds) {
     let lg = lane_group(ids);
     let lane = lg.x;
     let col = lg.y;
-#if PREP
-    prepare_row(ids, r, local, row.y, g, split == pl.y - 1u);
-#else
     for (var i = ids.lid; i < G * UNITS; i += {{WG}}u) {
         qs[i] = load_q(r, g * G + i / UNITS, i % UNITS);
     }
     workgroupBarrier();
-#endif
     // Unrolled (#for) so these arrays keep constant indices and stay in registers.
     var o: array<mat2x4<f32>, G * UPL>;
     var m: array<f32, G>;

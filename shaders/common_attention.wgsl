@@ -32,15 +32,6 @@ struct CoreParams {
     // Rows per query tile (prefill TT; decode 1): the merge recomputes its tile's plan.
     tile_rows: u32,
     scale: f32,
-    // Decode with PREP=1: the projection rows (attention.wgsl's PrepareParams has the same
-    // fields), the rotated dims and the norms' epsilon.
-    proj_row_stride: u32,
-    proj_q_offset: u32,
-    proj_q_head_stride: u32,
-    proj_k_offset: u32,
-    proj_v_offset: u32,
-    n_rot: u32,
-    eps: f32,
 }
 
 // Stands in for -inf: exp(MASKED - finite) is exactly 0 and never a NaN.

@@ -883,30 +883,15 @@ impl Model {
                 attention::record_prefill(gpu, rec, &shape, *slot, base, n, &groups, &core, kernel)?;
             }
             Batch::Decode { positions } => {
-                let keys: u64 = positions.iter().map(|&p| u64::from(p) + 1).sum();
-                let walk = self.attention_walk;
-                if attention::decode_prepares(gpu) {
-                    rec.op("attn.core", layer, kv_bytes(keys));
-                    attention::record_decode_preparing(
-                        gpu,
-                        rec,
-                        &shape,
-                        &s.attn_rows,
-                        t,
-                        &groups,
-                        &prep,
-                        &core,
-                        walk,
-                    )?;
-                    return Ok(());
-                }
                 rec.op("attn.prepare", layer, 0);
                 let rows = AttnRows::Step {
                     buf: &s.attn_rows,
                     n: t,
                 };
                 attention::record_prepare(gpu, rec, &shape, rows, &groups, &prep)?;
+                let keys: u64 = positions.iter().map(|&p| u64::from(p) + 1).sum();
                 rec.op("attn.core", layer, kv_bytes(keys));
+                let walk = self.attention_walk;
                 attention::record_decode(gpu, rec, &shape, &s.attn_rows, t, &groups, &core, walk)?;
             }
         }

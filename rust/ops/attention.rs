@@ -12,9 +12,6 @@
 //!   dispatch per buffer group (normally one) over every row, then one merge dispatch writing the
 //!   gated output. Nothing in it depends on the rows' positions, so one recording serves every step
 //!   once the rows buffer is rewritten.
-//! * [`record_decode_preparing`]`(gpu, rec, shape, rows_buf, n, kv, prep, args, walk)` — both of
-//!   the above for a step in the split dispatch (where [`decode_prepares`]): each split workgroup
-//!   prepares its q heads, the one holding a row's own position its K and V as well.
 //! * [`record_prefill`]`(gpu, rec, shape, slot, pos, n, kv, args, kernel)` — a prefill piece: `n`
 //!   consecutive positions of one slot (already prepared), tiled flash attention plus the merge;
 //!   [`prefill_kernel`] picks f32 tiles or cooperative-matrix ones (f16 cache, fast default).
@@ -415,13 +412,6 @@ struct CoreParams {
     max_splits: u32,
     tile_rows: u32,
     scale: f32,
-    proj_row_stride: u32,
-    proj_q_offset: u32,
-    proj_q_head_stride: u32,
-    proj_k_offset: u32,
-    proj_v_offset: u32,
-    n_rot: u32,
-    eps: f32,
 }
 
 /// Mirrors `PrepareParams` in attention.wgsl.
@@ -462,21 +452,18 @@ fn lanes(gpu: &Gpu, head_dim: u32, most: u32) -> u32 {
     l.max(1)
 }
 
-fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'static str, String); 14] {
-    tuned_defines(shape, op, lanes, wg, DecodeTuning::DEFAULT, false)
+fn kernel_defines(shape: &AttnShape, op: &str, lanes: u32, wg: u32) -> [(&'static str, String); 13] {
+    tuned_defines(shape, op, lanes, wg, DecodeTuning::DEFAULT)
 }
 
-/// `prep`: the decode kernel prepares the rows itself (`PREP=1`, [`record_decode_preparing`]).
 fn tuned_defines(
     shape: &AttnShape,
     op: &str,
     lanes: u32,
     wg: u32,
     tuning: DecodeTuning,
-    prep: bool,
-) -> [(&'static str, String); 14] {
+) -> [(&'static str, String); 13] {
     [
-        ("PREP", u32::from(prep).to_string()),
         ("OP", op.into()),
         ("K_TYPE", shape.k_type.define()),
         ("V_TYPE", shape.v_type.define()),
@@ -496,25 +483,12 @@ fn tuned_defines(
     ]
 }
 
-/// Workgroup memory of the decode kernel (q of the group, the column merge; preparing, also the
-/// K head and each unit's sum of squares) and of the prefill kernel (one staged K or V block),
-/// checked against the device before the pipeline is built.
-fn check_workgroup_memory(
-    gpu: &Gpu,
-    shape: &AttnShape,
-    decode: Option<DecodeTuning>,
-    prep: bool,
-) -> Result<()> {
-    let units = u64::from(shape.head_dim / 8);
-    let unit_bytes = 32 * units;
+/// Workgroup memory of the decode kernel (q of the group, the column merge) and of the prefill
+/// kernel (one staged K or V block), checked against the device before the pipeline is built.
+fn check_workgroup_memory(gpu: &Gpu, shape: &AttnShape, decode: Option<DecodeTuning>) -> Result<()> {
+    let unit_bytes = 32 * u64::from(shape.head_dim / 8);
     let bytes = if let Some(t) = decode {
-        let staged = if prep {
-            let heads = u64::from(shape.group()) + 1;
-            (unit_bytes + 4 * units) * heads + 4 * heads + 4 * (u64::from(shape.head_dim) / 32 + 1)
-        } else {
-            unit_bytes * u64::from(shape.group())
-        };
-        staged + unit_bytes * u64::from(t.cols) + 8 * u64::from(t.cols)
+        unit_bytes * u64::from(shape.group() + t.cols) + 8 * u64::from(t.cols)
     } else {
         unit_bytes * u64::from(PREFILL_KEYS)
     };
@@ -561,22 +535,6 @@ fn group_of<'g, 'a>(kv: &'g [KvGroup<'a>], slot: u32) -> Result<&'g KvGroup<'a>>
         .ok_or_else(|| QkError::Engine(format!("attention: slot {slot} is in no KV buffer")))
 }
 
-/// The projection (`n` rows), norms and frequencies of a prepare (ops or the preparing decode).
-fn check_prepare_args(shape: &AttnShape, n: u32, args: &PrepareArgs<'_>) -> Result<()> {
-    let l = args.layout;
-    let hd = u64::from(shape.head_dim);
-    let last = u64::from(n.max(1) - 1) * u64::from(l.row_stride);
-    require_len(
-        "attention projection",
-        args.proj,
-        last + (u64::from(l.q_offset) + u64::from(shape.heads - 1) * u64::from(l.q_head_stride) + hd)
-            .max(u64::from(l.k_offset.max(l.v_offset)) + u64::from(shape.kv_heads) * hd),
-    )?;
-    require_len("attention q_norm", args.q_norm, hd)?;
-    require_len("attention k_norm", args.k_norm, hd)?;
-    require_len("attention rope freqs", args.freqs, u64::from(shape.n_rot / 2))
-}
-
 /// Record the prepare op for `rows` (see the module doc). Positions are checked against `ctx` for
 /// a piece; a step's rows are the caller's (the engine checks them before writing the buffer).
 pub fn record_prepare(
@@ -593,13 +551,23 @@ pub fn record_prepare(
     if n == 0 {
         return Ok(());
     }
-    check_prepare_args(shape, n, args)?;
+    let l = args.layout;
+    let hd = u64::from(shape.head_dim);
+    let last = u64::from(n - 1) * u64::from(l.row_stride);
+    require_len(
+        "attention projection",
+        args.proj,
+        last + (u64::from(l.q_offset) + u64::from(shape.heads - 1) * u64::from(l.q_head_stride) + hd)
+            .max(u64::from(l.k_offset.max(l.v_offset)) + u64::from(shape.kv_heads) * hd),
+    )?;
+    require_len("attention q_norm", args.q_norm, hd)?;
+    require_len("attention k_norm", args.k_norm, hd)?;
+    require_len("attention rope freqs", args.freqs, u64::from(shape.n_rot / 2))?;
     require_len(
         "attention q out",
         args.q_out,
-        u64::from(n) * u64::from(shape.heads) * u64::from(shape.head_dim),
+        u64::from(n) * u64::from(shape.heads) * hd,
     )?;
-    let l = args.layout;
     let (rows_buf, from_buffer, slot, pos) = rows_source(rows, args.proj)?;
     let groups: Vec<&KvGroup<'_>> = match rows {
         AttnRows::Step { .. } => kv.iter().collect(),
@@ -782,72 +750,12 @@ pub fn record_decode(
     args: &CoreArgs<'_>,
     walk: DecodeTuning,
 ) -> Result<()> {
-    record_decode_with(gpu, rec, shape, rows_buf, n, kv, args, walk, None)
-}
-
-/// Storage buffers the preparing decode kernel binds.
-const PREPARING_BINDINGS: u32 = 9;
-
-/// Whether [`record_decode_preparing`] runs on this device (it binds 9 storage buffers).
-pub fn decode_prepares(gpu: &Gpu) -> bool {
-    gpu.caps.max_storage_buffers_per_stage >= PREPARING_BINDINGS
-}
-
-/// [`record_prepare`] and [`record_decode`] of a step's rows in the split dispatch: every split
-/// workgroup normalises and rotates its q heads from `prep.proj`, and the one holding a row's own
-/// position also its K, storing K and V in the cache before it reads them (`prep.q_out` is not
-/// written). The same values as the two ops but for the order of each head's sum of squares; one
-/// dispatch fewer per buffer group. Needs [`decode_prepares`].
-#[allow(clippy::too_many_arguments)]
-pub fn record_decode_preparing(
-    gpu: &Gpu,
-    rec: &mut Recorder<'_>,
-    shape: &AttnShape,
-    rows_buf: &GpuBuffer,
-    n: u32,
-    kv: &[KvGroup<'_>],
-    prep: &PrepareArgs<'_>,
-    args: &CoreArgs<'_>,
-    walk: DecodeTuning,
-) -> Result<()> {
-    crate::ensure!(
-        decode_prepares(gpu),
-        QkError::Engine(format!(
-            "attention: the preparing decode kernel binds {PREPARING_BINDINGS} storage buffers, the device allows {}",
-            gpu.caps.max_storage_buffers_per_stage
-        ))
-    );
-    check_prepare_args(shape, n, prep)?;
-    let l = prep.layout;
-    crate::ensure!(
-        [l.row_stride, l.q_offset, l.q_head_stride, l.k_offset, l.v_offset]
-            .iter()
-            .all(|v| v % 4 == 0),
-        QkError::Engine(format!(
-            "attention: the preparing decode reads the projection in vec4s; its layout {l:?} is not"
-        ))
-    );
-    record_decode_with(gpu, rec, shape, rows_buf, n, kv, args, walk, Some(prep))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn record_decode_with(
-    gpu: &Gpu,
-    rec: &mut Recorder<'_>,
-    shape: &AttnShape,
-    rows_buf: &GpuBuffer,
-    n: u32,
-    kv: &[KvGroup<'_>],
-    args: &CoreArgs<'_>,
-    walk: DecodeTuning,
-    prep: Option<&PrepareArgs<'_>>,
-) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
     walk.check()?;
     check_core(shape, n, true, kv, args)?;
-    check_workgroup_memory(gpu, shape, Some(walk), prep.is_some())?;
+    check_workgroup_memory(gpu, shape, Some(walk))?;
     require_len("attention rows", rows_buf, 2 * u64::from(n))?;
     let lanes = lanes(gpu, shape.head_dim, 32);
     crate::ensure!(
@@ -859,7 +767,7 @@ fn record_decode_with(
     );
     let pipe = gpu.pipeline(
         &FILE,
-        &tuned_defines(shape, "decode", lanes, walk.cols * lanes, walk, prep.is_some()),
+        &tuned_defines(shape, "decode", lanes, walk.cols * lanes, walk),
         &[],
     )?;
     let mut p = CoreParams {
@@ -869,40 +777,11 @@ fn record_decode_with(
         max_splits: DECODE_MAX_SPLITS,
         ..core_params(shape, n, args)
     };
-    if let Some(pa) = prep {
-        let l = pa.layout;
-        p.proj_row_stride = l.row_stride;
-        p.proj_q_offset = l.q_offset;
-        p.proj_q_head_stride = l.q_head_stride;
-        p.proj_k_offset = l.k_offset;
-        p.proj_v_offset = l.v_offset;
-        p.n_rot = shape.n_rot;
-        p.eps = shape.eps;
-    }
     let splits = split_plan(shape.ctx, walk.min_split, DECODE_MAX_SPLITS).1;
     for g in kv {
         p.first_slot = g.first_slot;
         p.slots = g.slots;
-        let grid = [splits, shape.kv_heads, n];
-        match prep {
-            None => dispatch_core(rec, &pipe, &p, rows_buf, g, args, grid)?,
-            Some(pa) => rec.dispatch(
-                &pipe,
-                &[
-                    rows_buf.all(),
-                    pa.proj.all(),
-                    pa.q_norm.all(),
-                    pa.k_norm.all(),
-                    pa.freqs.all(),
-                    g.k.all(),
-                    g.v.all(),
-                    args.part_o.all(),
-                    args.part_ml.all(),
-                ],
-                bytemuck::bytes_of(&p),
-                grid,
-            )?,
-        }
+        dispatch_core(rec, &pipe, &p, rows_buf, g, args, [splits, shape.kv_heads, n])?;
     }
     record_merge(gpu, rec, shape, &p, rows_buf, args)
 }
@@ -950,7 +829,7 @@ pub fn record_prefill(
     let grid = [splits, shape.kv_heads, n.div_ceil(tokens_per_tile)];
     let pipe = match kernel {
         PrefillKernel::Tiled => {
-            check_workgroup_memory(gpu, shape, None, false)?;
+            check_workgroup_memory(gpu, shape, None)?;
             let lanes = lanes(gpu, shape.head_dim, 4);
             gpu.pipeline(
                 &FILE,
