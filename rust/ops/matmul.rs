@@ -961,15 +961,8 @@ pub fn expert_shape(ty: GgmlType, sum: bool) -> MatvecShape {
 /// 41.9–43.0). In the engine (48 layers, same lease, benches/RESULTS.md) one stream's chained step
 /// went 3.768 → 3.627 ms; 8 slots unchanged. Same bytes either way, so a row's result does not
 /// depend on the batch.
-///
-/// From eight tokens an IQ4_XS weighted-sum down projection takes 16 rows per workgroup (kernel
-/// bench `moe_cold`, H200 2026-12-04, cold: 42.0 → 38.8 µs; at one token 10.4 → 16.0, so not
-/// there); the width is unchanged, so are the sums.
 pub fn expert_call_shape(ty: GgmlType, sum: bool, routed: bool, n_tokens: u32) -> MatvecShape {
     let shape = expert_shape(ty, sum);
-    if sum && n_tokens >= 8 && ty == GgmlType::IQ4XS {
-        return MatvecShape::new(16, shape.wg, shape.unroll);
-    }
     if n_tokens == 1 && (sum || routed) {
         shape.with_lookup(Iq4Lookup::Shuffle)
     } else {
