@@ -256,7 +256,7 @@ def main() -> None:
     ap.add_argument(
         "--attention-walk",
         default=None,
-        help="COLS,UNROLL,MIN_SPLIT: how decode attention walks a row's keys (default: the engine's)",
+        help="COLS,UNROLL,MIN_SPLIT[,LANES]: how decode attention walks a row's keys (default: the engine's)",
     )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")

@@ -2157,6 +2157,7 @@ fn attention_decode_sweep(gpu: &Gpu) {
                     cols,
                     unroll,
                     min_split,
+                    ..DecodeTuning::DEFAULT
                 });
             }
         }

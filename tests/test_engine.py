@@ -314,18 +314,19 @@ def test_step_is_one_submit_and_creates_nothing():
 
 
 def test_attention_walk_is_a_speed_choice():
-    """attention_walk (key columns, keys per column, shortest split) changes how decode attention
-    walks the cache, not what it computes: greedy tokens equal the default's and top-k logits
-    agree to f32 rounding (the split plan, and so the merge order, differ). A walk the kernel
-    cannot take is refused when the engine is built."""
+    """attention_walk (key columns, keys per column, shortest split[, lanes per key]) changes how
+    decode attention walks the cache, not what it computes: greedy tokens equal the default's and
+    top-k logits agree to f32 rounding (the split plan, the merge order and the lanes' sums
+    differ). A walk the kernel cannot take is refused when the engine is built."""
     qk = _qk()
     name = F32[0]
     path = str(FIXTURES / f"{name}.gguf")
     walked = qk.Engine(path, slots=1, ctx=512, precise=True, attention_walk=(2, 4, 16))
+    laned = qk.Engine(path, slots=1, ctx=512, precise=True, attention_walk=(16, 2, 32, 8))
     base = qk.Engine(path, slots=1, ctx=512, precise=True)
     p = prompt(name)[:80]
     runs = []
-    for eng in (walked, base):
+    for eng in (walked, laned, base):
         tok = eng.stage_run(0, p, 0)[0][-1]
         steps = []
         for _ in range(6):
@@ -333,12 +334,16 @@ def test_attention_walk_is_a_speed_choice():
             steps.append((ids, top))
             tok = ids[0]
         runs.append(steps)
-    for (ids_w, top_w), (ids_b, top_b) in zip(*runs, strict=True):
-        assert ids_w == ids_b
-        assert [i for i, _ in top_w] == [i for i, _ in top_b]
-        assert all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for (_, a), (_, b) in zip(top_w, top_b, strict=True))
-    with pytest.raises(qk.EngineError, match="attention walk"):
-        qk.Engine(path, slots=1, ctx=512, attention_walk=(0, 4, 16))
+    for run in runs[:2]:
+        for (ids_w, top_w), (ids_b, top_b) in zip(run, runs[2], strict=True):
+            assert ids_w == ids_b
+            assert [i for i, _ in top_w] == [i for i, _ in top_b]
+            assert all(
+                abs(a - b) <= 1e-4 * max(1.0, abs(b)) for (_, a), (_, b) in zip(top_w, top_b, strict=True)
+            )
+    for bad in [(0, 4, 16), (4, 4, 32, 64), (4, 4)]:
+        with pytest.raises(qk.EngineError, match="attention walk"):
+            qk.Engine(path, slots=1, ctx=512, attention_walk=bad)
 
 
 def test_routing_inside_or_by_the_router_kernel_gives_the_same_bytes():

@@ -113,7 +113,7 @@ class Engine:
         cache_type_v: str | None = None,
         prefill_rows: int | None = None,
         route_inside_max_rows: int | None = None,
-        attention_walk: tuple[int, int, int] | None = None,
+        attention_walk: tuple[int, int, int] | tuple[int, int, int, int] | None = None,
     ) -> Engine: ...
     def generate(self, tokens: Sequence[int], max_new: int, slot: int = 0) -> list[int]: ...
     def stage_run(

@@ -66,16 +66,23 @@ pub const PREFILL_ROWS: u32 = 64;
 /// keys' K and V rows (4 KiB at head_dim 256, f16) in flight per 32-lane column.
 pub const DECODE_COLS: u32 = 4;
 pub const DECODE_UNROLL: u32 = 4;
+/// Most invocations sharing one key in decode (`LANES`): a key's 8-dim units spread over a whole
+/// 32-wide subgroup.
+pub const DECODE_LANES: u32 = 32;
 
 /// How the decode split kernel walks a row's keys: key columns per workgroup, keys per column per
-/// iteration, and the shortest split. [`DecodeTuning::DEFAULT`] unless the engine is given another
-/// (`EngineOptions::attention_walk`); tuning runs (benches/kernels.rs) sweep them through
-/// [`record_decode`].
+/// iteration, the shortest split, and the most lanes that share a key (each lane then holds
+/// head_dim / lanes of its dims; the kernel takes the largest power of two up to it that divides
+/// the subgroup and the head's 8-dim units). Fewer lanes per key: fewer shuffle steps per score
+/// and softmax updates per key, more dims per lane. [`DecodeTuning::DEFAULT`] unless the engine is
+/// given another (`EngineOptions::attention_walk`); tuning runs (benches/kernels.rs) sweep them
+/// through [`record_decode`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecodeTuning {
     pub cols: u32,
     pub unroll: u32,
     pub min_split: u32,
+    pub lanes: u32,
 }
 
 impl DecodeTuning {
@@ -83,18 +90,21 @@ impl DecodeTuning {
         cols: DECODE_COLS,
         unroll: DECODE_UNROLL,
         min_split: DECODE_MIN_SPLIT,
+        lanes: DECODE_LANES,
     };
 
     /// Within what the kernel takes: 1–16 columns, 1–8 keys per column, a power-of-two shortest
-    /// split.
+    /// split, a power of two from 1 to 32 lanes per key.
     pub fn check(&self) -> Result<()> {
         crate::ensure!(
             (1..=16).contains(&self.cols)
                 && (1..=8).contains(&self.unroll)
-                && self.min_split.is_power_of_two(),
+                && self.min_split.is_power_of_two()
+                && self.lanes.is_power_of_two()
+                && self.lanes <= 32,
             QkError::Engine(format!(
-                "attention walk: {} columns (1-16), {} keys per column (1-8), shortest split {} (a power of two)",
-                self.cols, self.unroll, self.min_split
+                "attention walk: {} columns (1-16), {} keys per column (1-8), shortest split {} (a power of two), {} lanes per key (a power of two, 1-32)",
+                self.cols, self.unroll, self.min_split, self.lanes
             ))
         );
         Ok(())
@@ -757,7 +767,7 @@ pub fn record_decode(
     check_core(shape, n, true, kv, args)?;
     check_workgroup_memory(gpu, shape, Some(walk))?;
     require_len("attention rows", rows_buf, 2 * u64::from(n))?;
-    let lanes = lanes(gpu, shape.head_dim, 32);
+    let lanes = lanes(gpu, shape.head_dim, walk.lanes);
     crate::ensure!(
         walk.cols * lanes <= gpu.caps.max_invocations,
         QkError::Engine(format!(

@@ -25,8 +25,8 @@ use crate::transport::engine_stage::lock_engine;
 /// `route_inside_max_rows`: decode steps of at most that many slots route their tokens inside the
 /// experts' gate/up product, larger ones run the router kernel first (default 1: one slot routes
 /// inside); the same results either way, a speed choice a bench can compare. `attention_walk`
-/// `(columns, keys per column, shortest split)`: how decode attention walks a row's keys (default
-/// (4, 4, 32)); a speed choice too, though it changes attention's last bits.
+/// `(columns, keys per column, shortest split[, lanes per key])`: how decode attention walks a row's
+/// keys (default (4, 4, 32, 32)); a speed choice too, though it changes attention's last bits.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -128,7 +128,7 @@ impl PyEngine {
         cache_type_v: Option<String>,
         prefill_rows: Option<u32>,
         route_inside_max_rows: Option<u32>,
-        attention_walk: Option<(u32, u32, u32)>,
+        attention_walk: Option<Vec<u32>>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -141,11 +141,7 @@ impl PyEngine {
             cache_type_v: parse(cache_type_v)?,
             prefill_rows,
             route_inside_max_rows,
-            attention_walk: attention_walk.map(|(cols, unroll, min_split)| DecodeTuning {
-                cols,
-                unroll,
-                min_split,
-            }),
+            attention_walk: attention_walk.map(walk_from).transpose()?,
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {
@@ -364,6 +360,28 @@ impl PyEngine {
 }
 
 /// The profile's `dispatches`, `ops`, `families` and `step` entries (see `Engine.profile_step`).
+/// `attention_walk`'s (columns, keys per column, shortest split[, lanes per key]).
+fn walk_from(v: Vec<u32>) -> Result<DecodeTuning, crate::QkError> {
+    match v[..] {
+        [cols, unroll, min_split] => Ok(DecodeTuning {
+            cols,
+            unroll,
+            min_split,
+            ..DecodeTuning::DEFAULT
+        }),
+        [cols, unroll, min_split, lanes] => Ok(DecodeTuning {
+            cols,
+            unroll,
+            min_split,
+            lanes,
+        }),
+        _ => Err(crate::QkError::Engine(format!(
+            "attention walk: 3 or 4 values (columns, keys per column, shortest split[, lanes per key]), got {}",
+            v.len()
+        ))),
+    }
+}
+
 fn fill_profile<'py>(py: Python<'py>, d: &Bound<'py, PyDict>, prof: &StepProfile) -> PyResult<()> {
     let mut dispatches = Vec::new();
     for x in &prof.submit.dispatches {

@@ -441,14 +441,24 @@ fn decode_case(gpu: &Gpu, c: &mut Case, rows: &[[u32; 2]]) -> Vec<Vec<f32>> {
 /// two buffer groups, with a padding row, matches the reference row by row in every cache type;
 /// each row's bytes equal those of the row stepped alone. Head dim 256 as well (32 lanes per key
 /// on a GPU with 32-wide subgroups), and other walks of the keys (columns, keys per column,
-/// shortest split), on the first device.
+/// shortest split, lanes per key), on the first device.
 #[test]
 fn gpu_attention_decode_matches_reference() {
     use attention::DecodeTuning;
-    let walks = [(2, 4, 16), (1, 1, 64), (8, 2, 32)].map(|(cols, unroll, min_split)| DecodeTuning {
+    // The last two share each key among 8 and 4 lanes (each lane 4 and 8 of a 64-dim head's units
+    // where subgroups are 32 wide; narrower subgroups cap them).
+    let walks = [
+        (2, 4, 16, 32),
+        (1, 1, 64, 32),
+        (8, 2, 32, 32),
+        (16, 2, 32, 8),
+        (4, 4, 16, 4),
+    ]
+    .map(|(cols, unroll, min_split, lanes)| DecodeTuning {
         cols,
         unroll,
         min_split,
+        lanes,
     });
     for (i, gpu) in devices().into_iter().enumerate() {
         for types in TYPES {
