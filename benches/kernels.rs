@@ -15,7 +15,8 @@
 //! them (with QK_BENCH_NO_ATTENTION=1), QK_BENCH_ONLY_ATTENTION_DECODE=1 only decode attention per
 //! kernel and per walk of the keys, QK_BENCH_ONLY_MOE_COLD=1 only the decode MoE layer with its
 //! experts' weights cold and warm, QK_BENCH_ONLY_GDN_STEP=1 only the gated DeltaNet decode step,
-//! QK_BENCH_ONLY_MATVEC=1 only the large mat-vecs per type (no mat-mat).
+//! QK_BENCH_ONLY_MATVEC=1 only the large mat-vecs per type (no mat-mat), QK_BENCH_ONLY_HOST=1 only
+//! the host's share of a decode-sized submit per count of buffers it references.
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
 //! (GpuOptions::checked_shaders): run the bench with and without it to compare.
@@ -214,6 +215,10 @@ fn main() {
         matrix_kernels(&gpu, &mut Rng(0x5eed), target_bytes, iters, copy_gbs);
         return;
     }
+    if flag("QK_BENCH_ONLY_HOST") {
+        host_step_cost(&gpu);
+        return;
+    }
     if !flag("QK_BENCH_NO_ATTENTION") {
         attention_bench(&gpu, copy_gbs, smoke);
     }
@@ -235,6 +240,7 @@ fn main() {
     }
     if !flag("QK_BENCH_ONLY_PREFILL") {
         dispatch_floor(&gpu);
+        host_step_cost(&gpu);
         handoff_round_trip(&gpu);
         moe_decode(&gpu, &mut rng);
         norm_projection_decode(&gpu, &mut rng);
@@ -1001,6 +1007,66 @@ fn dispatch_floor(gpu: &Gpu) {
         slope(same_short, same_long) * 1e6,
         slope(distinct_short, distinct_long) * 1e6
     );
+}
+
+/// The host's share of a submit that looks like a decode step: 317 dependent tiny dispatches (each
+/// reading the buffer the one before wrote) over pools of 2, 64 and 800 output buffers, so the
+/// same GPU work references ~3, ~130 or ~1,600 distinct buffers, as a 48-layer step references its
+/// ~800 weight, state and scratch buffers. Median over the rounds of: recording the dispatches,
+/// encoding (`finish`), `queue.submit`, and the wait (the GPU's work, then wgpu's bookkeeping of
+/// the finished submission). A perf profile of the engine's host-fed step on lavapipe (2026-12-04)
+/// had wgpu's per-resource work in the submit (barriers from the device tracker: 53% of it) and
+/// in the wait (dropping the finished submission's trackers); this separates that part from the
+/// dispatch count.
+fn host_step_cost(gpu: &Gpu) {
+    use qk::gpu::example::{ScaleParams, scale_add};
+    let n = 64u32;
+    let dispatches = if smoke() { 32 } else { 317 };
+    let rounds = if smoke() { 3 } else { 15 };
+    let params = ScaleParams { n, a: 1.0, b: 0.0 };
+    for pool in [2usize, 64, 800] {
+        let outs: Vec<(GpuBuffer, GpuBuffer)> = (0..pool)
+            .map(|_| {
+                (
+                    filled(gpu, "y", 1.0, n as usize),
+                    gpu.buffer_zeroed("partial", 4).expect("partial"),
+                )
+            })
+            .collect();
+        let mut times: Vec<[f64; 4]> = Vec::new();
+        for round in 0..=rounds {
+            let t0 = Instant::now();
+            let mut rec = gpu.recorder();
+            for i in 0..dispatches {
+                let x = &outs[(i + pool - 1) % pool].0;
+                let (y, partial) = &outs[i % pool];
+                scale_add(gpu, &mut rec, x, y, partial, params).expect("scale");
+            }
+            let t1 = Instant::now();
+            let encoded = rec.finish().expect("encode");
+            let t2 = Instant::now();
+            let submitted = encoded.submit(gpu);
+            let t3 = Instant::now();
+            submitted.wait(gpu).expect("wait");
+            let t4 = Instant::now();
+            if round > 0 {
+                let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
+                times.push([us(t0, t1), us(t1, t2), us(t2, t3), us(t3, t4)]);
+            }
+        }
+        let median = |j: usize| {
+            let mut v: Vec<f64> = times.iter().map(|t| t[j]).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        println!(
+            "host step ({dispatches} dependent dispatches over {pool} output buffers): record {:>7.1} µs, encode {:>7.1} µs, submit {:>7.1} µs, wait {:>8.1} µs",
+            median(0),
+            median(1),
+            median(2),
+            median(3)
+        );
+    }
 }
 
 /// One hand-off of a split decode step through the host, as a stage pays it per token: a hidden
