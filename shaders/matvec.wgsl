@@ -1,6 +1,8 @@
 // Mat-vec for decode: Y[:, c] = W · X[:, c] for NC activation columns (1..8) that share one read of
 // the weights, W in any ggml type (dequantised on the fly), X and Y f32. A workgroup computes NR
-// consecutive rows; its WG invocations stride over K, then reduce across the workgroup.
+// consecutive rows; its WG invocations stride over K, then reduce across the workgroup. CG > 1
+// (dense only) splits a dispatch's CG · NC columns into groups of NC, one group per workgroup: fewer
+// activation registers per invocation for the weights read once per group (L2 after the first).
 // IQ4_XS, Q8_0, Q4_K and Q6_K (the bulk of a model's weights) have their own steps: neighbouring
 // invocations read neighbouring words (coalesced), every nibble of a word is decoded (IQ4 values
 // looked up in workgroup memory or, KV_SHUFFLE=1, by subgroup shuffles), block scales apply once per
@@ -49,6 +51,8 @@
 #endif
 #define QTYPE q8_0
 #define NC 1
+// Dense only: the dispatch's columns in CG groups of NC, one group per workgroup.
+#define CG 1
 #define NR 2
 #define ACC4 1
 #define WG 64
@@ -118,8 +122,10 @@
 #variants QTYPE=mxfp4
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 PRE=rms
 #variants QTYPE=f32 NC=6 NR=2 ACC4=3 NC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4
+#variants QTYPE=f32 NC=3 CG=2 NR=2 ACC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4
 #variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
 #variants QTYPE=iq4_xs NR=8 WG=64 ACC4=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7
+#variants QTYPE=iq4_xs NC=4 CG=2 NR=8 WG=64 ACC4=8 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 EPI=add B_RES=3
 #variants QTYPE=iq4_xs NR=4 WG=256 PRE=head_rms EPI=add B_SQ=3 B_RES=4
 #variants QTYPE=q6_k MOE=1 PRE=silu_mul B_IDS=3
@@ -460,19 +466,22 @@ fn main(ids: ComputeIds) {
 #endif
 #else
     let picks = 1u;
+    // CG column groups: workgroup i computes its rows for columns (i % CG) · NC onwards; the CG
+    // workgroups of one row group are neighbours, so their reads of the same weights meet in L2.
+    let row_group = group_index(ids) / {{CG}}u;
 #if EXTRA
     let extra_groups = (P.extra_rows + {{NR}}u - 1u) / {{NR}}u;
-    let extra_wg = group_index(ids) < extra_groups;
-    let row0 = select(group_index(ids) - extra_groups, 0u, extra_wg) * {{NR}}u;
+    let extra_wg = row_group < extra_groups;
+    let row0 = select(row_group - extra_groups, 0u, extra_wg) * {{NR}}u;
 #else
-    let row0 = group_index(ids) * {{NR}}u;
+    let row0 = row_group * {{NR}}u;
 #endif
     let w_base = P.w_offset;
-    let x_col0 = 0u;
-    let y_base = P.y_offset;
+    let x_col0 = (group_index(ids) % {{CG}}u) * {{NC}}u;
+    let y_base = P.y_offset + x_col0 * P.y_stride;
 #endif
 #if EXTRA
-    let extra_row0 = select(0u, group_index(ids), extra_wg) * {{NR}}u;
+    let extra_row0 = select(0u, row_group, extra_wg) * {{NR}}u;
     if select(row0 >= P.rows, extra_row0 >= P.extra_rows, extra_wg) {
         return;
     }
@@ -835,13 +844,13 @@ fn main(ids: ComputeIds) {
         let groups = (P.rows + {{NR}}u - 1u) / {{NR}}u;
         let k4 = P.k / 4u;
         let chunk = (k4 + groups - 1u) / groups;
-        let v0 = group_index(ids) * chunk;
+        let v0 = row_group * chunk;
 #for c in 0..NC
         let scale{{c}} = column_scale({{c}}u, n_sg);
 #endfor
         for (var v = v0 + ids.lid; v < min(v0 + chunk, k4); v += {{WG}}u) {
 #for c in 0..NC
-            XN[{{c}}u * k4 + v] = X[x_base + {{c}}u * x_col + v] * (NORM[v] * scale{{c}});
+            XN[(x_col0 + {{c}}u) * k4 + v] = X[x_base + {{c}}u * x_col + v] * (NORM[v] * scale{{c}});
 #endfor
         }
     }
@@ -866,7 +875,7 @@ fn main(ids: ComputeIds) {
             let ch = out_row0 + r;
             if ch < P.conv_rows {
                 // As shaders/conv.wgsl: the current input's tap first, then the history, oldest first.
-                let st = SLOTS[P.slots_offset + c] * P.state_stride + ch;
+                let st = SLOTS[P.slots_offset + x_col0 + c] * P.state_stride + ch;
                 let hist = P.taps - 1u;
                 var acc_conv = CONV_W[ch * P.taps + hist] * y;
                 for (var j = 0u; j < hist; j++) {

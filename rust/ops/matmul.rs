@@ -296,6 +296,10 @@ const SMALL_MATRIX_STEPS: u64 = 4 << 20;
 /// projection (0.5 M) or the router (0.13 M).
 const BIG_NORM_STEPS: u64 = 1 << 20;
 
+/// Columns one workgroup of a small dense mat-vec ([`MatvecShape::for_matrix`]) takes at most; a
+/// dispatch of more splits them into equal groups where they divide evenly.
+pub const DENSE_GROUP_COLS: u32 = 4;
+
 /// A mat-vec launch shape: rows per workgroup, invocations per workgroup (a power of two ≥ the
 /// subgroup size) and K steps per loop iteration of the word paths. [`MatvecShape::default_for`]
 /// is what every op uses; tuning runs (benches/kernels.rs) pass others to [`matvec_shaped`].
@@ -305,6 +309,10 @@ pub struct MatvecShape {
     pub wg: u32,
     pub unroll: u32,
     pub lookup: Iq4Lookup,
+    /// Dense products: the dispatch's columns split into this many equal groups, one group per
+    /// workgroup (1: every workgroup takes every column). A count that does not divide the columns
+    /// is taken as 1.
+    pub col_groups: u32,
 }
 
 /// Where the IQ4_XS decoder finds the 16 values its nibbles name: a table in workgroup memory
@@ -340,7 +348,22 @@ impl MatvecShape {
             wg,
             unroll,
             lookup: Iq4Lookup::Table,
+            col_groups: 1,
         }
+    }
+
+    /// The same shape with the columns split into `groups` groups.
+    pub const fn with_col_groups(self, groups: u32) -> Self {
+        MatvecShape {
+            col_groups: groups,
+            ..self
+        }
+    }
+
+    /// The column groups a dispatch of `ncols` columns really uses.
+    pub fn groups_for(self, ncols: u32) -> u32 {
+        let g = self.col_groups.max(1);
+        if ncols.is_multiple_of(g) { g } else { 1 }
     }
 
     /// The same shape with the IQ4_XS values found by `lookup`.
@@ -384,6 +407,15 @@ impl MatvecShape {
         if rows * steps > SMALL_MATRIX_STEPS {
             return MatvecShape::default_for(ty, ncols);
         }
+        // Columns beyond DENSE_GROUP_COLS go in equal groups (the weights, a few MB, are read
+        // once per group, from L2 after the first); rows per workgroup follow a group's columns.
+        let col_groups = ncols.div_ceil(DENSE_GROUP_COLS.max(1)).max(1);
+        let col_groups = if ncols.is_multiple_of(col_groups) {
+            col_groups
+        } else {
+            1
+        };
+        let ncols = ncols / col_groups;
         // Rows per workgroup. The large norm-fused projections (the q‖k‖v‖z, 12,288 × 2048
         // IQ4_XS, and attention's q‖k‖v) take 8: in the kernel bench's sweep with the clocks held
         // (H200, 2026-12-02, session 11) the q‖k‖v‖z at 8 rows × 64 took 16.6 µs for 1 column and
@@ -413,7 +445,7 @@ impl MatvecShape {
         // at 4 × 128 28.4 and 101.5 (H200, 2026-12-02).
         let per_invocation = if norm && per_step == 16 && k <= 2048 { 2 } else { 1 };
         let wg = ((steps / per_invocation).next_power_of_two() as u32).clamp(32, 256);
-        MatvecShape::new(rows_per_group, wg, 1)
+        MatvecShape::new(rows_per_group, wg, 1).with_col_groups(col_groups)
     }
 
     /// Within what the shader takes: 1–16 rows, a power-of-two workgroup of 8–1024, 1–4 steps.
@@ -423,6 +455,7 @@ impl MatvecShape {
             wg: self.wg.clamp(8, 1024).next_power_of_two(),
             unroll: self.unroll.clamp(1, 4),
             lookup: self.lookup,
+            col_groups: self.col_groups.clamp(1, MATVEC_MAX_COLS),
         }
     }
 }
@@ -447,6 +480,9 @@ fn matvec_pipeline(
         ("UNROLL", shape.unroll.to_string()),
         ("SG_MIN", gpu.caps.subgroup_min_size.max(1).to_string()),
     ];
+    if shape.col_groups > 1 && !moe {
+        defines.push(("CG", shape.col_groups.to_string()));
+    }
     if shape.lookup.effective(gpu, ty, shape.wg) == Iq4Lookup::Shuffle {
         defines.push(("KV_SHUFFLE", "1".into()));
     }
@@ -518,19 +554,21 @@ pub fn matvec(
     matvec_with(gpu, rec, w, x, y, ncols, &MatvecFusion::default(), None, None)
 }
 
-/// [`matvec_fused`] with a launch shape other than the default (tuning runs); None is the default.
+/// [`matvec_fused_with_f32_rows`] with a launch shape other than the default (tuning runs, tests);
+/// None is the default.
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_shaped(
     gpu: &Gpu,
     rec: &mut Recorder<'_>,
     w: &WeightTensor,
+    extra: Option<&WeightTensor>,
     x: Columns<'_>,
     y: Columns<'_>,
     ncols: u32,
     fusion: &MatvecFusion<'_>,
     shape: Option<MatvecShape>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, shape, None)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, shape, extra)
 }
 
 /// [`matvec`] with fused input and output stages (see [`MatvecFusion`]).
@@ -622,7 +660,9 @@ fn matvec_with(
                 vec![("EXTRA", "1".into()), ("B_W2", binding.to_string())]
             }
         };
-        let pipe = matvec_pipeline(gpu, w.ty, nc, false, shape, fusion, &extra_defines)?;
+        let col_groups = shape.groups_for(nc);
+        let shape = shape.with_col_groups(col_groups);
+        let pipe = matvec_pipeline(gpu, w.ty, nc / col_groups, false, shape, fusion, &extra_defines)?;
         for win in &w.windows {
             let mut p = MatvecParams {
                 k,
@@ -651,6 +691,9 @@ fn matvec_with(
                 bindings.push(ewin.buffer.all());
                 groups += extra_rows.div_ceil(shape.rows);
             }
+            let groups = groups
+                .checked_mul(col_groups)
+                .ok_or_else(|| QkError::Engine(format!("{}: too many workgroups", w.name)))?;
             rec.dispatch(&pipe, &bindings, bytemuck::bytes_of(&p), gpu.grid(groups))?;
         }
         done += nc;

@@ -784,3 +784,108 @@ fn routing_inside_the_expert_product_matches_the_router_then_the_product() {
         assert!(same_bits(&y_a, &y_b), "{shape:?}");
     }
 }
+
+#[test]
+fn column_groups_give_every_column_the_same_bytes() {
+    // A dispatch's columns split into groups (one group per workgroup) change who computes a column,
+    // not how: every output, conv state and stored normalised input keeps the bytes of the one-group
+    // dispatch. The decode step's fused stages: the norm with its input stored, the conv epilogue on
+    // each column's slot and F32 rows riding in extra workgroups (the q‖k‖v‖z), the per-head RMS
+    // with the residual added (the output projections), and a plain product of another word path.
+    use qk::ops::matmul::matvec_shaped;
+    let Some(gpu) = test_gpu(false) else { return };
+    let (m, k, extra, channels, taps) = (48usize, 256usize, 10usize, 40usize, 4usize);
+    let (heads, head_dim, parts) = (4u32, 64u32, 2u32);
+    let stride = (taps - 1) * channels;
+    let (iq4, _) = upload(gpu, GgmlType::IQ4XS, m, k, 1, 41);
+    let (q8, _) = upload(gpu, GgmlType::Q8_0, m, k, 1, 42);
+    let (ba, _) = upload(gpu, GgmlType::F32, extra, k, 1, 43);
+    let cwb = gpu
+        .buffer_from_f32("cw", &floats(channels * taps, 4, 1.0))
+        .unwrap();
+    let norm_w = gpu.buffer_from_f32("norm", &floats(k, 5, 1.0)).unwrap();
+    let max_cols = 8usize;
+    let slb = gpu.buffer_from_u32("slots", &[3, 0, 7, 1, 6, 2, 5, 4]).unwrap();
+    let state0 = floats(max_cols * stride, 6, 1.0);
+    let sums = gpu
+        .buffer_from_f32("sums", &floats(max_cols * (heads * parts) as usize, 7, 30.0))
+        .unwrap();
+    let x = gpu.buffer_from_f32("x", &floats(k * max_cols, 30, 4.0)).unwrap();
+    let res = gpu
+        .buffer_from_f32("res", &floats(m * max_cols, 31, 2.0))
+        .unwrap();
+    let width = m + extra;
+    // (y, conv states, stored input) of one product at `cols` columns in `groups` groups.
+    let run = |case: usize, cols: usize, groups: u32, rows: u32| {
+        let sb = gpu.buffer_from_f32("state", &state0).unwrap();
+        let xn = gpu.buffer_zeroed("xn", (k * cols * 4) as u64).unwrap();
+        let yb = gpu.buffer_zeroed("y", (width * cols * 4) as u64).unwrap();
+        let (w, with_extra, fusion) = match case {
+            0 => (
+                &iq4,
+                true,
+                MatvecFusion {
+                    input: MatvecInput::Rms {
+                        weight: &norm_w,
+                        eps: EPS,
+                        store: None,
+                    },
+                    output: conv_output(&cwb, &sb, &slb, channels, taps),
+                },
+            ),
+            1 => (
+                &iq4,
+                false,
+                MatvecFusion {
+                    input: MatvecInput::Rms {
+                        weight: &norm_w,
+                        eps: EPS,
+                        store: Some(&xn),
+                    },
+                    output: MatvecOutput::Store,
+                },
+            ),
+            2 => (
+                &iq4,
+                false,
+                MatvecFusion {
+                    input: MatvecInput::HeadRms {
+                        sums: &sums,
+                        heads,
+                        head_dim,
+                        parts,
+                        offset: 0,
+                        stride: heads * parts,
+                        eps: EPS,
+                    },
+                    output: MatvecOutput::AddTo { residual: &res },
+                },
+            ),
+            _ => (&q8, false, MatvecFusion::default()),
+        };
+        let width = if with_extra { width } else { m };
+        let shape = MatvecShape::new(rows, 64, 1).with_col_groups(groups);
+        let mut rec = gpu.recorder();
+        let (xc, yc) = (Columns::packed(&x, k as u32), Columns::packed(&yb, width as u32));
+        let extra = with_extra.then_some(&ba);
+        matvec_shaped(gpu, &mut rec, w, extra, xc, yc, cols as u32, &fusion, Some(shape)).unwrap();
+        rec.submit().unwrap();
+        (
+            read(gpu, &yb, width * cols),
+            read(gpu, &sb, max_cols * stride),
+            read(gpu, &xn, k * cols),
+        )
+    };
+    for case in 0..4 {
+        for (cols, groups) in [(8usize, 2u32), (8, 4), (8, 8), (6, 2), (6, 3), (5, 2)] {
+            for rows in [4u32, 8] {
+                let one = run(case, cols, 1, rows);
+                let split = run(case, cols, groups, rows);
+                let what = format!("case {case}, {cols} columns in {groups} groups, {rows} rows");
+                assert!(same_bits(&one.0, &split.0), "{what}: outputs differ");
+                assert!(same_bits(&one.1, &split.1), "{what}: conv states differ");
+                assert!(same_bits(&one.2, &split.2), "{what}: stored inputs differ");
+            }
+        }
+    }
+}

@@ -993,6 +993,9 @@ fn decode_projection_shapes_follow_their_measured_rule() {
         stride: 512,
         eps: 1e-6,
     };
+    // Past DENSE_GROUP_COLS (4) the columns split into equal groups and the rows follow a group's
+    // columns; these are the groups at 1, 2, 4, 5 (which 2 does not divide) and 8 columns.
+    let groups = [1, 1, 1, 1, 2];
     let cases = [
         ("q‖k‖v‖z", GgmlType::IQ4XS, 12_288, 2048, rms, [8, 8, 8, 8, 8]),
         (
@@ -1010,7 +1013,7 @@ fn decode_projection_shapes_follow_their_measured_rule() {
             2048,
             4096,
             head_rms,
-            [4, 4, 4, 8, 8],
+            [4, 4, 4, 8, 4],
         ),
         (
             "attention output",
@@ -1018,13 +1021,17 @@ fn decode_projection_shapes_follow_their_measured_rule() {
             2048,
             4096,
             MatvecInput::Plain,
-            [1, 2, 4, 8, 8],
+            [1, 2, 4, 8, 4],
         ),
     ];
     for (name, ty, rows, k, input, want) in cases {
-        for (ncols, want) in [1, 2, 4, 5, 8].into_iter().zip(want) {
+        for ((ncols, want), groups) in [1, 2, 4, 5, 8].into_iter().zip(want).zip(groups) {
             let shape = MatvecShape::for_matrix(ty, rows, k, ncols, &input);
-            assert_eq!(shape.rows, want, "{name} at {ncols} columns");
+            assert_eq!(
+                (shape.rows, shape.col_groups),
+                (want, groups),
+                "{name} at {ncols} columns"
+            );
             // The width, which fixes how a row's K is split, never follows the columns.
             assert_eq!(
                 shape.wg,
@@ -1033,4 +1040,7 @@ fn decode_projection_shapes_follow_their_measured_rule() {
             );
         }
     }
+    // The big matrices keep the tuned default shapes, ungrouped.
+    let lm_head = MatvecShape::for_matrix(GgmlType::IQ4XS, 151_936, 2048, 8, &rms);
+    assert_eq!(lm_head.col_groups, 1);
 }
