@@ -1,12 +1,12 @@
 # The kernel micro-benchmark's sets (benches/kernels.rs): the environment each one runs under, for
 # benches/h200_engine.sh's foreground `kernels` mode and its background run alike. A name the list
 # does not know is an error, not the whole benchmark.
-KERNEL_SETS="all decode engine prefill moe deltanet attention attention_decode moe_cold gdn_step matvec host"
+KERNEL_SETS="all decode engine projections prefill moe deltanet attention attention_decode moe_cold gdn_step matvec host"
 
 kernel_set_clear() {
   unset QK_BENCH_ONLY_DECODE QK_BENCH_ONLY_PREFILL QK_BENCH_NO_ATTENTION QK_BENCH_ONLY_ATTENTION \
     QK_BENCH_ONLY_ATTENTION_DECODE QK_BENCH_ONLY_MOE QK_BENCH_ONLY_MOE_COLD QK_BENCH_ONLY_DELTANET \
-    QK_BENCH_ONLY_ENGINE_PROJECTIONS QK_BENCH_ONLY_GDN_STEP QK_BENCH_ONLY_MATVEC QK_BENCH_ONLY_HOST
+    QK_BENCH_ONLY_ENGINE_PROJECTIONS QK_BENCH_ONLY_NORM_PROJECTIONS QK_BENCH_ONLY_GDN_STEP QK_BENCH_ONLY_MATVEC QK_BENCH_ONLY_HOST
 }
 
 # kernel_set_env SET: export SET's variables (after clearing every set's).
@@ -16,6 +16,7 @@ kernel_set_env() {
     all) ;;
     decode) export QK_BENCH_ONLY_DECODE=1 ;;
     engine) export QK_BENCH_ONLY_ENGINE_PROJECTIONS=1 QK_BENCH_NO_ATTENTION=1 ;;
+    projections) export QK_BENCH_ONLY_NORM_PROJECTIONS=1 QK_BENCH_NO_ATTENTION=1 ;;
     prefill) export QK_BENCH_ONLY_PREFILL=1 QK_BENCH_NO_ATTENTION=1 ;;
     moe) export QK_BENCH_ONLY_MOE=1 QK_BENCH_NO_ATTENTION=1 ;;
     deltanet) export QK_BENCH_ONLY_DELTANET=1 QK_BENCH_NO_ATTENTION=1 ;;

@@ -15,6 +15,8 @@
 //! them (with QK_BENCH_NO_ATTENTION=1), QK_BENCH_ONLY_ATTENTION_DECODE=1 only decode attention per
 //! kernel and per walk of the keys, QK_BENCH_ONLY_MOE_COLD=1 only the decode MoE layer with its
 //! experts' weights cold and warm, QK_BENCH_ONLY_GDN_STEP=1 only the gated DeltaNet decode step,
+//! QK_BENCH_ONLY_NORM_PROJECTIONS=1 only the decode step's dense products per launch shape and
+//! column groups (with QK_BENCH_NO_ATTENTION=1),
 //! QK_BENCH_ONLY_MATVEC=1 only the large mat-vecs per type (no mat-mat), QK_BENCH_ONLY_HOST=1 only
 //! the host's share of a decode-sized submit per count of buffers it references.
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
@@ -40,8 +42,8 @@ use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, Iq4Lookup, MatmulKernel, MatvecFusion,
     MatvecInput, MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator,
     expert_call_shape, expert_shape, group_experts, k_splits, matmul_id, matmul_kernel, matmul_split,
-    matmul_with, matvec, matvec_fused, matvec_fused_with_f32_rows, matvec_id, matvec_id_routed,
-    matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes,
+    matmul_with, matvec, matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped,
+    route_lanes,
 };
 
 struct Rng(u64);
@@ -107,7 +109,7 @@ fn matvec_shape_from_env(ty: GgmlType, ncols: u32) -> Option<MatvecShape> {
         rows: nr.unwrap_or(d.rows),
         wg: wg.unwrap_or(d.wg),
         unroll: unroll.unwrap_or(d.unroll),
-        lookup: d.lookup,
+        ..d
     })
 }
 
@@ -238,6 +240,10 @@ fn main() {
         engine_projections_decode(&gpu, &mut rng);
         return;
     }
+    if flag("QK_BENCH_ONLY_NORM_PROJECTIONS") {
+        norm_projection_decode(&gpu, &mut rng);
+        return;
+    }
     if !flag("QK_BENCH_ONLY_PREFILL") {
         dispatch_floor(&gpu);
         host_step_cost(&gpu);
@@ -306,6 +312,7 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
                     gpu,
                     rec,
                     &w,
+                    None,
                     Columns::packed(&x, k as u32),
                     Columns::packed(&y, m as u32),
                     cols,
@@ -599,12 +606,18 @@ fn random_picks(rng: &mut Rng, tokens: u32, k: u32, experts: u32, last: Option<u
 /// column count (a row's sum depends on the width alone), so the question per width is the best
 /// shape at each count.
 fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
-    // (rows, width, steps per iteration) per workgroup.
-    let shapes = |list: &[(u32, u32, u32)]| -> Vec<Option<MatvecShape>> {
-        list.iter()
-            .map(|&(rows, wg, unroll)| Some(MatvecShape::new(rows, wg, unroll)))
-            .collect()
-    };
+    // (rows, width, steps per iteration) per workgroup, and the same with the columns in 2 and in 4
+    // groups (at 8 columns, 4 and 2 per workgroup).
+    let shapes =
+        |list: &[(u32, u32, u32)]| -> Vec<Option<MatvecShape>> {
+            let mut all = Vec::new();
+            for groups in [1, 2, 4] {
+                all.extend(list.iter().map(|&(rows, wg, unroll)| {
+                    Some(MatvecShape::new(rows, wg, unroll).with_col_groups(groups))
+                }));
+            }
+            all
+        };
     #[rustfmt::skip]
     let qkvz = shapes(&[(2, 64, 1), (4, 64, 1), (4, 64, 2), (8, 64, 1), (8, 64, 2), (2, 128, 1), (4, 128, 1), (8, 128, 1), (8, 32, 2)]);
     #[rustfmt::skip]
@@ -738,17 +751,24 @@ fn projection_shapes(
                 MatvecOutput::Store
             },
         };
-        let cases: Vec<&Option<MatvecShape>> = std::iter::once(&None).chain(shapes).collect();
+        // Column groups that do not divide this count would repeat the ungrouped shape.
+        let cases: Vec<&Option<MatvecShape>> = std::iter::once(&None)
+            .chain(
+                shapes
+                    .iter()
+                    .filter(|s| s.is_none_or(|s| s.groups_for(cols) == s.col_groups)),
+            )
+            .collect();
         let best = best_of_two_passes(gpu, cases.len(), 0.0, 0.25, |i| {
             time_submit(gpu, iters, |rec| {
                 let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
-                matvec_shaped(gpu, rec, &w, xc, yc, cols, &fusion, *cases[i]).expect("matvec");
+                matvec_shaped(gpu, rec, &w, None, xc, yc, cols, &fusion, *cases[i]).expect("matvec");
             })
         });
         for (s, t) in cases.into_iter().zip(best) {
             let name = match s {
                 None => "default".to_string(),
-                Some(s) => format!("{}x{}u{}", s.rows, s.wg, s.unroll),
+                Some(s) => shape_name(*s),
             };
             println!(
                 "{label} decode {cols} column(s) ({rows}x{k} {}) {name:<10} {:>8.1} µs  {:>7.1} GB/s",
@@ -863,37 +883,78 @@ fn engine_projections_decode(gpu: &Gpu, rng: &mut Rng) {
         },
         output: MatvecOutput::AddTo { residual: &residual },
     };
-    // (the q‖k‖v‖z rather than the output projection, cold): warm reads copy 0 every iteration.
-    let cases = [(true, false), (true, true), (false, false), (false, true)];
+    // (the q‖k‖v‖z rather than the output projection, cold, column groups, each group in the
+    // default shape of its columns): warm reads copy 0 every iteration; at 8 columns each also
+    // cold in 2 and 4 groups.
+    let all_cases = [
+        (true, false, 1),
+        (true, true, 1),
+        (false, false, 1),
+        (false, true, 1),
+        (true, true, 2),
+        (false, true, 2),
+        (true, true, 4),
+        (false, true, 4),
+    ];
+    let qkvz_input = qkvz_fusion.input;
     for cols in [1u32, 8] {
         hold_clocks(gpu);
+        let cases: Vec<_> = all_cases
+            .iter()
+            .filter(|c| c.2 == 1 || cols % c.2 == 0 && cols > 1)
+            .collect();
         let best = best_of_two_passes(gpu, cases.len(), 0.0, 0.25, |i| {
-            let (is_qkvz, cold) = cases[i];
+            let (is_qkvz, cold, groups) = *cases[i];
             let copies = if is_qkvz { qkvz.len() } else { out.len() };
+            let (w0, input) = if is_qkvz {
+                (&qkvz[0], qkvz_input)
+            } else {
+                (&out[0], out_fusion.input)
+            };
+            // Every case names its groups (the default's may be any).
+            let shape = Some(
+                MatvecShape::for_matrix(w0.ty, w0.rows, w0.cols, cols / groups, &input)
+                    .with_col_groups(groups),
+            );
             let mut at = 0;
             time_submit(gpu, iters, |rec| {
                 let c = if cold { at % copies } else { 0 };
                 at += 1;
                 if is_qkvz {
                     let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, proj_width));
-                    matvec_fused_with_f32_rows(gpu, rec, &qkvz[c], Some(&ba[c]), xc, yc, cols, &qkvz_fusion)
-                        .expect("q‖k‖v‖z");
+                    matvec_shaped(
+                        gpu,
+                        rec,
+                        &qkvz[c],
+                        Some(&ba[c]),
+                        xc,
+                        yc,
+                        cols,
+                        &qkvz_fusion,
+                        shape,
+                    )
+                    .expect("q‖k‖v‖z");
                 } else {
                     let (xc, yc) = (Columns::packed(&x, dk), Columns::packed(&hidden, out_rows));
-                    matvec_fused(gpu, rec, &out[c], xc, yc, cols, &out_fusion).expect("out");
+                    matvec_shaped(gpu, rec, &out[c], None, xc, yc, cols, &out_fusion, shape).expect("out");
                 }
             })
         });
-        for (&(is_qkvz, cold), t) in cases.iter().zip(best) {
+        for (&&(is_qkvz, cold, groups), t) in cases.iter().zip(best) {
             let (what, bytes, copies) = if is_qkvz {
                 ("q‖k‖v‖z+conv+beta/alpha", qkvz_bytes, qkvz.len())
             } else {
                 ("head_rms(16 parts)+out+add", out_bytes, out.len())
             };
             let (temp, copies) = if cold { ("cold", copies) } else { ("warm", 1) };
+            let grouped = if groups > 1 {
+                format!(" {groups} groups")
+            } else {
+                String::new()
+            };
             println!(
-                "engine decode {cols} column(s) {:<34} {:>8.1} µs  {:>7.1} GB/s  ({copies} weight copies)",
-                format!("{what} {temp}"),
+                "engine decode {cols} column(s) {:<44} {:>8.1} µs  {:>7.1} GB/s  ({copies} weight copies)",
+                format!("{what} {temp}{grouped}"),
                 t * 1e6,
                 bytes as f64 / t / 1e9
             );
@@ -1608,7 +1669,12 @@ fn shape_name(s: MatvecShape) -> String {
     } else {
         ""
     };
-    format!("{}x{}u{}{lookup}", s.rows, s.wg, s.unroll)
+    let groups = if s.col_groups > 1 {
+        format!("/{}cg", s.col_groups)
+    } else {
+        String::new()
+    };
+    format!("{}x{}u{}{lookup}{groups}", s.rows, s.wg, s.unroll)
 }
 
 /// A swept shape's name (None: the default), followed by "(default)" where it is the default.

@@ -297,7 +297,8 @@ const SMALL_MATRIX_STEPS: u64 = 4 << 20;
 const BIG_NORM_STEPS: u64 = 1 << 20;
 
 /// Columns one workgroup of a small dense mat-vec ([`MatvecShape::for_matrix`]) takes at most; a
-/// dispatch of more splits them into equal groups where they divide evenly.
+/// dispatch of more splits them into equal groups where they divide evenly. H200, 48 layers, 8
+/// slots chained (2026-12-04): 739 tok/s at 4, 722 at 2, 678 at 8 (no groups).
 pub const DENSE_GROUP_COLS: u32 = 4;
 
 /// A mat-vec launch shape: rows per workgroup, invocations per workgroup (a power of two ≥ the
