@@ -619,7 +619,7 @@ fn norm_projection_decode(gpu: &Gpu, rng: &mut Rng) {
             all
         };
     #[rustfmt::skip]
-    let qkvz = shapes(&[(2, 64, 1), (4, 64, 1), (4, 64, 2), (8, 64, 1), (8, 64, 2), (2, 128, 1), (4, 128, 1), (8, 128, 1), (8, 32, 2)]);
+    let qkvz = shapes(&[(4, 64, 1), (4, 64, 2), (8, 64, 1), (8, 64, 2), (8, 128, 1), (8, 32, 2), (16, 64, 1), (16, 32, 1), (16, 32, 2), (16, 128, 1)]);
     #[rustfmt::skip]
     let router = shapes(&[(1, 64, 1), (1, 128, 1), (1, 256, 1), (2, 64, 1), (2, 128, 1), (2, 256, 1), (4, 64, 1), (4, 128, 1), (8, 32, 1), (8, 64, 1)]);
     // The GDN output projection's width is fixed by its K (256 at K = 4096); rows per workgroup
