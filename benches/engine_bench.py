@@ -258,6 +258,12 @@ def main() -> None:
         default=None,
         help="COLS,UNROLL,MIN_SPLIT[,LANES]: how decode attention walks a row's keys (default: the engine's)",
     )
+    ap.add_argument(
+        "--dense-group-cols",
+        type=int,
+        default=None,
+        help="columns per workgroup of the decode step's dense mat-vecs, 1-8 (default: the engine's)",
+    )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -270,6 +276,8 @@ def main() -> None:
     options = {} if a.route_inside_max_rows is None else {"route_inside_max_rows": a.route_inside_max_rows}
     if a.attention_walk is not None:
         options["attention_walk"] = tuple(int(v) for v in a.attention_walk.split(","))
+    if a.dense_group_cols is not None:
+        options["dense_group_cols"] = a.dense_group_cols
     eng = qk.Engine(
         a.model,
         slots=a.slots,
@@ -350,6 +358,7 @@ def main() -> None:
         "precise": a.precise,
         "route_inside_max_rows": a.route_inside_max_rows,
         "attention_walk": a.attention_walk,
+        "dense_group_cols": a.dense_group_cols,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,
         "prefill_tok_s": round(a.prompt / prefill_s, 1),

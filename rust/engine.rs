@@ -22,7 +22,7 @@ use crate::model::{LayerKind, ModelConfig};
 use crate::ops::attention::{DecodeTuning, KvType};
 use crate::ops::deltanet::CHUNK;
 use crate::ops::embed::Ids;
-use crate::ops::matmul::{ColumnClass, Precision, column_class};
+use crate::ops::matmul::{ColumnClass, DENSE_GROUP_COLS, MATVEC_MAX_COLS, Precision, column_class};
 use crate::ops::rope::freq_table;
 use crate::ops::topk::{IdLogit, MAX_K};
 
@@ -303,6 +303,11 @@ pub struct EngineOptions {
     /// compare in one process; it changes the last bits of attention (the split plan and so the
     /// merge), never a row's independence from the batch.
     pub attention_walk: Option<DecodeTuning>,
+    /// Columns one workgroup of the decode step's dense mat-vecs (the projections, the router)
+    /// takes at most, 1–8; a step of more slots splits them into equal groups where they divide
+    /// evenly. None: [`DENSE_GROUP_COLS`]. A speed choice a bench can compare in one process:
+    /// every column's bytes are the same for any value.
+    pub dense_group_cols: Option<u32>,
 }
 
 impl EngineOptions {
@@ -414,6 +419,13 @@ impl Engine {
         crate::ensure!(opts.ctx >= 1, QkError::Engine("ctx must be at least 1".into()));
         let attention_walk = opts.attention_walk.unwrap_or(DecodeTuning::DEFAULT);
         attention_walk.check()?;
+        let dense_group_cols = opts.dense_group_cols.unwrap_or(DENSE_GROUP_COLS);
+        crate::ensure!(
+            (1..=MATVEC_MAX_COLS).contains(&dense_group_cols),
+            QkError::Engine(format!(
+                "dense_group_cols must be 1 to {MATVEC_MAX_COLS}, not {dense_group_cols}"
+            ))
+        );
         if let Some(rows) = opts.prefill_rows {
             crate::ensure!(
                 rows >= CHUNK && rows.is_multiple_of(CHUNK),
@@ -482,6 +494,7 @@ impl Engine {
                 },
                 route_inside_max_rows: opts.route_inside_max_rows.unwrap_or(1),
                 attention_walk,
+                dense_group_cols,
             },
             kv_types: (k_type, v_type),
             layers,

@@ -6,6 +6,7 @@ pipeline once per process, which dominates the run time."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -344,6 +345,50 @@ def test_attention_walk_is_a_speed_choice():
     for bad in [(0, 4, 16), (4, 4, 32, 64), (4, 4)]:
         with pytest.raises(qk.EngineError, match="attention walk"):
             qk.Engine(path, slots=1, ctx=512, attention_walk=bad)
+
+
+def test_dense_group_cols_is_a_speed_choice():
+    """dense_group_cols splits an eight-slot step's dense mat-vecs into column groups (default 4: two
+    groups of four) or not (8): every slot's ids and top-k logits are the same bits at 2, 4 and 8,
+    each column's sums being the same in any group. Values outside 1-8 are refused at load."""
+    qk = _qk()
+    name = QUANT[0]
+    path = str(FIXTURES / f"{name}.gguf")
+    grouped = engine(name, slots=8)  # the default
+    others = [qk.Engine(path, slots=8, ctx=512, precise=True, dense_group_cols=g) for g in (8, 2)]
+    toks = prompt(name)
+    prompts = [toks[5 * s : 5 * s + 16 + s] for s in range(8)]
+    slots = [3, 0, 7, 1, 6, 2, 5, 4]
+    runs = []
+    for eng in [grouped, *others]:
+        ids = [eng.stage_run(s, prompts[s], 0)[0][-1] for s in slots]
+        steps = []
+        for _ in range(3):
+            outs = eng.step(slots, ids, topk=4)
+            steps.append(outs)
+            ids = [o[0][0] for o in outs]
+        runs.append(steps)
+    assert runs[1] == runs[0]
+    assert runs[2] == runs[0]
+    # The option reaches the kernels: the same dispatches, more workgroups for the dense products
+    # in groups of 4 than in one group of 8 (the MoE products, never grouped, keep theirs).
+    ids = [o[0][0] for o in runs[0][-1]]
+    profiles = [eng.profile_step(slots, ids, topk=4) for eng in (grouped, others[0])]
+    assert profiles[0]["outputs"] == profiles[1]["outputs"]
+    ops = [[(d["op"], d["kernel"]) for d in p["dispatches"]] for p in profiles]
+    assert [o for o, _ in ops[0]] == [o for o, _ in ops[1]]
+
+    def workgroups(prof, kinds):
+        return sum(math.prod(d["groups"]) for d in prof["dispatches"] if d["op"].startswith(kinds))
+
+    dense = ("dn.qkv", "attn.qkv", "moe.router_mv", "dn.out", "attn.out")
+    assert workgroups(profiles[0], dense) > workgroups(profiles[1], dense)
+    assert workgroups(profiles[0], ("moe.gate_up", "moe.down")) == workgroups(
+        profiles[1], ("moe.gate_up", "moe.down")
+    )
+    for bad in (0, 9):
+        with pytest.raises(qk.EngineError, match="dense_group_cols"):
+            qk.Engine(path, slots=1, ctx=512, dense_group_cols=bad)
 
 
 def test_routing_inside_or_by_the_router_kernel_gives_the_same_bytes():

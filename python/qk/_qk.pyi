@@ -114,6 +114,7 @@ class Engine:
         prefill_rows: int | None = None,
         route_inside_max_rows: int | None = None,
         attention_walk: tuple[int, int, int] | tuple[int, int, int, int] | None = None,
+        dense_group_cols: int | None = None,
     ) -> Engine: ...
     def generate(self, tokens: Sequence[int], max_new: int, slot: int = 0) -> list[int]: ...
     def stage_run(

@@ -18,13 +18,12 @@ use super::weights::{
     LayerWeights, Mixer, MoeWeights, Stacked,
 };
 use crate::error::{QkError, Result};
-use crate::gpu::{Gpu, GpuBuffer, Recorder};
+use crate::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::gdn_step::{self, GdnStepArgs, GdnStepParams};
 use crate::ops::matmul::{
-    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecOutput, MoeInput, MoeRoute, matvec, matvec_fused,
-    matvec_fused_with_f32_rows, matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, route_lanes,
-    takes_f32_rows,
+    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecLaunch, MatvecOutput, MoeInput, MoeRoute, matvec_id,
+    matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes, takes_f32_rows,
 };
 use crate::ops::router::{self, RouterParams, SharedSlot};
 
@@ -81,6 +80,26 @@ impl Model {
         mixer_ok && router_ok && matches!(lw.moe.gate_up, ExpertGateUp::Fused(_))
     }
 
+    /// One of the step's dense mat-vecs (`extra`: F32 rows riding in its dispatch, as
+    /// [`matvec_shaped`]), its columns grouped as the engine was told (`dense_group_cols`).
+    #[allow(clippy::too_many_arguments)]
+    fn dense(
+        &self,
+        gpu: &Gpu,
+        rec: &mut Recorder<'_>,
+        w: &WeightTensor,
+        extra: Option<&WeightTensor>,
+        x: Columns<'_>,
+        y: Columns<'_>,
+        t: u32,
+        fusion: &MatvecFusion<'_>,
+    ) -> Result<()> {
+        let launch = MatvecLaunch::ForMatrix {
+            group_cols: self.dense_group_cols,
+        };
+        matvec_shaped(gpu, rec, w, extra, x, y, t, fusion, launch)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn record_decode_layer(
         &self,
@@ -127,10 +146,11 @@ impl Model {
             input: out_input,
             output: MatvecOutput::AddTo { residual: x },
         };
-        matvec_fused(
+        self.dense(
             gpu,
             rec,
             out_w,
+            None,
             Columns::packed(out_x, out_k),
             Columns::packed(x_next, e),
             t,
@@ -196,14 +216,14 @@ impl Model {
             Some(both) => {
                 rec.op("dn.qkvz", layer, dense_bytes(both) + ba_bytes);
                 let y = cols(&s.dn_proj, 0, pw);
-                matvec_fused_with_f32_rows(gpu, rec, both, ba_rides, xc, y, t, &conv_fusion)?;
+                self.dense(gpu, rec, both, ba_rides, xc, y, t, &conv_fusion)?;
             }
             None => {
                 rec.op("dn.qkv", layer, dense_bytes(qkv));
-                matvec_fused(gpu, rec, qkv, xc, cols(&s.dn_proj, 0, pw), t, &conv_fusion)?;
+                self.dense(gpu, rec, qkv, None, xc, cols(&s.dn_proj, 0, pw), t, &conv_fusion)?;
                 rec.op("dn.gate", layer, dense_bytes(gate) + ba_bytes);
                 let y = cols(&s.dn_proj, cd, pw);
-                matvec_fused_with_f32_rows(gpu, rec, gate, ba_rides, xc, y, t, &plain_norm)?;
+                self.dense(gpu, rec, gate, ba_rides, xc, y, t, &plain_norm)?;
             }
         }
         let ba_at = cd + vd;
@@ -211,15 +231,34 @@ impl Model {
             BetaAlpha::Grouped(_) if ba_rides.is_some() => {}
             BetaAlpha::Grouped(ba) => {
                 rec.op("dn.ba", layer, dense_bytes(ba));
-                matvec_fused(gpu, rec, ba, xc, cols(&s.dn_proj, ba_at, pw), t, &plain_norm)?;
+                self.dense(
+                    gpu,
+                    rec,
+                    ba,
+                    None,
+                    xc,
+                    cols(&s.dn_proj, ba_at, pw),
+                    t,
+                    &plain_norm,
+                )?;
             }
             BetaAlpha::Split { beta, alpha } => {
                 rec.op("dn.ba", layer, dense_bytes(beta) + dense_bytes(alpha));
-                matvec_fused(gpu, rec, beta, xc, cols(&s.dn_proj, ba_at, pw), t, &plain_norm)?;
-                matvec_fused(
+                self.dense(
+                    gpu,
+                    rec,
+                    beta,
+                    None,
+                    xc,
+                    cols(&s.dn_proj, ba_at, pw),
+                    t,
+                    &plain_norm,
+                )?;
+                self.dense(
                     gpu,
                     rec,
                     alpha,
+                    None,
                     xc,
                     cols(&s.dn_proj, ba_at + nv, pw),
                     t,
@@ -321,13 +360,13 @@ impl Model {
                     layer,
                     dense_bytes(q) + dense_bytes(k) + dense_bytes(v),
                 );
-                matvec_fused(gpu, rec, q, xc, cols(&s.aproj, 0, aw), t, &fusion)?;
-                matvec_fused(gpu, rec, k, xc, cols(&s.aproj, qw, aw), t, &fusion)?;
-                matvec_fused(gpu, rec, v, xc, cols(&s.aproj, qw + kvw, aw), t, &fusion)?;
+                self.dense(gpu, rec, q, None, xc, cols(&s.aproj, 0, aw), t, &fusion)?;
+                self.dense(gpu, rec, k, None, xc, cols(&s.aproj, qw, aw), t, &fusion)?;
+                self.dense(gpu, rec, v, None, xc, cols(&s.aproj, qw + kvw, aw), t, &fusion)?;
             }
             AttnProjection::Fused(qkv) => {
                 rec.op("attn.qkv", layer, dense_bytes(qkv));
-                matvec_fused(gpu, rec, qkv, xc, cols(&s.aproj, 0, aw), t, &fusion)?;
+                self.dense(gpu, rec, qkv, None, xc, cols(&s.aproj, 0, aw), t, &fusion)?;
             }
         }
         self.record_attention_core(gpu, rec, s, w, states, Batch::Decode { positions }, layer)
@@ -369,10 +408,11 @@ impl Model {
         let (stride, gate_buf, gate_offset, gate_stride) = match &w.router {
             Stacked::One(r) => {
                 let stride = ne + 1;
-                matvec_fused(
+                self.dense(
                     gpu,
                     rec,
                     r,
+                    None,
                     xc,
                     Columns::packed(&s.router_logits, stride),
                     t,
@@ -384,10 +424,11 @@ impl Model {
                 let [r, gate_inp] = parts.as_slice() else {
                     return Err(QkError::Engine("router: expected router and shared gate".into()));
                 };
-                matvec_fused(
+                self.dense(
                     gpu,
                     rec,
                     r,
+                    None,
                     xc,
                     Columns::packed(&s.router_logits, ne),
                     t,
@@ -401,7 +442,16 @@ impl Model {
                     },
                     output: MatvecOutput::Store,
                 };
-                matvec_fused(gpu, rec, gate_inp, xc, Columns::packed(&s.sh_gate, 1), t, &normed)?;
+                self.dense(
+                    gpu,
+                    rec,
+                    gate_inp,
+                    None,
+                    xc,
+                    Columns::packed(&s.sh_gate, 1),
+                    t,
+                    &normed,
+                )?;
                 (ne, &s.sh_gate, 0, 1)
             }
         };
@@ -496,13 +546,34 @@ impl Model {
         let sff = cfg.shared_ff;
         rec.op("shexp.gate_up", layer, w.shared_gate_up.bytes());
         match &w.shared_gate_up {
-            Stacked::One(gu) => matvec(gpu, rec, gu, xn, Columns::packed(&s.sh_gate_up, 2 * sff), t)?,
+            Stacked::One(gu) => {
+                let y = Columns::packed(&s.sh_gate_up, 2 * sff);
+                self.dense(gpu, rec, gu, None, xn, y, t, &MatvecFusion::default())?;
+            }
             Stacked::Parts(parts) => {
                 let [gate, up] = parts.as_slice() else {
                     return Err(QkError::Engine("shared expert: expected gate and up".into()));
                 };
-                matvec(gpu, rec, gate, xn, cols(&s.sh_gate_up, 0, 2 * sff), t)?;
-                matvec(gpu, rec, up, xn, cols(&s.sh_gate_up, sff, 2 * sff), t)?;
+                self.dense(
+                    gpu,
+                    rec,
+                    gate,
+                    None,
+                    xn,
+                    cols(&s.sh_gate_up, 0, 2 * sff),
+                    t,
+                    &MatvecFusion::default(),
+                )?;
+                self.dense(
+                    gpu,
+                    rec,
+                    up,
+                    None,
+                    xn,
+                    cols(&s.sh_gate_up, sff, 2 * sff),
+                    t,
+                    &MatvecFusion::default(),
+                )?;
             }
         }
         rec.op("shexp.down", layer, dense_bytes(&w.shared_down));
@@ -511,10 +582,11 @@ impl Model {
             output: MatvecOutput::Store,
         };
         let sh_gu = Columns::packed(&s.sh_gate_up, 2 * sff);
-        matvec_fused(
+        self.dense(
             gpu,
             rec,
             &w.shared_down,
+            None,
             sh_gu,
             Columns::packed(&s.sh_down, e),
             t,

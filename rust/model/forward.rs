@@ -454,6 +454,9 @@ pub struct Model {
     pub route_inside_max_rows: u32,
     /// How decode attention walks the keys (`EngineOptions::attention_walk`).
     pub attention_walk: attention::DecodeTuning,
+    /// Columns per workgroup of the decode step's dense mat-vecs at most
+    /// (`EngineOptions::dense_group_cols`).
+    pub dense_group_cols: u32,
 }
 
 /// Bytes of a dense weight matrix (what one mat-vec reads).

@@ -297,9 +297,33 @@ const SMALL_MATRIX_STEPS: u64 = 4 << 20;
 const BIG_NORM_STEPS: u64 = 1 << 20;
 
 /// Columns one workgroup of a small dense mat-vec ([`MatvecShape::for_matrix`]) takes at most; a
-/// dispatch of more splits them into equal groups where they divide evenly. H200, 48 layers, 8
-/// slots chained (2026-12-04): 739 tok/s at 4, 722 at 2, 678 at 8 (no groups).
+/// dispatch of more splits them into equal groups where they divide evenly. The default of the
+/// engine's `dense_group_cols`; H200, 48 layers, 8 slots chained (2026-12-04): 739 tok/s at 4, 722
+/// at 2, 678 at 8 (no groups).
 pub const DENSE_GROUP_COLS: u32 = 4;
+
+/// How a dense mat-vec's launch shape is chosen ([`matvec_shaped`]).
+#[derive(Clone, Copy, Debug)]
+pub enum MatvecLaunch {
+    /// [`MatvecShape::for_matrix_grouped`] with at most this many columns per workgroup, for each
+    /// chunk of up to [`MATVEC_MAX_COLS`] columns (the engine's `dense_group_cols`).
+    ForMatrix { group_cols: u32 },
+    /// This shape for every chunk (tuning runs, tests).
+    Shape(MatvecShape),
+}
+
+impl MatvecLaunch {
+    pub const DEFAULT: MatvecLaunch = MatvecLaunch::ForMatrix {
+        group_cols: DENSE_GROUP_COLS,
+    };
+}
+
+/// None: the default.
+impl From<Option<MatvecShape>> for MatvecLaunch {
+    fn from(shape: Option<MatvecShape>) -> MatvecLaunch {
+        shape.map_or(MatvecLaunch::DEFAULT, MatvecLaunch::Shape)
+    }
+}
 
 /// A mat-vec launch shape: rows per workgroup, invocations per workgroup (a power of two ≥ the
 /// subgroup size) and K steps per loop iteration of the word paths. [`MatvecShape::default_for`]
@@ -397,6 +421,19 @@ impl MatvecShape {
     /// 1 row per workgroup made dn.qkv slower). The workgroup width, which fixes how K is split and so
     /// each row's sum, depends on K alone: a row's result is the same in any batch.
     pub fn for_matrix(ty: GgmlType, rows: u64, k: u64, ncols: u32, input: &MatvecInput<'_>) -> Self {
+        MatvecShape::for_matrix_grouped(ty, rows, k, ncols, input, DENSE_GROUP_COLS)
+    }
+
+    /// [`MatvecShape::for_matrix`] with at most `group_cols` columns per workgroup (1–8; 8 never
+    /// groups a dispatch's columns).
+    pub fn for_matrix_grouped(
+        ty: GgmlType,
+        rows: u64,
+        k: u64,
+        ncols: u32,
+        input: &MatvecInput<'_>,
+        group_cols: u32,
+    ) -> Self {
         let norm = matches!(input, MatvecInput::Rms { .. } | MatvecInput::HeadRms { .. });
         // Weights one invocation takes per step on the word paths (16: IQ4_XS, Q4_K, Q6_K pairs of
         // words), 8 elsewhere.
@@ -408,9 +445,9 @@ impl MatvecShape {
         if rows * steps > SMALL_MATRIX_STEPS {
             return MatvecShape::default_for(ty, ncols);
         }
-        // Columns beyond DENSE_GROUP_COLS go in equal groups (the weights, a few MB, are read
-        // once per group, from L2 after the first); rows per workgroup follow a group's columns.
-        let col_groups = ncols.div_ceil(DENSE_GROUP_COLS.max(1)).max(1);
+        // Columns beyond `group_cols` go in equal groups (the weights, a few MB, are read once per
+        // group, from L2 after the first); rows per workgroup follow a group's columns.
+        let col_groups = ncols.div_ceil(group_cols.max(1)).max(1);
         let col_groups = if ncols.is_multiple_of(col_groups) {
             col_groups
         } else {
@@ -552,11 +589,12 @@ pub fn matvec(
     y: Columns<'_>,
     ncols: u32,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, &MatvecFusion::default(), None, None)
+    let fusion = MatvecFusion::default();
+    matvec_with(gpu, rec, w, x, y, ncols, &fusion, MatvecLaunch::DEFAULT, None)
 }
 
-/// [`matvec_fused_with_f32_rows`] with a launch shape other than the default (tuning runs, tests);
-/// None is the default.
+/// [`matvec_fused_with_f32_rows`] launched as `launch` says: an engine's column grouping, or a
+/// shape of a tuning run or a test (`Some(shape)`; None is the default).
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_shaped(
     gpu: &Gpu,
@@ -567,9 +605,9 @@ pub fn matvec_shaped(
     y: Columns<'_>,
     ncols: u32,
     fusion: &MatvecFusion<'_>,
-    shape: Option<MatvecShape>,
+    launch: impl Into<MatvecLaunch>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, shape, extra)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, launch.into(), extra)
 }
 
 /// [`matvec`] with fused input and output stages (see [`MatvecFusion`]).
@@ -582,7 +620,7 @@ pub fn matvec_fused(
     ncols: u32,
     fusion: &MatvecFusion<'_>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, None)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, MatvecLaunch::DEFAULT, None)
 }
 
 /// [`matvec_fused`] of `w` and, with `extra`, in the same dispatch, of that F32 matrix over the
@@ -600,7 +638,7 @@ pub fn matvec_fused_with_f32_rows(
     ncols: u32,
     fusion: &MatvecFusion<'_>,
 ) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, None, extra)
+    matvec_with(gpu, rec, w, x, y, ncols, fusion, MatvecLaunch::DEFAULT, extra)
 }
 
 /// Whether [`matvec_fused_with_f32_rows`] takes `extra` beside `w`.
@@ -625,7 +663,7 @@ fn matvec_with(
     y: Columns<'_>,
     ncols: u32,
     fusion: &MatvecFusion<'_>,
-    shape: Option<MatvecShape>,
+    launch: MatvecLaunch,
     extra: Option<&WeightTensor>,
 ) -> Result<()> {
     check_dense("matvec", "; use matvec_id", w, &x, &y, ncols)?;
@@ -651,9 +689,13 @@ fn matvec_with(
     let mut done = 0u32;
     while done < ncols {
         let nc = (ncols - done).min(MATVEC_MAX_COLS);
-        let shape = shape
-            .unwrap_or(MatvecShape::for_matrix(w.ty, w.rows, w.cols, nc, &fusion.input))
-            .clamped();
+        let shape = match launch {
+            MatvecLaunch::ForMatrix { group_cols } => {
+                MatvecShape::for_matrix_grouped(w.ty, w.rows, w.cols, nc, &fusion.input, group_cols)
+            }
+            MatvecLaunch::Shape(shape) => shape,
+        }
+        .clamped();
         let extra_defines = match extra {
             None => vec![],
             Some(_) => {

@@ -27,6 +27,8 @@ use crate::transport::engine_stage::lock_engine;
 /// inside); the same results either way, a speed choice a bench can compare. `attention_walk`
 /// `(columns, keys per column, shortest split[, lanes per key])`: how decode attention walks a row's
 /// keys (default (4, 4, 32, 32)); a speed choice too, though it changes attention's last bits.
+/// `dense_group_cols` (1–8): columns one workgroup of a decode step's dense mat-vecs takes at most,
+/// a step of more slots splitting them into groups (default 4); a speed choice with the same bytes.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -114,7 +116,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -129,6 +131,7 @@ impl PyEngine {
         prefill_rows: Option<u32>,
         route_inside_max_rows: Option<u32>,
         attention_walk: Option<Vec<u32>>,
+        dense_group_cols: Option<u32>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -142,6 +145,7 @@ impl PyEngine {
             prefill_rows,
             route_inside_max_rows,
             attention_walk: attention_walk.map(walk_from).transpose()?,
+            dense_group_cols,
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {

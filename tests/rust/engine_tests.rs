@@ -58,6 +58,7 @@ fn load(name: &str, layers: Option<(u32, u32)>, ctx: u32, precise: bool) -> Opti
             prefill_rows: None,
             route_inside_max_rows: None,
             attention_walk: None,
+            dense_group_cols: None,
         },
     )
 }
@@ -291,6 +292,7 @@ fn fast_engine_matches_precise_on_quantised_fixture() {
         prefill_rows: None,
         route_inside_max_rows: None,
         attention_walk: None,
+        dense_group_cols: None,
     };
     let Some(mut fast) = load_with(name, f32_cache) else {
         return;
@@ -345,6 +347,7 @@ fn load_piece(name: &str, prefill_rows: Option<u32>) -> Option<Engine> {
             prefill_rows,
             route_inside_max_rows: None,
             attention_walk: None,
+            dense_group_cols: None,
         },
     )
 }
@@ -401,6 +404,7 @@ fn prefill_rows_must_be_whole_chunks() {
                 prefill_rows: Some(rows),
                 route_inside_max_rows: None,
                 attention_walk: None,
+                dense_group_cols: None,
             },
             &mut |_| {},
         ) {

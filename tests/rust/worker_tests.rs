@@ -1102,6 +1102,7 @@ fn fixture_engine(layers: Option<(u32, u32)>) -> Option<qk::engine::Engine> {
         prefill_rows: None,
         route_inside_max_rows: None,
         attention_walk: None,
+        dense_group_cols: None,
     };
     match qk::engine::Engine::load(path, &opts, &mut |_| {}) {
         Ok(e) => Some(e),
