@@ -264,6 +264,13 @@ def main() -> None:
         default=None,
         help="columns per workgroup of the decode step's dense mat-vecs, 1-8 (default: the engine's)",
     )
+    ap.add_argument(
+        "--decode-shape",
+        action="append",
+        default=[],
+        metavar="OP=ROWS,WIDTH,STEPS,GROUPS",
+        help="launch shape of a decode step's dense op (profile name, e.g. dn.qkvz=8,32,2,2); repeatable",
+    )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -278,6 +285,11 @@ def main() -> None:
         options["attention_walk"] = tuple(int(v) for v in a.attention_walk.split(","))
     if a.dense_group_cols is not None:
         options["dense_group_cols"] = a.dense_group_cols
+    if a.decode_shape:
+        options["decode_shapes"] = {
+            op: tuple(int(v) for v in shape.split(","))
+            for op, shape in (s.split("=", 1) for s in a.decode_shape)
+        }
     eng = qk.Engine(
         a.model,
         slots=a.slots,
@@ -359,6 +371,7 @@ def main() -> None:
         "route_inside_max_rows": a.route_inside_max_rows,
         "attention_walk": a.attention_walk,
         "dense_group_cols": a.dense_group_cols,
+        "decode_shapes": a.decode_shape,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,
         "prefill_tok_s": round(a.prompt / prefill_s, 1),

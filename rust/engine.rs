@@ -15,6 +15,7 @@ use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
 use crate::gpu::record::{Encoded, OpLabel, SubmitProfile, Submitted};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
+use crate::model::decode::DENSE_DECODE_OPS;
 use crate::model::forward::{Batch, Model, Scratch, SlotState, write_step_rows};
 use crate::model::kv::attn_shape;
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
@@ -22,7 +23,9 @@ use crate::model::{LayerKind, ModelConfig};
 use crate::ops::attention::{DecodeTuning, KvType};
 use crate::ops::deltanet::CHUNK;
 use crate::ops::embed::Ids;
-use crate::ops::matmul::{ColumnClass, DENSE_GROUP_COLS, MATVEC_MAX_COLS, Precision, column_class};
+use crate::ops::matmul::{
+    ColumnClass, DENSE_GROUP_COLS, MATVEC_MAX_COLS, MatvecShape, Precision, column_class,
+};
 use crate::ops::rope::freq_table;
 use crate::ops::topk::{IdLogit, MAX_K};
 
@@ -308,6 +311,11 @@ pub struct EngineOptions {
     /// evenly. None: [`DENSE_GROUP_COLS`]. A speed choice a bench can compare in one process:
     /// every column's bytes are the same for any value.
     pub dense_group_cols: Option<u32>,
+    /// Launch shapes for the decode step's dense mat-vecs, by the profile's op name (one of
+    /// [`DENSE_DECODE_OPS`]), at every column count: for benches comparing shapes in the engine
+    /// itself (the kernel bench's isolated dispatch has disagreed with it). A shape's width fixes
+    /// how a row's K is split, so it changes the op's last bits; the same for every batch.
+    pub decode_shapes: Vec<(String, MatvecShape)>,
 }
 
 impl EngineOptions {
@@ -443,6 +451,21 @@ impl Engine {
             gopts.device = opts.device.clone();
         }
         let gpu = shared_gpu(&gopts)?;
+        for (op, shape) in &opts.decode_shapes {
+            crate::ensure!(
+                DENSE_DECODE_OPS.contains(&op.as_str()),
+                QkError::Engine(format!(
+                    "decode_shapes: {op:?} is not one of the decode step's dense ops {DENSE_DECODE_OPS:?}"
+                ))
+            );
+            crate::ensure!(
+                shape.is_within_limits() && shape.wg >= gpu.caps.subgroup_max_size,
+                QkError::Engine(format!(
+                    "decode_shapes: {op}: {shape:?} is not a launch shape (rows 1-16, a power-of-two \
+                     width of 8-1024 and at least the subgroup, 1-4 steps, 1-8 column groups)"
+                ))
+            );
+        }
         progress(&format!(
             "{}: {} layers [{}, {}) of {} ({} MTP skipped) on {}",
             cfg.arch.name(),
@@ -495,6 +518,7 @@ impl Engine {
                 route_inside_max_rows: opts.route_inside_max_rows.unwrap_or(1),
                 attention_walk,
                 dense_group_cols,
+                decode_shapes: opts.decode_shapes.clone(),
             },
             kv_types: (k_type, v_type),
             layers,

@@ -347,6 +347,18 @@ def test_attention_walk_is_a_speed_choice():
             qk.Engine(path, slots=1, ctx=512, attention_walk=bad)
 
 
+def greedy_steps(eng, slots: list[int], prompts: list[list[int]], n: int = 3) -> tuple[list, list[int]]:
+    """Each slot prefilled with its prompt, then n greedy steps of all of them together: every
+    step's outputs, and the ids the next step would take."""
+    ids = [eng.stage_run(s, prompts[s], 0)[0][-1] for s in slots]
+    steps = []
+    for _ in range(n):
+        outs = eng.step(slots, ids, topk=4)
+        steps.append(outs)
+        ids = [o[0][0] for o in outs]
+    return steps, ids
+
+
 def test_dense_group_cols_is_a_speed_choice():
     """dense_group_cols splits an eight-slot step's dense mat-vecs into column groups (default 4: two
     groups of four) or not (8): every slot's ids and top-k logits are the same bits at 2, 4 and 8,
@@ -359,20 +371,12 @@ def test_dense_group_cols_is_a_speed_choice():
     toks = prompt(name)
     prompts = [toks[5 * s : 5 * s + 16 + s] for s in range(8)]
     slots = [3, 0, 7, 1, 6, 2, 5, 4]
-    runs = []
-    for eng in [grouped, *others]:
-        ids = [eng.stage_run(s, prompts[s], 0)[0][-1] for s in slots]
-        steps = []
-        for _ in range(3):
-            outs = eng.step(slots, ids, topk=4)
-            steps.append(outs)
-            ids = [o[0][0] for o in outs]
-        runs.append(steps)
+    runs = [greedy_steps(eng, slots, prompts) for eng in [grouped, *others]]
     assert runs[1] == runs[0]
     assert runs[2] == runs[0]
     # The option reaches the kernels: the same dispatches, more workgroups for the dense products
     # in groups of 4 than in one group of 8 (the MoE products, never grouped, keep theirs).
-    ids = [o[0][0] for o in runs[0][-1]]
+    ids = runs[0][1]
     profiles = [eng.profile_step(slots, ids, topk=4) for eng in (grouped, others[0])]
     assert profiles[0]["outputs"] == profiles[1]["outputs"]
     ops = [[(d["op"], d["kernel"]) for d in p["dispatches"]] for p in profiles]
@@ -389,6 +393,42 @@ def test_dense_group_cols_is_a_speed_choice():
     for bad in (0, 9):
         with pytest.raises(qk.EngineError, match="dense_group_cols"):
             qk.Engine(path, slots=1, ctx=512, dense_group_cols=bad)
+
+
+def test_decode_shapes_shape_the_named_ops():
+    """decode_shapes gives a decode step's dense ops (by their profile names) a launch shape at
+    every slot count: their dispatches run in that shape's workgroups, the greedy tokens equal the
+    default's and the top-k logits agree to f32 rounding (another width splits each row's K
+    differently). An op outside the dense ones, or a shape the kernel does not take, is refused
+    when the engine is built."""
+    qk = _qk()
+    name = QUANT[0]
+    path = str(FIXTURES / f"{name}.gguf")
+    base = engine(name, slots=8)
+    shapes = {"moe.router_mv": (1, 64, 1, 2), "dn.out": (2, 32, 2, 2)}
+    shaped = qk.Engine(path, slots=8, ctx=512, precise=True, decode_shapes=shapes)
+    toks = prompt(name)
+    prompts = [toks[3 * s : 3 * s + 18 + s] for s in range(8)]
+    for slots in ([0, 1, 2, 3, 4, 5, 6, 7], [5]):
+        runs = []
+        for eng in (base, shaped):
+            steps, ids = greedy_steps(eng, slots, prompts)
+            runs.append((steps, eng.profile_step(slots, ids, topk=4)))
+        for outs_b, outs_s in zip(runs[0][0], runs[1][0], strict=True):
+            for (ids_b, top_b), (ids_s, top_s) in zip(outs_b, outs_s, strict=True):
+                assert ids_s == ids_b
+                assert [i for i, _ in top_s] == [i for i, _ in top_b]
+                assert all(
+                    abs(a - b) <= 1e-4 * max(1.0, abs(b)) for (_, a), (_, b) in zip(top_s, top_b, strict=True)
+                )
+        dispatches = [[(d["op"], math.prod(d["groups"])) for d in prof["dispatches"]] for _, prof in runs]
+        assert [op for op, _ in dispatches[0]] == [op for op, _ in dispatches[1]]
+        for op in shapes:
+            mine = [(b, s) for (o, b), (_, s) in zip(*dispatches, strict=True) if o == op]
+            assert mine and all(s > b for b, s in mine), (op, slots, mine)
+    for bad in ({"moe.gate_up": (4, 64, 1, 1)}, {"dn.out": (4, 48, 1, 1)}, {"dn.out": (17, 64, 1, 1)}):
+        with pytest.raises(qk.EngineError, match="decode_shapes"):
+            qk.Engine(path, slots=1, ctx=512, decode_shapes=bad)
 
 
 def test_routing_inside_or_by_the_router_kernel_gives_the_same_bytes():

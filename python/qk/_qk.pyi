@@ -1,7 +1,7 @@
 # Type stub of the native module qk._qk (rust/py/): what editors and type checkers see of it.
 # Checked against the built module by tests/test_stub.py (mypy's stubtest).
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from os import PathLike
 from typing import Any, final
 
@@ -115,6 +115,7 @@ class Engine:
         route_inside_max_rows: int | None = None,
         attention_walk: tuple[int, int, int] | tuple[int, int, int, int] | None = None,
         dense_group_cols: int | None = None,
+        decode_shapes: Mapping[str, tuple[int, int, int, int]] | None = None,
     ) -> Engine: ...
     def generate(self, tokens: Sequence[int], max_new: int, slot: int = 0) -> list[int]: ...
     def stage_run(

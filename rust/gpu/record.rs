@@ -127,6 +127,11 @@ impl Recorder<'_> {
         }
     }
 
+    /// The op named last ([`Recorder::op`]).
+    pub fn op_name(&self) -> &'static str {
+        self.op.op
+    }
+
     pub fn is_profiling(&self) -> bool {
         self.profile.is_some()
     }

@@ -27,6 +27,23 @@ use crate::ops::matmul::{
 };
 use crate::ops::router::{self, RouterParams, SharedSlot};
 
+/// The decode step's ops whose dense mat-vecs [`EngineOptions::decode_shapes`] may shape (the
+/// profile's op names).
+///
+/// [`EngineOptions::decode_shapes`]: crate::engine::EngineOptions::decode_shapes
+pub const DENSE_DECODE_OPS: [&str; 10] = [
+    "dn.qkvz",
+    "dn.qkv",
+    "dn.gate",
+    "dn.ba",
+    "attn.qkv",
+    "dn.out",
+    "attn.out",
+    "moe.router_mv",
+    "shexp.gate_up",
+    "shexp.down",
+];
+
 impl Model {
     /// Every local layer for one position of each slot in `states` (row i: `states[i]`, whose slot
     /// index the engine wrote to `s.slots[i]`, at `positions[i]`), starting from the rows in x[0];
@@ -81,7 +98,8 @@ impl Model {
     }
 
     /// One of the step's dense mat-vecs (`extra`: F32 rows riding in its dispatch, as
-    /// [`matvec_shaped`]), its columns grouped as the engine was told (`dense_group_cols`).
+    /// [`matvec_shaped`]), launched in the shape the engine was given for the op named last
+    /// (`decode_shapes`), else with its columns grouped as it was told (`dense_group_cols`).
     #[allow(clippy::too_many_arguments)]
     fn dense(
         &self,
@@ -94,8 +112,12 @@ impl Model {
         t: u32,
         fusion: &MatvecFusion<'_>,
     ) -> Result<()> {
-        let launch = MatvecLaunch::ForMatrix {
-            group_cols: self.dense_group_cols,
+        let op = rec.op_name();
+        let launch = match self.decode_shapes.iter().find(|(name, _)| name == op) {
+            Some((_, shape)) => MatvecLaunch::Shape(*shape),
+            None => MatvecLaunch::ForMatrix {
+                group_cols: self.dense_group_cols,
+            },
         };
         matvec_shaped(gpu, rec, w, extra, x, y, t, fusion, launch)
     }

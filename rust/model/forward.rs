@@ -20,8 +20,8 @@ use crate::ops::deltanet::{self, DeltaArgs, DeltaParams, HeadPairing};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::embed::{Ids, embed};
 use crate::ops::matmul::{
-    self, ColumnClass, Columns, ExpertGroups, ExpertIds, GroupShape, MOE_TILE_COLS, MoeInput, Precision,
-    column_class, group_experts, moe_tile_cols, mul_id,
+    self, ColumnClass, Columns, ExpertGroups, ExpertIds, GroupShape, MOE_TILE_COLS, MatvecShape, MoeInput,
+    Precision, column_class, group_experts, moe_tile_cols, mul_id,
 };
 use crate::ops::norm::{self, NormArgs, NormKind, NormParams, RowLayout};
 use crate::ops::router::{self, RouterParams};
@@ -457,6 +457,8 @@ pub struct Model {
     /// Columns per workgroup of the decode step's dense mat-vecs at most
     /// (`EngineOptions::dense_group_cols`).
     pub dense_group_cols: u32,
+    /// Launch shapes of the decode step's dense mat-vecs by op (`EngineOptions::decode_shapes`).
+    pub decode_shapes: Vec<(String, MatvecShape)>,
 }
 
 /// Bytes of a dense weight matrix (what one mat-vec reads).

@@ -486,6 +486,11 @@ impl MatvecShape {
         MatvecShape::new(rows_per_group, wg, 1).with_col_groups(col_groups)
     }
 
+    /// Whether the shader takes this shape as it is ([`MatvecShape::clamped`] leaves it alone).
+    pub fn is_within_limits(self) -> bool {
+        self == self.clamped()
+    }
+
     /// Within what the shader takes: 1–16 rows, a power-of-two workgroup of 8–1024, 1–4 steps.
     fn clamped(self) -> Self {
         MatvecShape {

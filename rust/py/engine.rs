@@ -1,6 +1,7 @@
 //! Python bindings of the engine: `_qk.Engine` (NumPy in and out; the GIL is released while the
 //! GPU works).
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2};
@@ -13,6 +14,7 @@ use crate::engine::{
     Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepFeed, StepProfile, StepTiming,
 };
 use crate::ops::attention::{DecodeTuning, KvType};
+use crate::ops::matmul::MatvecShape;
 use crate::transport::engine_stage::lock_engine;
 
 /// A model (or a layer range of it) loaded on one GPU, with `slots` independent sequences of up to
@@ -29,6 +31,9 @@ use crate::transport::engine_stage::lock_engine;
 /// keys (default (4, 4, 32, 32)); a speed choice too, though it changes attention's last bits.
 /// `dense_group_cols` (1–8): columns one workgroup of a decode step's dense mat-vecs takes at most,
 /// a step of more slots splitting them into groups (default 4); a speed choice with the same bytes.
+/// `decode_shapes` `{op: (rows, width, steps, column groups)}`: the launch shape of a decode step's
+/// dense mat-vecs by profile op name ("dn.qkvz", "attn.qkv", "moe.router_mv", "dn.out", ...), at
+/// every slot count: for benches comparing shapes in the engine; it changes those ops' last bits.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -116,7 +121,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -132,6 +137,7 @@ impl PyEngine {
         route_inside_max_rows: Option<u32>,
         attention_walk: Option<Vec<u32>>,
         dense_group_cols: Option<u32>,
+        decode_shapes: Option<BTreeMap<String, (u32, u32, u32, u32)>>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -146,6 +152,13 @@ impl PyEngine {
             route_inside_max_rows,
             attention_walk: attention_walk.map(walk_from).transpose()?,
             dense_group_cols,
+            decode_shapes: decode_shapes
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(op, (rows, wg, unroll, groups))| {
+                    (op, MatvecShape::new(rows, wg, unroll).with_col_groups(groups))
+                })
+                .collect(),
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {

@@ -59,6 +59,7 @@ fn load(name: &str, layers: Option<(u32, u32)>, ctx: u32, precise: bool) -> Opti
             route_inside_max_rows: None,
             attention_walk: None,
             dense_group_cols: None,
+            decode_shapes: Vec::new(),
         },
     )
 }
@@ -293,6 +294,7 @@ fn fast_engine_matches_precise_on_quantised_fixture() {
         route_inside_max_rows: None,
         attention_walk: None,
         dense_group_cols: None,
+        decode_shapes: Vec::new(),
     };
     let Some(mut fast) = load_with(name, f32_cache) else {
         return;
@@ -348,6 +350,7 @@ fn load_piece(name: &str, prefill_rows: Option<u32>) -> Option<Engine> {
             route_inside_max_rows: None,
             attention_walk: None,
             dense_group_cols: None,
+            decode_shapes: Vec::new(),
         },
     )
 }
@@ -405,6 +408,7 @@ fn prefill_rows_must_be_whole_chunks() {
                 route_inside_max_rows: None,
                 attention_walk: None,
                 dense_group_cols: None,
+                decode_shapes: Vec::new(),
             },
             &mut |_| {},
         ) {

@@ -1103,6 +1103,7 @@ fn fixture_engine(layers: Option<(u32, u32)>) -> Option<qk::engine::Engine> {
         route_inside_max_rows: None,
         attention_walk: None,
         dense_group_cols: None,
+        decode_shapes: Vec::new(),
     };
     match qk::engine::Engine::load(path, &opts, &mut |_| {}) {
         Ok(e) => Some(e),
