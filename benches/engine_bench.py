@@ -14,6 +14,10 @@ the weight bytes it reads, then dispatches and submits per token and the host µ
 (recording vs submit+wait), and the slowest single ops. The tables go to stderr; the JSON result
 gains a "profile" entry.
 
+Engine speed choices, to compare in the engine itself rather than in the kernel bench:
+--route-inside-max-rows, --attention-walk, --dense-group-cols, --decode-shape OP=ROWS,WIDTH,STEPS,GROUPS
+(a dense op of the decode step by its profile name, e.g. dn.qkvz=8,32,2,2; repeatable).
+
 usage: python benches/engine_bench.py MODEL.gguf [--prompt 512] [--decode 128] [--slots 2] [--ctx 8192]
        [--profile] [--top 15]
 """
