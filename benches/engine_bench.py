@@ -15,8 +15,9 @@ the weight bytes it reads, then dispatches and submits per token and the host µ
 gains a "profile" entry.
 
 Engine speed choices, to compare in the engine itself rather than in the kernel bench:
---route-inside-max-rows, --attention-walk, --dense-group-cols, --decode-shape OP=ROWS,WIDTH,STEPS,GROUPS
-(a dense op of the decode step by its profile name, e.g. dn.qkvz=8,32,2,2; repeatable).
+--route-inside-max-rows, --attention-walk, --dense-group-cols, --decode-shape
+OP=ROWS,WIDTH,STEPS,GROUPS[,table|shuffle] (an op of the decode step by its profile name, e.g.
+dn.qkvz=8,32,2,2 or moe.gate_up=8,64,1,1,shuffle; repeatable).
 
 usage: python benches/engine_bench.py MODEL.gguf [--prompt 512] [--decode 128] [--slots 2] [--ctx 8192]
        [--profile] [--top 15]
@@ -272,8 +273,9 @@ def main() -> None:
         "--decode-shape",
         action="append",
         default=[],
-        metavar="OP=ROWS,WIDTH,STEPS,GROUPS",
-        help="launch shape of a decode step's dense op (profile name, e.g. dn.qkvz=8,32,2,2); repeatable",
+        metavar="OP=ROWS,WIDTH,STEPS,GROUPS[,LOOKUP]",
+        help="launch shape of a decode step's op by profile name (e.g. dn.qkvz=8,32,2,2 or "
+        "moe.down=16,128,1,1,table); repeatable",
     )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
@@ -291,7 +293,7 @@ def main() -> None:
         options["dense_group_cols"] = a.dense_group_cols
     if a.decode_shape:
         options["decode_shapes"] = {
-            op: tuple(int(v) for v in shape.split(","))
+            op: tuple(v if v.isalpha() else int(v) for v in shape.split(","))
             for op, shape in (s.split("=", 1) for s in a.decode_shape)
         }
     eng = qk.Engine(

@@ -15,7 +15,7 @@ use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
 use crate::gpu::record::{Encoded, OpLabel, SubmitProfile, Submitted};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
-use crate::model::decode::DENSE_DECODE_OPS;
+use crate::model::decode::{EXPERT_DECODE_OPS, SHAPED_DECODE_OPS};
 use crate::model::forward::{Batch, Model, Scratch, SlotState, write_step_rows};
 use crate::model::kv::attn_shape;
 use crate::model::weights::{DeltaNetProjection, Mixer, Weights};
@@ -311,8 +311,8 @@ pub struct EngineOptions {
     /// evenly. None: [`DENSE_GROUP_COLS`]. A speed choice a bench can compare in one process:
     /// every column's bytes are the same for any value.
     pub dense_group_cols: Option<u32>,
-    /// Launch shapes for the decode step's dense mat-vecs, by the profile's op name (one of
-    /// [`DENSE_DECODE_OPS`]), at every column count: for benches comparing shapes in the engine
+    /// Launch shapes for the decode step's mat-vecs, by the profile's op name (one of
+    /// [`SHAPED_DECODE_OPS`]: the dense ones and the experts'), at every column count: for benches comparing shapes in the engine
     /// itself (the kernel bench's isolated dispatch has disagreed with it). A shape's width fixes
     /// how a row's K is split, so it changes the op's last bits; the same for every batch.
     pub decode_shapes: Vec<(String, MatvecShape)>,
@@ -453,10 +453,14 @@ impl Engine {
         let gpu = shared_gpu(&gopts)?;
         for (op, shape) in &opts.decode_shapes {
             crate::ensure!(
-                DENSE_DECODE_OPS.contains(&op.as_str()),
+                SHAPED_DECODE_OPS.contains(&op.as_str()),
                 QkError::Engine(format!(
-                    "decode_shapes: {op:?} is not one of the decode step's dense ops {DENSE_DECODE_OPS:?}"
+                    "decode_shapes: {op:?} is not one of the decode step's ops {SHAPED_DECODE_OPS:?}"
                 ))
+            );
+            crate::ensure!(
+                shape.col_groups == 1 || !EXPERT_DECODE_OPS.contains(&op.as_str()),
+                QkError::Engine(format!("decode_shapes: {op} takes no column groups"))
             );
             crate::ensure!(
                 shape.is_within_limits() && shape.wg >= gpu.caps.subgroup_max_size,

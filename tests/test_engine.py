@@ -396,16 +396,16 @@ def test_dense_group_cols_is_a_speed_choice():
 
 
 def test_decode_shapes_shape_the_named_ops():
-    """decode_shapes gives a decode step's dense ops (by their profile names) a launch shape at
+    """decode_shapes gives a decode step's mat-vecs (by their profile op names) a launch shape at
     every slot count: their dispatches run in that shape's workgroups, the greedy tokens equal the
     default's and the top-k logits agree to f32 rounding (another width splits each row's K
-    differently). An op outside the dense ones, or a shape the kernel does not take, is refused
+    differently). An op without such a mat-vec, or a shape the kernel does not take, is refused
     when the engine is built."""
     qk = _qk()
     name = QUANT[0]
     path = str(FIXTURES / f"{name}.gguf")
     base = engine(name, slots=8)
-    shapes = {"moe.router_mv": (1, 64, 1, 2), "dn.out": (2, 32, 2, 2)}
+    shapes = {"moe.router_mv": (1, 64, 1, 2), "dn.out": (2, 32, 2, 2), "moe.down": (4, 64, 1, 1, "shuffle")}
     shaped = qk.Engine(path, slots=8, ctx=512, precise=True, decode_shapes=shapes)
     toks = prompt(name)
     prompts = [toks[3 * s : 3 * s + 18 + s] for s in range(8)]
@@ -426,9 +426,18 @@ def test_decode_shapes_shape_the_named_ops():
         for op in shapes:
             mine = [(b, s) for (o, b), (_, s) in zip(*dispatches, strict=True) if o == op]
             assert mine and all(s > b for b, s in mine), (op, slots, mine)
-    for bad in ({"moe.gate_up": (4, 64, 1, 1)}, {"dn.out": (4, 48, 1, 1)}, {"dn.out": (17, 64, 1, 1)}):
+    refused = [
+        {"moe.route": (4, 64, 1, 1)},
+        {"dn.out": (4, 48, 1, 1)},
+        {"dn.out": (17, 64, 1, 1)},
+        {"moe.down": (8, 128, 1, 2)},
+        {"dn.out": (4, 64, 1, 1, "lut")},
+    ]
+    for bad in refused:
         with pytest.raises(qk.EngineError, match="decode_shapes"):
             qk.Engine(path, slots=1, ctx=512, decode_shapes=bad)
+    with pytest.raises(TypeError, match="decode_shapes"):
+        qk.Engine(path, slots=1, ctx=512, decode_shapes={"dn.out": (4, 64)})
 
 
 def test_routing_inside_or_by_the_router_kernel_gives_the_same_bytes():

@@ -115,7 +115,7 @@ class Engine:
         route_inside_max_rows: int | None = None,
         attention_walk: tuple[int, int, int] | tuple[int, int, int, int] | None = None,
         dense_group_cols: int | None = None,
-        decode_shapes: Mapping[str, tuple[int, int, int, int]] | None = None,
+        decode_shapes: Mapping[str, tuple[int, int, int, int] | tuple[int, int, int, int, str]] | None = None,
     ) -> Engine: ...
     def generate(self, tokens: Sequence[int], max_new: int, slot: int = 0) -> list[int]: ...
     def stage_run(

@@ -22,16 +22,16 @@ use crate::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
 use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::gdn_step::{self, GdnStepArgs, GdnStepParams};
 use crate::ops::matmul::{
-    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecLaunch, MatvecOutput, MoeInput, MoeRoute, matvec_id,
-    matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes, takes_f32_rows,
+    Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecLaunch, MatvecOutput, MatvecShape, MoeInput,
+    MoeRoute, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes, takes_f32_rows,
 };
 use crate::ops::router::{self, RouterParams, SharedSlot};
 
-/// The decode step's ops whose dense mat-vecs [`EngineOptions::decode_shapes`] may shape (the
-/// profile's op names).
+/// The decode step's ops whose mat-vecs [`EngineOptions::decode_shapes`] may shape (the
+/// profile's op names): the dense ones, then the experts' ([`EXPERT_DECODE_OPS`]).
 ///
 /// [`EngineOptions::decode_shapes`]: crate::engine::EngineOptions::decode_shapes
-pub const DENSE_DECODE_OPS: [&str; 10] = [
+pub const SHAPED_DECODE_OPS: [&str; 12] = [
     "dn.qkvz",
     "dn.qkv",
     "dn.gate",
@@ -42,7 +42,13 @@ pub const DENSE_DECODE_OPS: [&str; 10] = [
     "moe.router_mv",
     "shexp.gate_up",
     "shexp.down",
+    "moe.gate_up",
+    "moe.down",
 ];
+
+/// The expert products among [`SHAPED_DECODE_OPS`]: one column per workgroup already, so never in
+/// column groups.
+pub const EXPERT_DECODE_OPS: [&str; 2] = ["moe.gate_up", "moe.down"];
 
 impl Model {
     /// Every local layer for one position of each slot in `states` (row i: `states[i]`, whose slot
@@ -97,6 +103,15 @@ impl Model {
         mixer_ok && router_ok && matches!(lw.moe.gate_up, ExpertGateUp::Fused(_))
     }
 
+    /// The launch shape the engine was given for the op named last (`decode_shapes`), if any.
+    fn given_shape(&self, rec: &Recorder<'_>) -> Option<MatvecShape> {
+        let op = rec.op_name();
+        self.decode_shapes
+            .iter()
+            .find(|(name, _)| name == op)
+            .map(|(_, shape)| *shape)
+    }
+
     /// One of the step's dense mat-vecs (`extra`: F32 rows riding in its dispatch, as
     /// [`matvec_shaped`]), launched in the shape the engine was given for the op named last
     /// (`decode_shapes`), else with its columns grouped as it was told (`dense_group_cols`).
@@ -112,9 +127,8 @@ impl Model {
         t: u32,
         fusion: &MatvecFusion<'_>,
     ) -> Result<()> {
-        let op = rec.op_name();
-        let launch = match self.decode_shapes.iter().find(|(name, _)| name == op) {
-            Some((_, shape)) => MatvecLaunch::Shape(*shape),
+        let launch = match self.given_shape(rec) {
+            Some(shape) => MatvecLaunch::Shape(shape),
             None => MatvecLaunch::ForMatrix {
                 group_cols: self.dense_group_cols,
             },
@@ -506,7 +520,8 @@ impl Model {
                 weights: &s.expert_w,
             };
             rec.op("moe.gate_up", layer, expert_bytes(gate_up, picks, t));
-            matvec_id_routed(gpu, rec, gate_up, xn, gu_out, ids, &route, None)?;
+            let shape = self.given_shape(rec);
+            matvec_id_routed(gpu, rec, gate_up, xn, gu_out, ids, &route, shape)?;
         } else {
             let rp = RouterParams {
                 tokens: t,
@@ -526,14 +541,26 @@ impl Model {
                 shared,
             )?;
             rec.op("moe.gate_up", layer, expert_bytes(gate_up, picks, t));
-            matvec_id(gpu, rec, gate_up, xn, gu_out, ids, MoeInput::PerToken)?;
+            let (input, shape) = (MoeInput::PerToken, self.given_shape(rec));
+            matvec_id_with(
+                gpu,
+                rec,
+                gate_up,
+                xn,
+                gu_out,
+                ids,
+                input,
+                MatvecInput::Plain,
+                shape,
+            )?;
         }
         rec.op("moe.down", layer, expert_bytes(&w.down, picks, t));
         let silu_mul = MatvecInput::SiluMul { up: ff };
         let gu = Columns::packed(&s.gate_up, 2 * ff);
         if shared.is_some() {
             // Every pick's down projection, weighted and added to the residual stream in `out`.
-            return matvec_id_sum(gpu, rec, &w.down, gu, xc, ids, &s.expert_w, silu_mul, None);
+            let shape = self.given_shape(rec);
+            return matvec_id_sum(gpu, rec, &w.down, gu, xc, ids, &s.expert_w, silu_mul, shape);
         }
         let down = Columns::packed(&s.down, e);
         matvec_id_with(
@@ -545,7 +572,7 @@ impl Model {
             ids,
             MoeInput::PerSlot,
             silu_mul,
-            None,
+            self.given_shape(rec),
         )?;
         let mut p = EwParams {
             rows: t,

@@ -14,7 +14,7 @@ use crate::engine::{
     Engine, EngineOptions, OpProfile, StageInput, StageOutput, StepFeed, StepProfile, StepTiming,
 };
 use crate::ops::attention::{DecodeTuning, KvType};
-use crate::ops::matmul::MatvecShape;
+use crate::ops::matmul::{Iq4Lookup, MatvecShape};
 use crate::transport::engine_stage::lock_engine;
 
 /// A model (or a layer range of it) loaded on one GPU, with `slots` independent sequences of up to
@@ -31,8 +31,9 @@ use crate::transport::engine_stage::lock_engine;
 /// keys (default (4, 4, 32, 32)); a speed choice too, though it changes attention's last bits.
 /// `dense_group_cols` (1–8): columns one workgroup of a decode step's dense mat-vecs takes at most,
 /// a step of more slots splitting them into groups (default 4); a speed choice with the same bytes.
-/// `decode_shapes` `{op: (rows, width, steps, column groups)}`: the launch shape of a decode step's
-/// dense mat-vecs by profile op name ("dn.qkvz", "attn.qkv", "moe.router_mv", "dn.out", ...), at
+/// `decode_shapes` `{op: (rows, width, steps, column groups[, "table" | "shuffle"])}`: the launch
+/// shape of a decode step's mat-vecs by profile op name ("dn.qkvz", "attn.qkv", "moe.router_mv",
+/// "dn.out", "moe.gate_up", "moe.down", ...; the last value: where IQ4_XS values are looked up), at
 /// every slot count: for benches comparing shapes in the engine; it changes those ops' last bits.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
@@ -137,7 +138,7 @@ impl PyEngine {
         route_inside_max_rows: Option<u32>,
         attention_walk: Option<Vec<u32>>,
         dense_group_cols: Option<u32>,
-        decode_shapes: Option<BTreeMap<String, (u32, u32, u32, u32)>>,
+        decode_shapes: Option<BTreeMap<String, Bound<'_, PyAny>>>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -155,10 +156,8 @@ impl PyEngine {
             decode_shapes: decode_shapes
                 .unwrap_or_default()
                 .into_iter()
-                .map(|(op, (rows, wg, unroll, groups))| {
-                    (op, MatvecShape::new(rows, wg, unroll).with_col_groups(groups))
-                })
-                .collect(),
+                .map(|(op, shape)| Ok((op, shape_from(&shape)?)))
+                .collect::<PyResult<_>>()?,
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {
@@ -378,6 +377,30 @@ impl PyEngine {
 
 /// The profile's `dispatches`, `ops`, `families` and `step` entries (see `Engine.profile_step`).
 /// `attention_walk`'s (columns, keys per column, shortest split[, lanes per key]).
+/// A `decode_shapes` value: (rows, width, steps, column groups[, "table" | "shuffle"]).
+fn shape_from(v: &Bound<'_, PyAny>) -> PyResult<MatvecShape> {
+    let (rows, wg, unroll, groups, lookup) = match v.extract::<(u32, u32, u32, u32)>() {
+        Ok((rows, wg, unroll, groups)) => (rows, wg, unroll, groups, "table".to_string()),
+        Err(_) => v.extract::<(u32, u32, u32, u32, String)>().map_err(|_| {
+            PyTypeError::new_err(
+                "decode_shapes: each value is (rows, width, steps, column groups[, \"table\" | \"shuffle\"])",
+            )
+        })?,
+    };
+    let lookup = match lookup.as_str() {
+        "table" => Iq4Lookup::Table,
+        "shuffle" => Iq4Lookup::Shuffle,
+        other => {
+            return Err(crate::QkError::Engine(format!(
+                "decode_shapes: the IQ4_XS lookup is \"table\" or \"shuffle\", not {other:?}"
+            ))
+            .into());
+        }
+    };
+    let shape = MatvecShape::new(rows, wg, unroll).with_col_groups(groups);
+    Ok(shape.with_lookup(lookup))
+}
+
 fn walk_from(v: Vec<u32>) -> Result<DecodeTuning, crate::QkError> {
     match v[..] {
         [cols, unroll, min_split] => Ok(DecodeTuning {
