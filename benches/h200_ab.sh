@@ -23,22 +23,6 @@ for round in $(seq 1 "$ROUNDS"); do
     json="$OUT/ab-$b-$round.json"
     PYTHONPATH="/tmp/ab-$b:.device/gguf-py" python3 benches/engine_bench.py "$MODEL" \
       ${QK_BENCH_ARGS:---prompt 512 --decode 64 --slots 8 --ctx 4096 --profile --top 3} > "$json" 2> "$OUT/ab-$b-$round.err"
-    python3 - "$b" "$round" "$json" <<'PY'
-import json, sys
-b, r, path = sys.argv[1:]
-try:
-    d = json.load(open(path))
-except ValueError:
-    print(f"{b} round {r}: no result (see its .err)")
-    sys.exit()
-fam = {}
-for p in d.get("profile", []):
-    if p["rows"] in (1, 8):
-        for f in p["families"]:
-            fam[f"{f['op']}@{p['rows']}"] = round(f["gpu_us"])
-print(f"{b} round {r}: chained {d.get('decode_chained_ms_per_token')} ms, host-fed {d.get('decode_ms_per_token')} ms, "
-      f"wait median {d.get('decode_host', {}).get('wait_us', {}).get('median')} us, "
-      f"{d.get('slots')} slots chained {d.get('multi_slot_chained_tok_s')} tok/s; profile us {fam}")
-PY
+    python3 benches/run_summary.py "$b round $round" "$json"
   done
 done
