@@ -312,9 +312,10 @@ pub struct EngineOptions {
     /// every column's bytes are the same for any value.
     pub dense_group_cols: Option<u32>,
     /// Launch shapes for the decode step's mat-vecs, by the profile's op name (one of
-    /// [`SHAPED_DECODE_OPS`]: the dense ones and the experts'), at every column count: for benches comparing shapes in the engine
-    /// itself (the kernel bench's isolated dispatch has disagreed with it). A shape's width fixes
-    /// how a row's K is split, so it changes the op's last bits; the same for every batch.
+    /// [`SHAPED_DECODE_OPS`]: the dense ones and the experts'), at every column count: for benches
+    /// comparing shapes in the engine itself (the kernel bench's isolated dispatch has disagreed
+    /// with it). A shape's width fixes how a row's K is split, so it changes the op's last bits;
+    /// the same for every batch.
     pub decode_shapes: Vec<(String, MatvecShape)>,
 }
 

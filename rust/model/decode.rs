@@ -541,7 +541,6 @@ impl Model {
                 shared,
             )?;
             rec.op("moe.gate_up", layer, expert_bytes(gate_up, picks, t));
-            let (input, shape) = (MoeInput::PerToken, self.given_shape(rec));
             matvec_id_with(
                 gpu,
                 rec,
@@ -549,9 +548,9 @@ impl Model {
                 xn,
                 gu_out,
                 ids,
-                input,
+                MoeInput::PerToken,
                 MatvecInput::Plain,
-                shape,
+                self.given_shape(rec),
             )?;
         }
         rec.op("moe.down", layer, expert_bytes(&w.down, picks, t));

@@ -457,7 +457,7 @@ pub struct Model {
     /// Columns per workgroup of the decode step's dense mat-vecs at most
     /// (`EngineOptions::dense_group_cols`).
     pub dense_group_cols: u32,
-    /// Launch shapes of the decode step's dense mat-vecs by op (`EngineOptions::decode_shapes`).
+    /// Launch shapes of the decode step's mat-vecs by op (`EngineOptions::decode_shapes`).
     pub decode_shapes: Vec<(String, MatvecShape)>,
 }
 

@@ -302,6 +302,12 @@ const BIG_NORM_STEPS: u64 = 1 << 20;
 /// at 2, 678 at 8 (no groups).
 pub const DENSE_GROUP_COLS: u32 = 4;
 
+/// `groups` if `ncols` columns split into that many equal groups, else 1 (one group of all).
+fn equal_groups(ncols: u32, groups: u32) -> u32 {
+    let g = groups.max(1);
+    if ncols.is_multiple_of(g) { g } else { 1 }
+}
+
 /// How a dense mat-vec's launch shape is chosen ([`matvec_shaped`]).
 #[derive(Clone, Copy, Debug)]
 pub enum MatvecLaunch {
@@ -387,8 +393,7 @@ impl MatvecShape {
 
     /// The column groups a dispatch of `ncols` columns really uses.
     pub fn groups_for(self, ncols: u32) -> u32 {
-        let g = self.col_groups.max(1);
-        if ncols.is_multiple_of(g) { g } else { 1 }
+        equal_groups(ncols, self.col_groups)
     }
 
     /// The same shape with the IQ4_XS values found by `lookup`.
@@ -447,12 +452,7 @@ impl MatvecShape {
         }
         // Columns beyond `group_cols` go in equal groups (the weights, a few MB, are read once per
         // group, from L2 after the first); rows per workgroup follow a group's columns.
-        let col_groups = ncols.div_ceil(group_cols.max(1)).max(1);
-        let col_groups = if ncols.is_multiple_of(col_groups) {
-            col_groups
-        } else {
-            1
-        };
+        let col_groups = equal_groups(ncols, ncols.div_ceil(group_cols.max(1)));
         let ncols = ncols / col_groups;
         // Rows per workgroup. The large norm-fused projections (the q‖k‖v‖z, 12,288 × 2048
         // IQ4_XS, and attention's q‖k‖v) take 8: in the kernel bench's sweep with the clocks held
@@ -598,8 +598,11 @@ pub fn matvec(
     matvec_with(gpu, rec, w, x, y, ncols, &fusion, MatvecLaunch::DEFAULT, None)
 }
 
-/// [`matvec_fused_with_f32_rows`] launched as `launch` says: an engine's column grouping, or a
-/// shape of a tuning run or a test (`Some(shape)`; None is the default).
+/// [`matvec_fused`] of `w` and, with `extra`, in the same dispatch, of that F32 matrix over the
+/// same input (same K, one binding, its rows written after `w`'s in each output column, no output
+/// stage applied to them): the decode step's beta/alpha projection beside q‖k‖v‖z. With `extra`,
+/// `fusion`'s output must store (or conv) rather than add. Launched as `launch` says: an engine's
+/// column grouping, or a shape of a tuning run or a test (`Some(shape)`; None is the default).
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_shaped(
     gpu: &Gpu,
@@ -628,25 +631,7 @@ pub fn matvec_fused(
     matvec_with(gpu, rec, w, x, y, ncols, fusion, MatvecLaunch::DEFAULT, None)
 }
 
-/// [`matvec_fused`] of `w` and, with `extra`, in the same dispatch, of that F32 matrix over the
-/// same input (same K, one binding, its rows written after `w`'s in each output column, no output
-/// stage applied to them): the decode step's beta/alpha projection beside q‖k‖v‖z. With `extra`,
-/// `fusion`'s output must store (or conv) rather than add.
-#[allow(clippy::too_many_arguments)]
-pub fn matvec_fused_with_f32_rows(
-    gpu: &Gpu,
-    rec: &mut Recorder<'_>,
-    w: &WeightTensor,
-    extra: Option<&WeightTensor>,
-    x: Columns<'_>,
-    y: Columns<'_>,
-    ncols: u32,
-    fusion: &MatvecFusion<'_>,
-) -> Result<()> {
-    matvec_with(gpu, rec, w, x, y, ncols, fusion, MatvecLaunch::DEFAULT, extra)
-}
-
-/// Whether [`matvec_fused_with_f32_rows`] takes `extra` beside `w`.
+/// Whether [`matvec_shaped`] takes `extra` beside `w`.
 pub fn takes_f32_rows(w: &WeightTensor, extra: &WeightTensor) -> bool {
     let [win] = extra.windows.as_slice() else {
         return false;

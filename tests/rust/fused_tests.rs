@@ -248,7 +248,7 @@ fn f32_rows_ride_in_the_normed_conv_product_without_changing_it() {
     // The decode step's beta/alpha (F32) computed by extra workgroups of the q‖k‖v‖z product: the
     // product's own rows and conv states keep their bytes, and the extra rows are the F32 matrix
     // times the same normalised input, stored after them. 3 columns on slots 1, 0, 2.
-    use qk::ops::matmul::matvec_fused_with_f32_rows;
+    use qk::ops::matmul::matvec_shaped;
     let Some(gpu) = test_gpu(false) else { return };
     let (m, k, extra, channels, taps, cols) = (48usize, 256usize, 10usize, 40usize, 4usize, 3usize);
     let stride = (taps - 1) * channels;
@@ -279,7 +279,7 @@ fn f32_rows_ride_in_the_normed_conv_product_without_changing_it() {
         let mut rec = gpu.recorder();
         let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, width as u32));
         let extra = with_extra.then_some(&ba);
-        matvec_fused_with_f32_rows(gpu, &mut rec, &w, extra, xc, yc, cols as u32, &fusion).unwrap();
+        matvec_shaped(gpu, &mut rec, &w, extra, xc, yc, cols as u32, &fusion, None).unwrap();
         rec.submit().unwrap();
         (read(gpu, &yb, width * cols), read(gpu, &sb, 3 * stride))
     };
