@@ -15,7 +15,7 @@ the weight bytes it reads, then dispatches and submits per token and the host µ
 gains a "profile" entry.
 
 Engine speed choices, to compare in the engine itself rather than in the kernel bench:
---route-inside-max-rows, --attention-walk, --dense-group-cols, --decode-shape
+--route-inside-max-rows, --attention-walk, --dense-group-cols, --spin-wait-us, --decode-shape
 OP=ROWS,WIDTH,STEPS,GROUPS[,table|shuffle] (an op of the decode step by its profile name, e.g.
 dn.qkvz=8,32,2,2 or moe.gate_up=8,64,1,1,shuffle; repeatable).
 
@@ -270,6 +270,12 @@ def main() -> None:
         help="columns per workgroup of the decode step's dense mat-vecs, 1-8 (default: the engine's)",
     )
     ap.add_argument(
+        "--spin-wait-us",
+        type=int,
+        default=None,
+        help="how long a decode step's wait polls before it blocks, µs (default: the engine's)",
+    )
+    ap.add_argument(
         "--decode-shape",
         action="append",
         default=[],
@@ -291,6 +297,8 @@ def main() -> None:
         options["attention_walk"] = tuple(int(v) for v in a.attention_walk.split(","))
     if a.dense_group_cols is not None:
         options["dense_group_cols"] = a.dense_group_cols
+    if a.spin_wait_us is not None:
+        options["spin_wait_us"] = a.spin_wait_us
     if a.decode_shape:
         options["decode_shapes"] = {
             op: tuple(v if v.isalpha() else int(v) for v in shape.split(","))
@@ -377,6 +385,7 @@ def main() -> None:
         "route_inside_max_rows": a.route_inside_max_rows,
         "attention_walk": a.attention_walk,
         "dense_group_cols": a.dense_group_cols,
+        "spin_wait_us": a.spin_wait_us,
         "decode_shapes": a.decode_shape,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,

@@ -18,7 +18,8 @@
 //! QK_BENCH_ONLY_NORM_PROJECTIONS=1 only the decode step's dense products per launch shape and
 //! column groups (with QK_BENCH_NO_ATTENTION=1),
 //! QK_BENCH_ONLY_MATVEC=1 only the large mat-vecs per type (no mat-mat), QK_BENCH_ONLY_HOST=1 only
-//! the host's share of a decode-sized submit per count of buffers it references.
+//! the host's share of a decode-sized submit per count of buffers it references, and a split's
+//! hand-off through the host with a blocking and a spinning wait.
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
 //! (GpuOptions::checked_shaders): run the bench with and without it to compare.
@@ -29,7 +30,7 @@
 //! `iters` dependent dispatches, after a warm-up, so per-submit overhead (~0.2 ms) is amortised;
 //! the prefill cases add one profiled submit that times each kernel on the GPU.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use qk::gguf::GgmlType;
 use qk::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
@@ -219,6 +220,7 @@ fn main() {
     }
     if flag("QK_BENCH_ONLY_HOST") {
         host_step_cost(&gpu);
+        handoff_round_trip(&gpu);
         return;
     }
     if !flag("QK_BENCH_NO_ATTENTION") {
@@ -1145,23 +1147,57 @@ fn handoff_round_trip(gpu: &Gpu) {
     let params = ScaleParams { n, a: 2.0, b: 1.0 };
     hold_clocks(gpu);
     let rounds = if smoke() { 3 } else { 200 };
-    let mut times = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        let start = Instant::now();
-        gpu.write(&x, 0, bytemuck::cast_slice(&row)).expect("write");
-        let mut rec = gpu.recorder();
-        scale_add(gpu, &mut rec, &x, &y, &partial, params).expect("scale");
-        rec.read(&y, 0, u64::from(n) * 4).expect("read");
-        let (out, _) = rec.finish().expect("encode").submit(gpu).wait(gpu).expect("wait");
-        std::hint::black_box(out);
-        times.push(start.elapsed().as_secs_f64());
+    // Blocking (the driver sleeps until the GPU is done), then spinning on the device's status.
+    for (how, spin) in [
+        ("blocking", Duration::ZERO),
+        ("spinning", Duration::from_millis(50)),
+    ] {
+        // Per round: whole, then its phases (write + record, encode, submit, wait + map).
+        let mut times: [Vec<f64>; 5] = Default::default();
+        for _ in 0..rounds {
+            let start = Instant::now();
+            gpu.write(&x, 0, bytemuck::cast_slice(&row)).expect("write");
+            let mut rec = gpu.recorder();
+            scale_add(gpu, &mut rec, &x, &y, &partial, params).expect("scale");
+            rec.read(&y, 0, u64::from(n) * 4).expect("read");
+            let recorded = Instant::now();
+            let (out, f) = rec
+                .finish()
+                .expect("encode")
+                .submit(gpu)
+                .wait_spinning(gpu, spin)
+                .expect("wait");
+            std::hint::black_box(out);
+            let end = Instant::now();
+            for (t, d) in times.iter_mut().zip([
+                end - start,
+                recorded - start,
+                f.encoded - recorded,
+                f.submitted - f.encoded,
+                f.done - f.submitted,
+            ]) {
+                t.push(d.as_secs_f64() * 1e6);
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let p90 = {
+            let v = &mut times[0];
+            v.sort_by(f64::total_cmp);
+            v[v.len() * 9 / 10]
+        };
+        println!(
+            "hand-off round trip {how} (write {n} f32, 1 dispatch, read back, wait): median {:>6.1} µs, \
+             p90 {p90:>6.1} µs; medians: write+record {:>5.1}, encode {:>5.1}, submit {:>5.1}, wait+map {:>6.1}",
+            median(&mut times[0]),
+            median(&mut times[1]),
+            median(&mut times[2]),
+            median(&mut times[3]),
+            median(&mut times[4]),
+        );
     }
-    times.sort_by(f64::total_cmp);
-    println!(
-        "hand-off round trip (write {n} f32, 1 dispatch, read back, wait): median {:>6.1} µs, p90 {:>6.1} µs",
-        times[times.len() / 2] * 1e6,
-        times[times.len() * 9 / 10] * 1e6
-    );
 }
 
 /// The gated DeltaNet decode step (shaders/gdn_step.wgsl) at the Qwen3-Next-80B shape for 1 and 8

@@ -13,13 +13,20 @@ import json
 import sys
 
 
-def main() -> None:
-    name, path = sys.argv[1:3]
+def result(name: str, path: str) -> dict | None:
+    """The run's JSON; None (and a line saying so) when the run left none."""
     try:
         with open(path) as f:
-            d = json.load(f)
+            return json.load(f)
     except (OSError, ValueError):
         print(f"{name}: no result (see its .err)")
+        return None
+
+
+def main() -> None:
+    name, path = sys.argv[1:3]
+    d = result(name, path)
+    if d is None:
         return
     slots = d.get("slots")
     families = {}

@@ -15,7 +15,9 @@ e.g. the head on a GPU, the worker on Mesa's lavapipe) the reference is also com
 worker's adapter, and each comparison is reported per reference adapter.
 
 usage: python benches/split_bench.py MODEL.gguf [--cut K] [--prompt 256] [--decode 64] [--ctx 2048]
-       [--device I] [--worker-device J] [--precise] [--lanes 1,2] [--worker-env K=V ...]
+       [--device I] [--worker-device J] [--precise] [--lanes 1,2] [--spin-wait-us N] [--socket-spin-us N]
+       [--worker-in-process]
+       [--worker-env K=V ...]
 """
 
 from __future__ import annotations
@@ -105,25 +107,59 @@ def step_means(before: dict, after: dict) -> dict:
     }
 
 
-def bench(driver, a, prompts) -> dict:
+def engine_means(before: dict, after: dict) -> dict:
+    """An engine's decode steps between two readings of ``step_totals()``: µs per step (host
+    record, submit, and the wait for the GPU and the readback) and the share recorded ahead."""
+    steps = after["steps"] - before["steps"]
+    if not steps:
+        return {"steps": 0}
+    return {
+        "steps": steps,
+        "ahead": round((after["ahead"] - before["ahead"]) / steps, 3),
+        **{
+            k: round((after[k] - before[k]) / steps, 1)
+            for k in ("record_us", "submit_us", "wait_us", "total_us")
+        },
+    }
+
+
+def bench(driver, a, prompts, engines: dict | None = None, link=None) -> dict:
+    """The scheduler over ``driver``: one stream, then two; ``engines`` (name → engine in this
+    process) get their per-step host timing for each phase, ``link`` (a split's) its idle ping."""
     s = scheduler_for(driver, 2, a.ctx)
     times = getattr(driver, "step_times", None)
+    engines = engines or {}
+
+    def reading():
+        return (times() if times else None), {n: e.step_totals() for n, e in engines.items()}
+
     try:
         # Warm-up with the whole prompt: the prefill pieces of its length compile their own
         # pipelines (on every stage), which a shorter warm-up left to the timed prefill.
         measure(s, [prompts[0]], 4)
-        t0 = times() if times else None
+        r0 = reading()
         single = measure(s, [prompts[0]], a.decode)
-        t1 = times() if times else None
+        r1 = reading()
         both = measure(s, prompts, a.decode)
-        t2 = times() if times else None
+        r2 = reading()
+        ping = ping_ms(link) if link is not None else None
     finally:
         s.drain(30)
     out = {"single": single, "two_slots": both}
-    if times:
-        out["single"]["step"] = step_means(t0, t1)
-        out["two_slots"]["step"] = step_means(t1, t2)
+    if ping is not None:
+        out["ping_ms"] = ping
+    for phase, (b, e) in (("single", (r0, r1)), ("two_slots", (r1, r2))):
+        if times:
+            out[phase]["step"] = step_means(b[0], e[0])
+        for name in engines:
+            out[phase][f"{name}_engine"] = engine_means(b[1][name], e[1][name])
     return out
+
+
+def ping_ms(link, n: int = 20) -> float:
+    """Median round trip of an idle ping through the chain (sockets and the workers' loops, no GPU)."""
+    rtts = sorted(link.ping() for _ in range(n))
+    return round(1000 * rtts[n // 2], 3)
 
 
 def greedy_reference(engine, prompt: list[int], n: int) -> dict:
@@ -169,8 +205,11 @@ def summary(r: dict, prompt_len: int) -> dict:
     }
     out["two_slot_over_single"] = round(out["two_slot_aggregate_tok_s"] / out["single_tok_s"], 3)
     for phase in ("single", "two_slots"):
-        if "step" in r[phase]:
-            out[f"{phase}_step"] = r[phase]["step"]
+        for key, value in r[phase].items():
+            if key == "step" or key.endswith("_engine"):
+                out[f"{phase}_{key}"] = value
+    if "ping_ms" in r:
+        out["ping_ms"] = r["ping_ms"]
     return out
 
 
@@ -181,11 +220,56 @@ def worker_process(a, model: str, cut: int, n_layer: int, port: int) -> subproce
         cmd += ["--device", a.worker_device]
     if a.precise:
         cmd.append("--precise")
+    if a.spin_wait_us is not None:
+        cmd += ["--spin-wait-us", str(a.spin_wait_us)]
     env = dict(os.environ)
     for kv in a.worker_env:
         k, _, v = kv.partition("=")
         env[k] = v
     return subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, env=env)
+
+
+def socket_spin(a, engine) -> int:
+    """How long a stage's socket waits poll: ``--socket-spin-us``, else its engine's GPU waits' (as
+    ``qk.serve`` and ``qk.worker`` do)."""
+    return a.socket_spin_us if a.socket_spin_us is not None else int(engine.info()["spin_wait_us"])
+
+
+class InProcessWorker:
+    """The worker stage served from a thread of this process, with ``worker_process``'s interface."""
+
+    def __init__(self, a, cut: int, n_layer: int, port: int):
+        import threading
+
+        from qk import _qk
+        from qk.gguf import Gguf
+
+        spin = {} if a.spin_wait_us is None else {"spin_wait_us": a.spin_wait_us}
+        self.engine = _qk.Engine(
+            a.model,
+            layers=(cut, n_layer),
+            slots=2,
+            ctx=a.ctx,
+            device=a.worker_device if a.worker_device is not None else a.device,
+            precise=a.precise,
+            **spin,
+        )
+        fingerprint = Gguf(a.model, header_only=True).fingerprint
+        stage = _qk.EngineStage(self.engine, fingerprint, 16)
+        self.worker = _qk.Worker(
+            stage, port=port, name=f"127.0.0.1:{port}", spin_wait_us=socket_spin(a, self.engine)
+        )
+        self.thread = threading.Thread(target=self.worker.serve, name="bench-worker", daemon=True)
+        self.thread.start()
+
+    def poll(self):
+        return None if self.thread.is_alive() else 0
+
+    def terminate(self):
+        self.worker.stop()
+
+    def wait(self, timeout: float):
+        self.thread.join(timeout)
 
 
 def two_slot_limit(u: dict, s: dict) -> dict:
@@ -220,6 +304,21 @@ def main() -> None:
     ap.add_argument("--worker-device", default=None, help="the worker's adapter (default: the head's)")
     ap.add_argument("--precise", action="store_true", help="f32 throughout, on every stage")
     ap.add_argument("--lanes", default="1,2", help="split runs to make, by lanes (default: 1,2)")
+    ap.add_argument(
+        "--spin-wait-us", type=int, default=None, help="every engine's wait polling (default: the engine's)"
+    )
+    ap.add_argument(
+        "--socket-spin-us",
+        type=int,
+        default=None,
+        help="the head's and an in-process worker's socket waits' polling (default: their engines')",
+    )
+    ap.add_argument(
+        "--worker-in-process",
+        action="store_true",
+        help="serve the worker from a thread of this process: one device and queue for both stages "
+        "(no switch between two processes' GPU contexts), its engine's timing reported",
+    )
     ap.add_argument("--worker-env", action="append", default=[], help="K=V for the worker's environment")
     a = ap.parse_args()
     lanes = [int(x) for x in a.lanes.split(",")]
@@ -230,13 +329,14 @@ def main() -> None:
     from qk.split import SplitDriver, head_stage
 
     rng = np.random.default_rng(0)
-    whole = _qk.Engine(a.model, slots=2, ctx=a.ctx, device=a.device, precise=a.precise)
+    spin = {} if a.spin_wait_us is None else {"spin_wait_us": a.spin_wait_us}
+    whole = _qk.Engine(a.model, slots=2, ctx=a.ctx, device=a.device, precise=a.precise, **spin)
     info = whole.info()
     n_layer, vocab = int(info["n_layer"]), int(info["vocab"])
     cut = a.cut or n_layer // 2
     prompts = [[int(t) for t in rng.integers(0, vocab, a.prompt)] for _ in range(2)]
     references = {str(info["adapter"]): [greedy_reference(whole, p, a.decode) for p in prompts]}
-    unsplit = bench(LocalDriver(whole), a, prompts)
+    unsplit = bench(LocalDriver(whole), a, prompts, {"unsplit": whole})
     unsplit_timing = whole.last_step_timing()
     del whole
     worker_adapter = None
@@ -248,17 +348,30 @@ def main() -> None:
         del other
 
     port = free_port()
-    worker = worker_process(a, a.model, cut, n_layer, port)
+    if a.worker_in_process:
+        worker = InProcessWorker(a, cut, n_layer, port)
+        engines = {"worker": worker.engine}
+    else:
+        worker = worker_process(a, a.model, cut, n_layer, port)
+        engines = {}
     split: dict[int, dict] = {}
     head_timing = None
     try:
-        head = _qk.Engine(a.model, layers=(0, cut), slots=2, ctx=a.ctx, device=a.device, precise=a.precise)
+        head = _qk.Engine(
+            a.model, layers=(0, cut), slots=2, ctx=a.ctx, device=a.device, precise=a.precise, **spin
+        )
         fingerprint = Gguf(a.model, header_only=True).fingerprint
         for n in lanes:
             # A stopped scheduler closes its driver (and the driver its link), as a server's
             # shutdown does: each measurement gets a driver and a chain session of its own.
             own = head_stage(head, fingerprint, 4, "bench-head", 1)
-            link = _qk.HeadLink(f"127.0.0.1:{port}", own, connect_timeout=2.0, hello_timeout=600.0)
+            link = _qk.HeadLink(
+                f"127.0.0.1:{port}",
+                own,
+                connect_timeout=2.0,
+                hello_timeout=600.0,
+                spin_wait_us=socket_spin(a, head),
+            )
             driver = SplitDriver(head, link, ticker=False, lanes=n)
             deadline = time.monotonic() + 600
             while not driver.connect():
@@ -267,7 +380,7 @@ def main() -> None:
                 time.sleep(0.5)
             if worker_adapter is None:
                 worker_adapter = str(link.chain[0]["adapter"])
-            split[n] = bench(driver, a, prompts)
+            split[n] = bench(driver, a, prompts, {"head": head, **engines}, link)
             head_timing = head.last_step_timing()
     finally:
         worker.terminate()
@@ -289,6 +402,9 @@ def main() -> None:
         "n_layer": n_layer,
         "cut": cut,
         "precise": a.precise,
+        "spin_wait_us": a.spin_wait_us,
+        "worker_in_process": a.worker_in_process,
+        "socket_spin_us": a.socket_spin_us,
         "unsplit": u,
         "unsplit_last_step_us": unsplit_timing,
         "head_last_step_us": head_timing,

@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
@@ -95,6 +95,34 @@ pub struct StepTiming {
     pub wait_us: f64,
     /// The whole call, including unpacking the results.
     pub total_us: f64,
+    /// The step's commands had been recorded ahead, while the step before it ran.
+    pub ahead: bool,
+}
+
+/// Every decode step's [`StepTiming`] summed since the engine was loaded: the means of a run are
+/// the difference of two readings over its steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTotals {
+    pub steps: u64,
+    /// Steps whose commands had been recorded ahead.
+    pub ahead: u64,
+    pub rows: u64,
+    pub record_us: f64,
+    pub submit_us: f64,
+    pub wait_us: f64,
+    pub total_us: f64,
+}
+
+impl StepTotals {
+    fn add(&mut self, t: &StepTiming) {
+        self.steps += 1;
+        self.ahead += u64::from(t.ahead);
+        self.rows += u64::from(t.rows);
+        self.record_us += t.record_us;
+        self.submit_us += t.submit_us;
+        self.wait_us += t.wait_us;
+        self.total_us += t.total_us;
+    }
 }
 
 /// One op instance of a profiled step (or, aggregated over layers, one op family).
@@ -204,6 +232,7 @@ fn counter_delta(before: &CounterSnapshot, after: &CounterSnapshot) -> CounterSn
         submits: after.submits - before.submits,
         readbacks: after.readbacks - before.readbacks,
         dispatches: after.dispatches - before.dispatches,
+        spun_waits: after.spun_waits - before.spun_waits,
     }
 }
 
@@ -317,7 +346,15 @@ pub struct EngineOptions {
     /// with it). A shape's width fixes how a row's K is split, so it changes the op's last bits;
     /// the same for every batch.
     pub decode_shapes: Vec<(String, MatvecShape)>,
+    /// How long a decode step's wait for the GPU polls without sleeping before it blocks; None:
+    /// [`SPIN_WAIT`] on a GPU, zero on a CPU adapter (whose own threads need the cores a spinning
+    /// host would take). The same results either way: a speed choice.
+    pub spin_wait: Option<Duration>,
 }
+
+/// A decode step's spinning wait on a GPU: longer than any decode step, so a step never sleeps in
+/// the driver, short enough that an idle-looking wait does not hold a core for long.
+pub const SPIN_WAIT: Duration = Duration::from_millis(20);
 
 impl EngineOptions {
     /// The K and V cache types: as given, else f16 (llama.cpp's default), or f32 under `precise`.
@@ -338,8 +375,12 @@ pub struct Engine {
     scratch: Scratch,
     /// Most positions per prefill piece (`EngineOptions::prefill_rows`, a multiple of 64).
     prefill_rows: u32,
+    /// How long a decode step's wait polls before it blocks (`EngineOptions::spin_wait`).
+    spin_wait: Duration,
     snapshots: HashMap<u64, Snapshot>,
     last_step: Option<StepTiming>,
+    /// Every plain (not profiled) decode step's timing, summed.
+    step_totals: StepTotals,
     kv_types: (KvType, KvType),
     /// The decode step recorded while the previous one ran (see `submit_inner`).
     ahead: Option<Ahead>,
@@ -385,6 +426,8 @@ struct InFlight {
     started: Instant,
     submit_begin: Instant,
     submitted_at: Instant,
+    /// Recorded ahead, while the step before it ran.
+    ahead: bool,
 }
 
 /// What a recorded decode step is for: its rows' slots and positions, the top-k, and where its
@@ -508,6 +551,11 @@ impl Engine {
             },
             None => (PREFILL_PIECE, scratch_for(PREFILL_PIECE)?),
         };
+        let spin_wait = opts.spin_wait.unwrap_or(if gpu.adapter.device_type == "Cpu" {
+            Duration::ZERO
+        } else {
+            SPIN_WAIT
+        });
         let engine = Engine {
             gpu,
             model: Model {
@@ -525,6 +573,7 @@ impl Engine {
                 dense_group_cols,
                 decode_shapes: opts.decode_shapes.clone(),
             },
+            spin_wait,
             kv_types: (k_type, v_type),
             layers,
             slots,
@@ -532,6 +581,7 @@ impl Engine {
             prefill_rows,
             snapshots: HashMap::new(),
             last_step: None,
+            step_totals: StepTotals::default(),
             ahead: None,
             in_flight: VecDeque::new(),
             next_step_id: 0,
@@ -563,6 +613,11 @@ impl Engine {
     /// Most positions per prefill piece (one readback each).
     pub fn prefill_rows(&self) -> u32 {
         self.prefill_rows
+    }
+
+    /// How long a decode step's wait polls before it blocks.
+    pub fn spin_wait(&self) -> Duration {
+        self.spin_wait
     }
 
     pub fn n_slots(&self) -> usize {
@@ -760,6 +815,7 @@ impl Engine {
             submit_us: submit.submit_ns / 1e3,
             wait_us: submit.wait_ns / 1e3,
             total_us,
+            ahead: false,
         };
         let profile = StepProfile {
             rows,
@@ -961,6 +1017,11 @@ impl Engine {
         self.last_step
     }
 
+    /// Every decode step's host timing summed since load (profiled steps left out).
+    pub fn step_totals(&self) -> StepTotals {
+        self.step_totals
+    }
+
     /// [`Engine::step`] with every dispatch labelled and, where the adapter has timestamp queries,
     /// timed on the GPU (one pass per dispatch; results are the same bytes as `step`'s). Creates
     /// query sets and buffers, so it is for measurement, not for serving.
@@ -970,14 +1031,14 @@ impl Engine {
         input: StageInput<'_>,
         topk: u32,
     ) -> Result<(Vec<StageOutput>, StepProfile)> {
-        let normal = self.last_step;
+        let (normal, totals) = (self.last_step, self.step_totals);
         let before = self.gpu.counters();
         let f = self.submit_inner(slots, StepFeed::Rows(input), topk, true, false)?;
         let (out, submit, timing) = self.collect_inner(f)?;
         let after = self.gpu.counters();
         let submit =
             submit.ok_or_else(|| QkError::Engine("profiling recorder returned no profile".into()))?;
-        self.last_step = normal;
+        (self.last_step, self.step_totals) = (normal, totals);
         let counters = counter_delta(&before, &after);
         let profile = StepProfile {
             rows: slots.len() as u32,
@@ -1073,6 +1134,7 @@ impl Engine {
             }
             None => None,
         };
+        let was_ahead = ahead.is_some();
         let (encoded, tickets) = match ahead {
             Some(a) => (a.encoded, a.tickets),
             None => self.record_step(&shape, profile)?,
@@ -1113,6 +1175,7 @@ impl Engine {
             started,
             submit_begin,
             submitted_at,
+            ahead: was_ahead,
         })
     }
 
@@ -1128,9 +1191,10 @@ impl Engine {
             started,
             submit_begin,
             submitted_at,
+            ahead,
             ..
         } = f;
-        let (out, finished) = submitted.wait(&self.gpu)?;
+        let (out, finished) = submitted.wait_spinning(&self.gpu, self.spin_wait)?;
         let n = shape.slots.len();
         let e = self.model.cfg.n_embd as usize;
         let (last, k) = (self.is_last(), shape.k);
@@ -1162,8 +1226,10 @@ impl Engine {
             submit_us: us(submit_begin, submitted_at),
             wait_us: us(submitted_at, finished.done),
             total_us: us(started, Instant::now()),
+            ahead,
         };
         self.last_step = Some(timing);
+        self.step_totals.add(&timing);
         Ok((results, finished.profile, timing))
     }
 

@@ -48,6 +48,38 @@ def test_split_bench_runs_both_lane_settings_to_the_end():
 
 
 @pytest.mark.timeout(600)
+def test_split_bench_with_the_worker_in_process_times_each_stage(tmp_path):
+    out = run_bench(
+        "benches/split_bench.py",
+        str(FIXTURE),
+        *("--prompt", "16", "--decode", "3", "--ctx", "128", "--lanes", "1", "--worker-in-process"),
+        # Both ends of the link poll their sockets a while before they sleep.
+        *("--socket-spin-us", "2000"),
+    )
+    assert out["tokens_identical"] is True and out["worker_in_process"] is True
+    assert out["socket_spin_us"] == 2000
+    split = out["split_lanes1"]
+    assert split["ping_ms"] > 0
+    for stage in ("head", "worker"):
+        timing = split[f"single_{stage}_engine"]
+        # Every stage stepped once per token after the first (the prefill's answer).
+        assert timing["steps"] == 2 and timing["total_us"] >= timing["wait_us"] > 0
+    assert out["unsplit"]["single_unsplit_engine"]["steps"] > 0
+    # The device script's one-line summary reads the same JSON.
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps(out))
+    line = subprocess.run(
+        [sys.executable, "benches/split_summary.py", "in-process", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert line.startswith("in-process: unsplit ") and "worker engine" in line
+    assert line.rstrip().endswith("tokens identical True")
+
+
+@pytest.mark.timeout(600)
 def test_engine_bench_with_profile_prints_its_json():
     out = run_bench(
         "benches/engine_bench.py",

@@ -395,6 +395,35 @@ def test_dense_group_cols_is_a_speed_choice():
             qk.Engine(path, slots=1, ctx=512, dense_group_cols=bad)
 
 
+def test_spin_wait_is_a_speed_choice():
+    """spin_wait_us: how long a decode step's wait polls the device before it sleeps in the driver.
+    By default 0 on a CPU adapter (its own threads need the cores a polling host would take) and
+    20 ms on a GPU. Given, each step's wait ends while polling (the spun_waits counter) and every
+    slot's ids and top-k logits are the same bits as a sleeping wait's. A negative value is refused."""
+    qk = _qk()
+    name = QUANT[0]
+    path = str(FIXTURES / f"{name}.gguf")
+    base = engine(name, slots=8)
+    adapter = next(a for a in qk.adapters() if a["name"] == base.info()["adapter"])
+    assert base.info()["spin_wait_us"] == (0 if adapter["device_type"] == "Cpu" else 20_000)
+    spinning = qk.Engine(path, slots=8, ctx=512, precise=True, spin_wait_us=10_000_000)
+    assert spinning.info()["spin_wait_us"] == 10_000_000
+    toks = prompt(name)
+    prompts = [toks[4 * s : 4 * s + 17 + s] for s in range(8)]
+    slots = [6, 1, 0, 3]
+    runs, spun = [], []
+    for eng, us in ((base, 0), (spinning, None)):
+        if us == 0 and base.info()["spin_wait_us"]:
+            eng = qk.Engine(path, slots=8, ctx=512, precise=True, spin_wait_us=0)
+        before = eng.counters()["spun_waits"]
+        runs.append(greedy_steps(eng, slots, prompts, n=4))
+        spun.append(eng.counters()["spun_waits"] - before)
+    assert runs[1] == runs[0]
+    assert spun == [0, 4]
+    with pytest.raises(qk.EngineError, match="spin_wait_us"):
+        qk.Engine(path, slots=1, ctx=512, spin_wait_us=-1)
+
+
 def test_decode_shapes_shape_the_named_ops():
     """decode_shapes gives a decode step's mat-vecs (by their profile op names) a launch shape at
     every slot count: their dispatches run in that shape's workgroups, the greedy tokens equal the

@@ -114,7 +114,9 @@ def _split_loader(
             engine, fingerprint, args.snapshots, f"head {args.host}:{args.port}", random.getrandbits(63) + 1
         )
         secret = args.secret if args.secret is not None else os.environ.get("QK_SECRET") or None
-        link = _qk.HeadLink(next_addr, own, secret=secret, takeover=args.takeover)
+        # The link waits for the chain's reply as the engine waits for the GPU (polling on a GPU).
+        spin = int(engine.info()["spin_wait_us"])
+        link = _qk.HeadLink(next_addr, own, secret=secret, takeover=args.takeover, spin_wait_us=spin)
         driver = SplitDriver(engine, link, target=next_addr, lanes=args.lanes)
         driver.connect()
         return Loaded(driver, tokenizer, name, str(path))

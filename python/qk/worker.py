@@ -51,8 +51,16 @@ def _prefill_rows(text: str) -> int:
     return n
 
 
+def _microseconds(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative")
+    return n
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """``--cache-type-k`` / ``--cache-type-v`` / ``--prefill-rows``, shared with ``qk.serve``."""
+    """``--cache-type-k`` / ``--cache-type-v`` / ``--prefill-rows`` / ``--spin-wait-us``, shared with
+    ``qk.serve``."""
     p.add_argument(
         "--cache-type-k", choices=("f16", "q8_0", "f32"), help="K cache element type (default f16)"
     )
@@ -63,6 +71,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="positions per prefill piece, a multiple of 64 (default: 2048 on a discrete GPU where its "
         "scratch fits, else 512); outputs are the same whatever it is, the scratch grows with it",
     )
+    p.add_argument(
+        "--spin-wait-us",
+        type=_microseconds,
+        help="microseconds a decode step's wait for the GPU polls without sleeping before it blocks "
+        "(default 20000 on a GPU, 0 on a CPU adapter); 0 frees the core at some cost per token",
+    )
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, str | int]:
@@ -72,6 +86,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, str | int]:
         "cache_type_k": args.cache_type_k,
         "cache_type_v": args.cache_type_v,
         "prefill_rows": args.prefill_rows,
+        "spin_wait_us": args.spin_wait_us,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -119,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_stage(args: argparse.Namespace) -> Any:
-    """The engine for ``--layers`` as the native stage the worker serves."""
+def load_stage(args: argparse.Namespace) -> tuple[Any, int]:
+    """The engine for ``--layers`` as the native stage the worker serves, and how long the engine's
+    waits poll before they sleep (the worker's socket waits do the same)."""
     try:
         from qk import _qk
     except ImportError as e:
@@ -138,7 +154,7 @@ def load_stage(args: argparse.Namespace) -> Any:
         precise=args.precise,
         **engine_args(args),
     )
-    return _qk.EngineStage(engine, fingerprint, args.snapshots)
+    return _qk.EngineStage(engine, fingerprint, args.snapshots), int(engine.info()["spin_wait_us"])
 
 
 def __getattr__(name: str) -> Any:
@@ -163,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--port {args.port} is not a TCP port")
     if args.pre_auth_timeout <= 0 or args.max_pending < 1:
         parser.error("--pre-auth-timeout must be > 0 and --max-pending ≥ 1")
-    stage = load_stage(args)
+    stage, spin = load_stage(args)
 
     from qk import _qk
 
@@ -177,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         takeover_next=args.takeover,
         pre_auth_timeout=args.pre_auth_timeout,
         max_pending=args.max_pending,
+        spin_wait_us=spin,
     )
     # serve() blocks in Rust with the GIL released; the main thread stays in Python to take signals.
     errors: list[BaseException] = []

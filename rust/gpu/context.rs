@@ -75,6 +75,7 @@ pub(crate) struct Counters {
     pub submits: AtomicU64,
     pub readbacks: AtomicU64,
     pub dispatches: AtomicU64,
+    pub spun_waits: AtomicU64,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,6 +86,8 @@ pub struct CounterSnapshot {
     pub submits: u64,
     pub readbacks: u64,
     pub dispatches: u64,
+    /// Waits that saw the GPU finish while polling, never sleeping in the driver.
+    pub spun_waits: u64,
 }
 
 impl Counters {
@@ -101,6 +104,7 @@ impl Counters {
             submits: r(&self.submits),
             readbacks: r(&self.readbacks),
             dispatches: r(&self.dispatches),
+            spun_waits: r(&self.spun_waits),
         }
     }
 }
@@ -348,6 +352,14 @@ impl Gpu {
                 submission_index: Some(index),
                 timeout: None,
             })
+            .map(|_| ())
+            .map_err(|e| QkError::DeviceLost(format!("poll: {e}")))
+    }
+
+    /// Check once, without blocking, what the GPU has finished, and run the callbacks due.
+    pub fn poll_once(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::Poll)
             .map(|_| ())
             .map_err(|e| QkError::DeviceLost(format!("poll: {e}")))
     }

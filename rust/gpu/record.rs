@@ -3,7 +3,9 @@
 //! recorder also labels every dispatch and, where the adapter has timestamp queries, times each
 //! one on the GPU (one pass per dispatch, its begin/end timestamps).
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use super::buffers::{Binding, GpuBuffer};
 use super::context::{Counters, Gpu};
@@ -373,6 +375,9 @@ pub struct Submitted {
     timestamps: Option<wgpu::Buffer>,
     encoded: Instant,
     submitted: Instant,
+    /// Set by the queue once everything submitted up to these commands has finished: what a
+    /// spinning wait watches.
+    done: Arc<AtomicBool>,
 }
 
 impl Encoded {
@@ -380,6 +385,12 @@ impl Encoded {
     pub fn submit(self, gpu: &Gpu) -> Submitted {
         let index = gpu.queue.submit([self.commands]);
         Counters::bump(&gpu.counters.submits);
+        let done = Arc::new(AtomicBool::new(false));
+        {
+            let done = Arc::clone(&done);
+            gpu.queue
+                .on_submitted_work_done(move || done.store(true, Ordering::Release));
+        }
         let submitted = Instant::now();
         let total: u64 = self.sizes.iter().sum();
         let mapped = self.staging.as_ref().map(|st| {
@@ -398,6 +409,7 @@ impl Encoded {
             timestamps: self.timestamps,
             encoded: self.encoded,
             submitted,
+            done,
         }
     }
 
@@ -413,6 +425,25 @@ impl Submitted {
     /// Wait for these commands (and so everything submitted before them; not what was submitted
     /// since) and return the readbacks in order.
     pub fn wait(self, gpu: &Gpu) -> Result<(Vec<Vec<u8>>, Finished)> {
+        self.wait_spinning(gpu, Duration::ZERO)
+    }
+
+    /// [`Submitted::wait`], polling the device without sleeping for up to `spin` before blocking:
+    /// a blocking wait sleeps in the driver and wakes some time after the GPU is done, which a
+    /// decode step that must read its result back before the next one pays every token.
+    pub fn wait_spinning(self, gpu: &Gpu, spin: Duration) -> Result<(Vec<Vec<u8>>, Finished)> {
+        if !spin.is_zero() {
+            let deadline = Instant::now() + spin;
+            while !self.done.load(Ordering::Acquire) && Instant::now() < deadline {
+                gpu.poll_once()?;
+                std::hint::spin_loop();
+            }
+            if self.done.load(Ordering::Acquire) {
+                Counters::bump(&gpu.counters.spun_waits);
+            }
+        }
+        // Done by now, or the spin ran out: returns at once in the first case (and runs the map
+        // callbacks if the poll that saw the work done had not yet).
         gpu.wait_for(self.index)?;
         let mut out = Vec::with_capacity(self.sizes.len());
         if let (Some(st), Some(rx)) = (self.staging, self.mapped) {

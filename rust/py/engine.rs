@@ -35,6 +35,8 @@ use crate::transport::engine_stage::lock_engine;
 /// shape of a decode step's mat-vecs by profile op name ("dn.qkvz", "attn.qkv", "moe.router_mv",
 /// "dn.out", "moe.gate_up", "moe.down", ...; the last value: where IQ4_XS values are looked up), at
 /// every slot count: for benches comparing shapes in the engine; it changes those ops' last bits.
+/// `spin_wait_us`: how long a decode step's wait for the GPU polls without sleeping before it
+/// blocks (default 20,000 on a GPU, 0 on a CPU adapter); a speed choice with the same bytes.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -122,7 +124,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None, spin_wait_us = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -139,6 +141,7 @@ impl PyEngine {
         attention_walk: Option<Vec<u32>>,
         dense_group_cols: Option<u32>,
         decode_shapes: Option<BTreeMap<String, Bound<'_, PyAny>>>,
+        spin_wait_us: Option<i64>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -158,6 +161,15 @@ impl PyEngine {
                 .into_iter()
                 .map(|(op, shape)| Ok((op, shape_from(&shape)?)))
                 .collect::<PyResult<_>>()?,
+            spin_wait: spin_wait_us
+                .map(|us| {
+                    u64::try_from(us)
+                        .map(std::time::Duration::from_micros)
+                        .map_err(|_| {
+                            crate::QkError::Engine(format!("spin_wait_us must be 0 or more, not {us}"))
+                        })
+                })
+                .transpose()?,
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {
@@ -296,6 +308,22 @@ impl PyEngine {
         t.map(|t| timing_dict(py, &t)).transpose()
     }
 
+    /// Every decode step's host timing summed since load: steps, ahead (steps recorded while the
+    /// one before ran), rows, record_us, submit_us, wait_us, total_us; a run's means are the
+    /// difference of two readings divided by its steps.
+    fn step_totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = self.lock()?.step_totals();
+        let d = PyDict::new(py);
+        d.set_item("steps", t.steps)?;
+        d.set_item("ahead", t.ahead)?;
+        d.set_item("rows", t.rows)?;
+        d.set_item("record_us", t.record_us)?;
+        d.set_item("submit_us", t.submit_us)?;
+        d.set_item("wait_us", t.wait_us)?;
+        d.set_item("total_us", t.total_us)?;
+        Ok(d)
+    }
+
     /// Logits [n, vocab] (float32) of positions [base, base + n) of `slot` (tests).
     #[pyo3(signature = (slot, tokens, base = 0))]
     fn logits<'py>(
@@ -329,7 +357,8 @@ impl PyEngine {
         Ok(self.lock()?.state_drop(idx)?)
     }
 
-    /// arch, layers, n_layer, n_embd, vocab, slots, ctx, adapter, cache_type_k, cache_type_v,
+    /// arch, layers, n_layer, n_embd, vocab, slots, ctx, prefill_rows, spin_wait_us, adapter,
+    /// cache_type_k, cache_type_v,
     /// memory (bytes; kv_per_slot is every local attention layer's K and V at full ctx).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let eng = self.lock()?;
@@ -344,6 +373,7 @@ impl PyEngine {
         d.set_item("slots", eng.n_slots())?;
         d.set_item("ctx", eng.ctx())?;
         d.set_item("prefill_rows", eng.prefill_rows())?;
+        d.set_item("spin_wait_us", eng.spin_wait().as_micros() as u64)?;
         d.set_item("adapter", eng.gpu.adapter.name.clone())?;
         d.set_item("unchecked_shaders", eng.gpu.unchecked_shaders)?;
         let (k_type, v_type) = eng.kv_types();
@@ -361,7 +391,8 @@ impl PyEngine {
         Ok(d)
     }
 
-    /// Cumulative GPU counters: pipelines, bind_groups, buffers, submits, readbacks, dispatches.
+    /// Cumulative GPU counters: pipelines, bind_groups, buffers, submits, readbacks, dispatches,
+    /// spun_waits (waits that saw the GPU finish while polling, see `spin_wait_us`).
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.lock()?.counters();
         let d = PyDict::new(py);
@@ -371,6 +402,7 @@ impl PyEngine {
         d.set_item("submits", c.submits)?;
         d.set_item("readbacks", c.readbacks)?;
         d.set_item("dispatches", c.dispatches)?;
+        d.set_item("spun_waits", c.spun_waits)?;
         Ok(d)
     }
 }
@@ -475,6 +507,7 @@ fn timing_dict<'py>(py: Python<'py>, t: &StepTiming) -> PyResult<Bound<'py, PyDi
     d.set_item("submit_us", t.submit_us)?;
     d.set_item("wait_us", t.wait_us)?;
     d.set_item("total_us", t.total_us)?;
+    d.set_item("ahead", t.ahead)?;
     Ok(d)
 }
 

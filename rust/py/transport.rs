@@ -462,9 +462,11 @@ pub(super) fn seconds(what: &str, s: f64) -> PyResult<Duration> {
         .map_err(|_| PyValueError::new_err(format!("{what}: {s} is not a duration in seconds")))
 }
 
-/// The `*_timeout` keyword arguments, in seconds: connect, hello, pre_auth, base, per_row.
-fn timeouts_from(t: [f64; 5]) -> PyResult<Timeouts> {
+/// The `*_timeout` keyword arguments, in seconds: connect, hello, pre_auth, base, per_row; and
+/// `spin_wait_us`, how long a wait for the peer polls the socket before it sleeps.
+fn timeouts_from(t: [f64; 5], spin_wait_us: u64) -> PyResult<Timeouts> {
     Ok(Timeouts {
+        spin: Duration::from_micros(spin_wait_us),
         connect: seconds("connect_timeout", t[0])?,
         hello: seconds("hello_timeout", t[1])?,
         pre_auth: seconds("pre_auth_timeout", t[2])?,
@@ -512,7 +514,9 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// ``qk.TransportError`` with the failing stage's name. Calls release the GIL while they wait.
 ///
 /// ``own`` is the head's stage description (the dict keys of a hello_reply stage). One call runs at
-/// a time; the others (getters included) wait for it without holding the GIL.
+/// a time; the others (getters included) wait for it without holding the GIL. ``spin_wait_us``: how
+/// long a wait for the chain's reply polls the socket before it sleeps (0: at once; a head on a GPU
+/// passes its engine's ``spin_wait_us``).
 #[pyclass(name = "HeadLink", module = "qk._qk", frozen)]
 pub(super) struct PyHeadLink {
     /// Shared with the `SplitHead` built on this link, whose link thread makes the calls.
@@ -538,7 +542,7 @@ impl PyHeadLink {
 impl PyHeadLink {
     #[new]
     #[pyo3(signature = (next, own, *, secret=None, takeover=false, connect_timeout=5.0, hello_timeout=30.0,
-        base_timeout=30.0, per_row_timeout=0.02, backoff_min=0.25, backoff_max=10.0))]
+        base_timeout=30.0, per_row_timeout=0.02, backoff_min=0.25, backoff_max=10.0, spin_wait_us=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         next: &str,
@@ -551,19 +555,23 @@ impl PyHeadLink {
         per_row_timeout: f64,
         backoff_min: f64,
         backoff_max: f64,
+        spin_wait_us: u64,
     ) -> PyResult<PyHeadLink> {
         let mut cfg = HeadConfig::new(next, stage_from(own)?);
         cfg.secret = secret_bytes(secret)?;
         cfg.takeover = takeover;
         // A head accepts no connections: the pre-auth bound is a worker's.
         let pre_auth = cfg.timeouts.pre_auth.as_secs_f64();
-        cfg.timeouts = timeouts_from([
-            connect_timeout,
-            hello_timeout,
-            pre_auth,
-            base_timeout,
-            per_row_timeout,
-        ])?;
+        cfg.timeouts = timeouts_from(
+            [
+                connect_timeout,
+                hello_timeout,
+                pre_auth,
+                base_timeout,
+                per_row_timeout,
+            ],
+            spin_wait_us,
+        )?;
         cfg.backoff_min = seconds("backoff_min", backoff_min)?;
         cfg.backoff_max = seconds("backoff_max", backoff_max)?;
         Ok(PyHeadLink {
@@ -709,7 +717,8 @@ const _: () = assert!(crate::transport::worker::MAX_PENDING == 16);
 /// next stage (None for the last stage); ``secret`` (str or bytes) is proved on both of its hops.
 /// Before a peer has proved the secret, only hello-sized frames are read from it, it has
 /// ``pre_auth_timeout`` seconds for its hello and proof, and at most ``max_pending`` connections may
-/// be in their hello at once (more are refused at accept).
+/// be in their hello at once (more are refused at accept). ``spin_wait_us``: how long a wait for the
+/// next request (or the next stage's reply) polls the socket before it sleeps (0: at once).
 #[pyclass(name = "Worker", module = "qk._qk", frozen)]
 struct PyWorker {
     listener: Mutex<Option<TcpListener>>,
@@ -724,7 +733,7 @@ impl PyWorker {
     #[new]
     #[pyo3(signature = (stage, *, host="127.0.0.1", port=0, name=None, secret=None, next=None,
         takeover_next=true, connect_timeout=5.0, hello_timeout=30.0, pre_auth_timeout=5.0, base_timeout=30.0,
-        per_row_timeout=0.02, max_pending=16))]
+        per_row_timeout=0.02, max_pending=16, spin_wait_us=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         stage: &Bound<'_, PyAny>,
@@ -740,6 +749,7 @@ impl PyWorker {
         base_timeout: f64,
         per_row_timeout: f64,
         max_pending: usize,
+        spin_wait_us: u64,
     ) -> PyResult<PyWorker> {
         let stage = super::stage::stage_of(stage)?;
         let listener = TcpListener::bind((host, port))
@@ -754,13 +764,16 @@ impl PyWorker {
         }
         cfg.next = next;
         cfg.takeover_next = takeover_next;
-        cfg.timeouts = timeouts_from([
-            connect_timeout,
-            hello_timeout,
-            pre_auth_timeout,
-            base_timeout,
-            per_row_timeout,
-        ])?;
+        cfg.timeouts = timeouts_from(
+            [
+                connect_timeout,
+                hello_timeout,
+                pre_auth_timeout,
+                base_timeout,
+                per_row_timeout,
+            ],
+            spin_wait_us,
+        )?;
         if max_pending == 0 {
             return Err(PyValueError::new_err("max_pending must be at least 1"));
         }

@@ -46,6 +46,11 @@ pub struct Timeouts {
     pub pre_auth: Duration,
     pub base: Duration,
     pub per_row: Duration,
+    /// How long a wait for the peer's next message first polls the socket without sleeping: a
+    /// thread asleep for the milliseconds of a decode step wakes late (its core idled), which a
+    /// split pays twice per token. Zero by default; a stage on a GPU takes its engine's
+    /// `spin_wait` (a CPU adapter's threads need the cores).
+    pub spin: Duration,
 }
 
 impl Default for Timeouts {
@@ -57,6 +62,7 @@ impl Default for Timeouts {
             pre_auth: Duration::from_secs(5),
             base: Duration::from_secs(30),
             per_row: Duration::from_millis(20),
+            spin: Duration::ZERO,
         }
     }
 }
@@ -266,6 +272,7 @@ impl Conn {
     /// Read a header's bytes: the first byte may take `wait` (None: forever — a worker idles between
     /// requests), the rest must follow within `timeouts.base`.
     fn read_header_bytes(&mut self, wait: Option<Duration>) -> Result<[u8; HEADER_LEN]> {
+        self.spin_until_readable(self.timeouts.spin.min(wait.unwrap_or(Duration::MAX)));
         let mut head = [0u8; HEADER_LEN];
         self.read_by(
             &mut head[..1],
@@ -323,6 +330,32 @@ impl Conn {
             )));
         }
         self.read_payload(&h, deadline)
+    }
+
+    /// Poll the socket without sleeping until a byte (or the peer's close, or an error, which the
+    /// read after reports) is waiting, for at most `spin`; whether one is.
+    pub fn spin_until_readable(&mut self, spin: Duration) -> bool {
+        if spin.is_zero() || self.stream.set_nonblocking(true).is_err() {
+            return false;
+        }
+        let deadline = Instant::now() + spin;
+        let mut byte = [0u8; 1];
+        let ready = loop {
+            match self.stream.peek(&mut byte) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                _ => break true,
+            }
+            if Instant::now() >= deadline {
+                break false;
+            }
+            std::hint::spin_loop();
+        };
+        // A socket left non-blocking would turn the timed reads after into instant failures.
+        if self.stream.set_nonblocking(false).is_err() {
+            return false;
+        }
+        ready
     }
 
     /// Whether a message (or the peer's close) is waiting, after waiting at most `timeout` (at

@@ -486,8 +486,12 @@ impl Server<'_> {
     /// ERROR) or a stop ends an idle session within `SESSION_POLL`. A takeover is noticed before a
     /// request that came with it is served: the old head gets the ERROR as that request's reply.
     fn next_request(&self, conn: &mut Conn, ticket: &SessionTicket) -> std::result::Result<Message, Waited> {
+        // Polled first: in a decode the next request comes within a step.
+        let mut ready = conn.spin_until_readable(conn.timeouts().spin);
         loop {
-            let ready = conn.readable_within(SESSION_POLL).map_err(Waited::Failed)?;
+            if !ready {
+                ready = conn.readable_within(SESSION_POLL).map_err(Waited::Failed)?;
+            }
             if let Some(takeover) = ticket.taken_over() {
                 return Err(Waited::TakenOver(takeover.error(self.name())));
             }

@@ -60,6 +60,7 @@ fn load(name: &str, layers: Option<(u32, u32)>, ctx: u32, precise: bool) -> Opti
             attention_walk: None,
             dense_group_cols: None,
             decode_shapes: Vec::new(),
+            spin_wait: None,
         },
     )
 }
@@ -295,6 +296,7 @@ fn fast_engine_matches_precise_on_quantised_fixture() {
         attention_walk: None,
         dense_group_cols: None,
         decode_shapes: Vec::new(),
+        spin_wait: None,
     };
     let Some(mut fast) = load_with(name, f32_cache) else {
         return;
@@ -351,6 +353,7 @@ fn load_piece(name: &str, prefill_rows: Option<u32>) -> Option<Engine> {
             attention_walk: None,
             dense_group_cols: None,
             decode_shapes: Vec::new(),
+            spin_wait: None,
         },
     )
 }
@@ -409,6 +412,7 @@ fn prefill_rows_must_be_whole_chunks() {
                 attention_walk: None,
                 dense_group_cols: None,
                 decode_shapes: Vec::new(),
+                spin_wait: None,
             },
             &mut |_| {},
         ) {

@@ -760,6 +760,7 @@ fn quick() -> Timeouts {
         pre_auth: Duration::from_secs(5),
         base: Duration::from_secs(5),
         per_row: Duration::from_millis(1),
+        spin: Duration::ZERO,
     }
 }
 
@@ -1537,4 +1538,49 @@ fn takeover_times_are_rfc3339_utc() {
         utc_timestamp(SystemTime::UNIX_EPOCH - Duration::from_secs(5)),
         "1970-01-01T00:00:00Z"
     );
+}
+
+#[test]
+fn a_spinning_wait_reads_what_a_sleeping_one_does_and_keeps_its_limits() {
+    // A peer answering each PING after a pause: none, longer than the spin (the wait goes on
+    // asleep), none; then never again.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let peer = thread::spawn(move || {
+        let mut conn = Conn::accept(&listener, quick()).unwrap();
+        for pause in [0u64, 60, 0] {
+            let Message::Ping { seq } = conn.recv(None).unwrap() else {
+                panic!("not a ping")
+            };
+            thread::sleep(Duration::from_millis(pause));
+            conn.send(&Message::Pong { seq }).unwrap();
+        }
+        conn.recv(None).unwrap()
+    });
+    let spin = Duration::from_millis(20);
+    let mut conn = Conn::connect(&addr, Timeouts { spin, ..quick() }).unwrap();
+    assert!(
+        !conn.spin_until_readable(Duration::from_millis(5)),
+        "nothing sent yet"
+    );
+    for seq in 0..3 {
+        let rtt = conn.ping(seq).unwrap();
+        if seq == 1 {
+            assert!(rtt >= Duration::from_millis(60), "{rtt:?}");
+        }
+    }
+    // Past the spin, the wait is the blocking one with its own limit.
+    let start = Instant::now();
+    let e = conn
+        .recv(Some(Duration::from_millis(150)))
+        .unwrap_err()
+        .to_string();
+    let took = start.elapsed();
+    assert!(e.contains("waiting for a message"), "{e}");
+    assert!(
+        took >= Duration::from_millis(140) && took < Duration::from_secs(2),
+        "{took:?}"
+    );
+    conn.send(&Message::Close).unwrap();
+    assert_eq!(peer.join().unwrap(), Message::Close);
 }

@@ -273,6 +273,7 @@ fn timeouts() -> Timeouts {
         pre_auth: Duration::from_secs(5),
         base: Duration::from_secs(5),
         per_row: Duration::from_millis(1),
+        spin: Duration::ZERO,
     }
 }
 
@@ -1104,6 +1105,7 @@ fn fixture_engine(layers: Option<(u32, u32)>) -> Option<qk::engine::Engine> {
         attention_walk: None,
         dense_group_cols: None,
         decode_shapes: Vec::new(),
+        spin_wait: None,
     };
     match qk::engine::Engine::load(path, &opts, &mut |_| {}) {
         Ok(e) => Some(e),
