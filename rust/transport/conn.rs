@@ -272,13 +272,11 @@ impl Conn {
     /// Read a header's bytes: the first byte may take `wait` (None: forever — a worker idles between
     /// requests), the rest must follow within `timeouts.base`.
     fn read_header_bytes(&mut self, wait: Option<Duration>) -> Result<[u8; HEADER_LEN]> {
+        // The polling counts towards `wait`: one deadline for both.
+        let deadline = wait.map(|w| Instant::now() + w);
         self.spin_until_readable(self.timeouts.spin.min(wait.unwrap_or(Duration::MAX)));
         let mut head = [0u8; HEADER_LEN];
-        self.read_by(
-            &mut head[..1],
-            wait.map(|w| Instant::now() + w),
-            "waiting for a message",
-        )?;
+        self.read_by(&mut head[..1], deadline, "waiting for a message")?;
         let deadline = Instant::now() + self.timeouts.base;
         self.read_by(&mut head[1..], Some(deadline), "reading a frame header")?;
         Ok(head)
