@@ -433,8 +433,9 @@ impl Submitted {
     /// decode step that must read its result back before the next one pays every token.
     pub fn wait_spinning(self, gpu: &Gpu, spin: Duration) -> Result<(Vec<Vec<u8>>, Finished)> {
         if !spin.is_zero() {
-            let deadline = Instant::now() + spin;
-            while !self.done.load(Ordering::Acquire) && Instant::now() < deadline {
+            // A spin too long for the clock polls until the work is done.
+            let deadline = Instant::now().checked_add(spin);
+            while !self.done.load(Ordering::Acquire) && deadline.is_none_or(|d| Instant::now() < d) {
                 gpu.poll_once()?;
                 std::hint::spin_loop();
             }

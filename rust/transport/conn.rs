@@ -336,7 +336,8 @@ impl Conn {
         if spin.is_zero() || self.stream.set_nonblocking(true).is_err() {
             return false;
         }
-        let deadline = Instant::now() + spin;
+        // A spin too long for the clock polls until something comes.
+        let deadline = Instant::now().checked_add(spin);
         let mut byte = [0u8; 1];
         let ready = loop {
             match self.stream.peek(&mut byte) {
@@ -344,7 +345,7 @@ impl Conn {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 _ => break true,
             }
-            if Instant::now() >= deadline {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
                 break false;
             }
             std::hint::spin_loop();
