@@ -1584,3 +1584,27 @@ fn a_spinning_wait_reads_what_a_sleeping_one_does_and_keeps_its_limits() {
     conn.send(&Message::Close).unwrap();
     assert_eq!(peer.join().unwrap(), Message::Close);
 }
+
+#[test]
+fn a_peer_that_closes_while_the_wait_polls_is_reported_at_once() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let peer = thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        thread::sleep(Duration::from_millis(20));
+        drop(s);
+    });
+    let mut conn = Conn::connect(
+        &addr,
+        Timeouts {
+            spin: Duration::from_secs(5),
+            ..quick()
+        },
+    )
+    .unwrap();
+    let start = Instant::now();
+    let e = conn.recv(Some(Duration::from_secs(5))).unwrap_err().to_string();
+    assert!(e.contains("closed"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(2), "{:?}", start.elapsed());
+    peer.join().unwrap();
+}
