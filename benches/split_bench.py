@@ -229,6 +229,11 @@ def worker_process(a, model: str, cut: int, n_layer: int, port: int) -> subproce
     return subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, env=env)
 
 
+def spin_option(a) -> dict:
+    """The engines' keyword for ``--spin-wait-us``: none when not given (the engine's default)."""
+    return {} if a.spin_wait_us is None else {"spin_wait_us": a.spin_wait_us}
+
+
 def socket_spin(a, engine) -> int:
     """How long a stage's socket waits poll: ``--socket-spin-us``, else its engine's GPU waits' (as
     ``qk.serve`` and ``qk.worker`` do)."""
@@ -244,7 +249,6 @@ class InProcessWorker:
         from qk import _qk
         from qk.gguf import Gguf
 
-        spin = {} if a.spin_wait_us is None else {"spin_wait_us": a.spin_wait_us}
         self.engine = _qk.Engine(
             a.model,
             layers=(cut, n_layer),
@@ -252,7 +256,7 @@ class InProcessWorker:
             ctx=a.ctx,
             device=a.worker_device if a.worker_device is not None else a.device,
             precise=a.precise,
-            **spin,
+            **spin_option(a),
         )
         fingerprint = Gguf(a.model, header_only=True).fingerprint
         stage = _qk.EngineStage(self.engine, fingerprint, 16)
@@ -329,7 +333,7 @@ def main() -> None:
     from qk.split import SplitDriver, head_stage
 
     rng = np.random.default_rng(0)
-    spin = {} if a.spin_wait_us is None else {"spin_wait_us": a.spin_wait_us}
+    spin = spin_option(a)
     whole = _qk.Engine(a.model, slots=2, ctx=a.ctx, device=a.device, precise=a.precise, **spin)
     info = whole.info()
     n_layer, vocab = int(info["n_layer"]), int(info["vocab"])

@@ -406,16 +406,19 @@ def test_spin_wait_is_a_speed_choice():
     base = engine(name, slots=8)
     adapter = next(a for a in qk.adapters() if a["name"] == base.info()["adapter"])
     assert base.info()["spin_wait_us"] == (0 if adapter["device_type"] == "Cpu" else 20_000)
-    # Longer than the clock can add: polls until each step is done.
+    sleeping = (
+        base
+        if base.info()["spin_wait_us"] == 0
+        else qk.Engine(path, slots=8, ctx=512, precise=True, spin_wait_us=0)
+    )
+    # Far longer than any step: polls until each step is done.
     spinning = qk.Engine(path, slots=8, ctx=512, precise=True, spin_wait_us=2**62)
     assert spinning.info()["spin_wait_us"] == 2**62
     toks = prompt(name)
     prompts = [toks[4 * s : 4 * s + 17 + s] for s in range(8)]
     slots = [6, 1, 0, 3]
     runs, spun = [], []
-    for eng, us in ((base, 0), (spinning, None)):
-        if us == 0 and base.info()["spin_wait_us"]:
-            eng = qk.Engine(path, slots=8, ctx=512, precise=True, spin_wait_us=0)
+    for eng in (sleeping, spinning):
         before = eng.counters()["spun_waits"]
         runs.append(greedy_steps(eng, slots, prompts, n=4))
         spun.append(eng.counters()["spun_waits"] - before)

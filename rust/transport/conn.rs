@@ -270,11 +270,14 @@ impl Conn {
     }
 
     /// Read a header's bytes: the first byte may take `wait` (None: forever — a worker idles between
-    /// requests), the rest must follow within `timeouts.base`.
+    /// requests), the rest must follow within `timeouts.base`. A timed wait (a reply's) first polls
+    /// for up to `timeouts.spin`, within the same deadline; a worker polls for its next request
+    /// before it reads (`next_request`).
     fn read_header_bytes(&mut self, wait: Option<Duration>) -> Result<[u8; HEADER_LEN]> {
-        // The polling counts towards `wait`: one deadline for both.
         let deadline = wait.map(|w| Instant::now() + w);
-        self.spin_until_readable(self.timeouts.spin.min(wait.unwrap_or(Duration::MAX)));
+        if let Some(w) = wait {
+            self.spin_until_readable(self.timeouts.spin.min(w));
+        }
         let mut head = [0u8; HEADER_LEN];
         self.read_by(&mut head[..1], deadline, "waiting for a message")?;
         let deadline = Instant::now() + self.timeouts.base;
