@@ -18,7 +18,8 @@
 //! QK_BENCH_ONLY_NORM_PROJECTIONS=1 only the decode step's dense products per launch shape and
 //! column groups (with QK_BENCH_NO_ATTENTION=1),
 //! QK_BENCH_ONLY_MATVEC=1 only the large mat-vecs per type (no mat-mat), QK_BENCH_ONLY_HOST=1 only
-//! the host's share of a decode-sized submit per count of buffers it references, and a split's
+//! the host's share of a decode-sized submit per count of buffers it references, a step's input
+//! writes as one queue write or three, and a split's
 //! hand-off through the host with a blocking and a spinning wait.
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
@@ -220,6 +221,7 @@ fn main() {
     }
     if flag("QK_BENCH_ONLY_HOST") {
         host_step_cost(&gpu);
+        step_input_writes(&gpu);
         handoff_round_trip(&gpu);
         return;
     }
@@ -249,6 +251,7 @@ fn main() {
     if !flag("QK_BENCH_ONLY_PREFILL") {
         dispatch_floor(&gpu);
         host_step_cost(&gpu);
+        step_input_writes(&gpu);
         handoff_round_trip(&gpu);
         moe_decode(&gpu, &mut rng);
         norm_projection_decode(&gpu, &mut rng);
@@ -1128,6 +1131,65 @@ fn host_step_cost(gpu: &Gpu) {
             median(1),
             median(2),
             median(3)
+        );
+    }
+}
+
+/// The host's cost of a decode step's inputs (a worker's hidden row, the slot table, the
+/// attention rows) written through the queue as separate writes or as one, against none: each
+/// write is its own staging buffer in wgpu, made, mapped and later freed, and the submit then
+/// carries a command buffer of their copies ahead of the step's own.
+fn step_input_writes(gpu: &Gpu) {
+    use qk::gpu::example::{ScaleParams, scale_add};
+    let n = 2048u32;
+    let x = gpu.buffer_zeroed("row_in", u64::from(n) * 4 + 512).expect("x");
+    let table = gpu.buffer_zeroed("slot_table", 256).expect("table");
+    let rows = gpu.buffer_zeroed("attn_rows", 256).expect("rows");
+    let y = gpu.buffer_zeroed("row_out", u64::from(n) * 4).expect("y");
+    let partial = gpu.buffer_zeroed("partial", u64::from(n)).expect("partial");
+    let row = vec![0.5f32; n as usize + 128];
+    let params = ScaleParams { n, a: 2.0, b: 1.0 };
+    let rounds = if smoke() { 3 } else { 200 };
+    for writes in [0usize, 1, 3] {
+        let mut times: [Vec<f64>; 3] = Default::default();
+        for _ in 0..rounds {
+            let mut rec = gpu.recorder();
+            scale_add(gpu, &mut rec, &x, &y, &partial, params).expect("scale");
+            let encoded = rec.finish().expect("encode");
+            let start = Instant::now();
+            match writes {
+                0 => {}
+                1 => gpu.write(&x, 0, bytemuck::cast_slice(&row)).expect("write"),
+                _ => {
+                    gpu.write(&x, 0, bytemuck::cast_slice(&row[..n as usize]))
+                        .expect("write");
+                    gpu.write(&table, 0, bytemuck::cast_slice(&row[..1]))
+                        .expect("write");
+                    gpu.write(&rows, 0, bytemuck::cast_slice(&row[..2]))
+                        .expect("write");
+                }
+            }
+            let written = Instant::now();
+            let submitted = encoded.submit(gpu);
+            let after_submit = Instant::now();
+            submitted.wait(gpu).expect("wait");
+            let done = Instant::now();
+            for (t, d) in times
+                .iter_mut()
+                .zip([written - start, after_submit - written, done - after_submit])
+            {
+                t.push(d.as_secs_f64() * 1e6);
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        println!(
+            "step inputs as {writes} queue writes: medians write {:>6.1} µs, submit {:>6.1} µs, wait {:>6.1} µs",
+            median(&mut times[0]),
+            median(&mut times[1]),
+            median(&mut times[2]),
         );
     }
 }
