@@ -17,7 +17,8 @@ gains a "profile" entry.
 Engine speed choices, to compare in the engine itself rather than in the kernel bench:
 --route-inside-max-rows, --attention-walk, --dense-group-cols, --spin-wait-us, --decode-shape
 OP=ROWS,WIDTH,STEPS,GROUPS[,table|shuffle] (an op of the decode step by its profile name, e.g.
-dn.qkvz=8,32,2,2 or moe.gate_up=8,64,1,1,shuffle; repeatable).
+dn.qkvz=8,32,2,2 or moe.gate_up=8,64,1,1,shuffle; repeatable), --no-weight-arena (every weight in
+a buffer of its own).
 
 usage: python benches/engine_bench.py MODEL.gguf [--prompt 512] [--decode 128] [--slots 2] [--ctx 8192]
        [--profile] [--top 15]
@@ -283,6 +284,11 @@ def main() -> None:
         help="launch shape of a decode step's op by profile name (e.g. dn.qkvz=8,32,2,2 or "
         "moe.down=16,128,1,1,table); repeatable",
     )
+    ap.add_argument(
+        "--no-weight-arena",
+        action="store_true",
+        help="every weight tensor in a buffer of its own (default: the small ones packed in arenas)",
+    )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -299,6 +305,8 @@ def main() -> None:
         options["dense_group_cols"] = a.dense_group_cols
     if a.spin_wait_us is not None:
         options["spin_wait_us"] = a.spin_wait_us
+    if a.no_weight_arena:
+        options["weight_arena"] = False
     if a.decode_shape:
         options["decode_shapes"] = {
             op: tuple(v if v.isalpha() else int(v) for v in shape.split(","))
@@ -386,6 +394,7 @@ def main() -> None:
         "attention_walk": a.attention_walk,
         "dense_group_cols": a.dense_group_cols,
         "spin_wait_us": a.spin_wait_us,
+        "weight_arena": info.get("weight_arena"),
         "decode_shapes": a.decode_shape,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,

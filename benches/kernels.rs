@@ -1133,6 +1133,66 @@ fn host_step_cost(gpu: &Gpu) {
             median(3)
         );
     }
+    host_step_cost_ranges(gpu, dispatches, rounds);
+}
+
+/// [`host_step_cost`]'s 800-buffer case with the inputs, outputs and partial sums as ranges of
+/// three buffers (wgpu refuses one buffer bound for reading and writing in a dispatch): as many
+/// distinct bind groups, three buffers. What wgpu's submit then
+/// costs against the 800 buffers apart is what a weight arena (ranges of a few big buffers) could
+/// save the engine's step: its bind groups stay one per dispatch either way.
+fn host_step_cost_ranges(gpu: &Gpu, dispatches: usize, rounds: usize) {
+    use qk::gpu::example::{SCALE, SCALE_WG, ScaleParams};
+    let n = 64u32;
+    let pool = 800u64;
+    let stride = u64::from(gpu.caps.storage_offset_alignment).max(u64::from(n) * 4);
+    let xs = filled(gpu, "xs", 1.0, (pool * stride / 4) as usize);
+    let ys = filled(gpu, "ys", 1.0, (pool * stride / 4) as usize);
+    let partials = gpu.buffer_zeroed("partials", pool * stride).expect("partials");
+    let params = ScaleParams { n, a: 1.0, b: 0.0 };
+    let pipe = gpu
+        .pipeline(&SCALE, &[("WG", SCALE_WG.to_string())], &[])
+        .expect("pipeline");
+    let mut times: Vec<[f64; 3]> = Vec::new();
+    for round in 0..=rounds {
+        let t0 = Instant::now();
+        let mut rec = gpu.recorder();
+        for i in 0..dispatches as u64 {
+            let (at, prev) = ((i % pool) * stride, ((i + pool - 1) % pool) * stride);
+            rec.dispatch(
+                &pipe,
+                &[
+                    xs.range(prev, stride),
+                    ys.range(at, stride),
+                    partials.range(at, stride),
+                ],
+                bytemuck::bytes_of(&params),
+                gpu.grid(n.div_ceil(SCALE_WG)),
+            )
+            .expect("dispatch");
+        }
+        let encoded = rec.finish().expect("encode");
+        let t1 = Instant::now();
+        let submitted = encoded.submit(gpu);
+        let t2 = Instant::now();
+        submitted.wait(gpu).expect("wait");
+        let t3 = Instant::now();
+        if round > 0 {
+            let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
+            times.push([us(t0, t1), us(t1, t2), us(t2, t3)]);
+        }
+    }
+    let median = |j: usize| {
+        let mut v: Vec<f64> = times.iter().map(|t| t[j]).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "host step ({dispatches} dispatches over {pool} ranges of 3 buffers): record+encode {:>7.1} µs, submit {:>7.1} µs, wait {:>8.1} µs",
+        median(0),
+        median(1),
+        median(2)
+    );
 }
 
 /// The host's cost of a decode step's inputs (a worker's hidden row, the slot table, the

@@ -350,11 +350,37 @@ pub struct EngineOptions {
     /// [`SPIN_WAIT`] on a GPU, zero on a CPU adapter (whose own threads need the cores a spinning
     /// host would take). The same results either way: a speed choice.
     pub spin_wait: Option<Duration>,
+    /// Small weight tensors as ranges of a few shared buffers ([`crate::gpu::WeightArena`]: each
+    /// buffer a step references costs wgpu's submit host time); None: on. The same bytes either way.
+    pub weight_arena: Option<bool>,
 }
 
 /// A decode step's spinning wait on a GPU: longer than any decode step, so a step never sleeps in
 /// the driver, short enough that an idle-looking wait does not hold a core for long.
 pub const SPIN_WAIT: Duration = Duration::from_millis(20);
+
+/// One slot of 4,096 positions on the default adapter, every other choice the engine's (the
+/// Python `Engine`'s defaults).
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            layers: None,
+            slots: 1,
+            ctx: 4096,
+            device: None,
+            precise: false,
+            cache_type_k: None,
+            cache_type_v: None,
+            prefill_rows: None,
+            route_inside_max_rows: None,
+            attention_walk: None,
+            dense_group_cols: None,
+            decode_shapes: Vec::new(),
+            spin_wait: None,
+            weight_arena: None,
+        }
+    }
+}
 
 impl EngineOptions {
     /// The K and V cache types: as given, else f16 (llama.cpp's default), or f32 under `precise`.
@@ -377,6 +403,8 @@ pub struct Engine {
     prefill_rows: u32,
     /// How long a decode step's wait polls before it blocks (`EngineOptions::spin_wait`).
     spin_wait: Duration,
+    /// Whether the small weights are packed into arena buffers (`EngineOptions::weight_arena`).
+    weight_arena: bool,
     snapshots: HashMap<u64, Snapshot>,
     last_step: Option<StepTiming>,
     /// Every plain (not profiled) decode step's timing, summed.
@@ -524,7 +552,8 @@ impl Engine {
             cfg.n_mtp,
             gpu.adapter.name
         ));
-        let weights = Weights::load(&gpu, &file, &cfg, layers, progress)?;
+        let weight_arena = opts.weight_arena.unwrap_or(true);
+        let weights = Weights::load(&gpu, &file, &cfg, layers, weight_arena, progress)?;
         let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
         let slots = SlotState::new_all(&gpu, &cfg, &weights.layers, shape, opts.slots)?;
         let has_head = weights.output.is_some();
@@ -574,6 +603,7 @@ impl Engine {
                 decode_shapes: opts.decode_shapes.clone(),
             },
             spin_wait,
+            weight_arena,
             kv_types: (k_type, v_type),
             layers,
             slots,
@@ -618,6 +648,10 @@ impl Engine {
     /// How long a decode step's wait polls before it blocks.
     pub fn spin_wait(&self) -> Duration {
         self.spin_wait
+    }
+
+    pub fn weight_arena(&self) -> bool {
+        self.weight_arena
     }
 
     pub fn n_slots(&self) -> usize {

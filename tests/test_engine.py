@@ -428,6 +428,23 @@ def test_spin_wait_is_a_speed_choice():
         qk.Engine(path, slots=1, ctx=512, spin_wait_us=-1)
 
 
+def test_weight_arena_is_a_speed_choice():
+    """weight_arena (default on): the small weight tensors as ranges of a few shared buffers, which
+    the engine reports, and the same greedy ids and top-k logits as each in a buffer of its own;
+    the arena's buffers count whole in the memory report."""
+    qk = _qk()
+    name = QUANT[0]
+    path = str(FIXTURES / f"{name}.gguf")
+    packed = engine(name, slots=8)
+    own = qk.Engine(path, slots=8, ctx=512, precise=True, weight_arena=False)
+    assert (packed.info()["weight_arena"], own.info()["weight_arena"]) == (True, False)
+    assert packed.info()["memory"]["weights"] >= own.info()["memory"]["weights"]
+    toks = prompt(name)
+    prompts = [toks[4 * s : 4 * s + 17 + s] for s in range(8)]
+    slots = [6, 1, 0, 3]
+    assert greedy_steps(packed, slots, prompts, n=4) == greedy_steps(own, slots, prompts, n=4)
+
+
 def test_decode_shapes_shape_the_named_ops():
     """decode_shapes gives a decode step's mat-vecs (by their profile op names) a launch shape at
     every slot count: their dispatches run in that shape's workgroups, the greedy tokens equal the

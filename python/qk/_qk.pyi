@@ -117,6 +117,7 @@ class Engine:
         dense_group_cols: int | None = None,
         decode_shapes: Mapping[str, tuple[int, int, int, int] | tuple[int, int, int, int, str]] | None = None,
         spin_wait_us: int | None = None,
+        weight_arena: bool | None = None,
     ) -> Engine: ...
     def generate(self, tokens: Sequence[int], max_new: int, slot: int = 0) -> list[int]: ...
     def stage_run(

@@ -1,19 +1,22 @@
 //! Device buffers: activations/scratch, weights uploaded once (cut into binding-sized windows on
-//! row boundaries), and readback to the host.
+//! row boundaries; the small ones packed into shared arena buffers), and readback to the host.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::context::{Counters, Gpu};
 use crate::error::{QkError, Result};
 use crate::gguf::GgmlType;
 
-/// A device buffer with a runtime-unique id (the bind-group cache key). Cheap to clone.
+/// A device buffer with a runtime-unique id (the bind-group cache key). Cheap to clone. It may be
+/// a range of a larger wgpu buffer (a weight placed in a [`WeightArena`]): its bytes start at
+/// `base` there, and every binding, copy and write of it is relative to that.
 #[derive(Clone, Debug)]
 pub struct GpuBuffer {
     pub buffer: wgpu::Buffer,
     pub id: u64,
     pub size: u64,
     pub label: Arc<str>,
+    pub base: u64,
 }
 
 /// A range of a buffer bound to one kernel binding.
@@ -47,6 +50,63 @@ impl GpuBuffer {
 const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
     .union(wgpu::BufferUsages::COPY_SRC)
     .union(wgpu::BufferUsages::COPY_DST);
+
+/// Small weights packed as aligned ranges of a few shared buffers. wgpu's submit costs the host
+/// per distinct buffer its commands reference, not per bind group (kernel bench `host`: 317
+/// dispatches over 800 buffers against the same over 800 ranges of 3 buffers), and a decode step
+/// references every weight of its layers: packed, a layer's dozen small tensors (norms, the
+/// mixer's projections, the router, the shared expert) share one buffer. A tensor over
+/// [`ARENA_MAX_TENSOR`] keeps a buffer of its own (the experts' stacks), which bounds an arena
+/// buffer's unused tail; only weights go in (read-only bindings: a buffer bound for writing
+/// cannot be bound for reading in the same dispatch).
+pub struct WeightArena {
+    chunks: Mutex<Vec<ArenaChunk>>,
+    /// Bytes of the tensors' own data placed (not their padding, alignment or grids).
+    placed: std::sync::atomic::AtomicU64,
+}
+
+struct ArenaChunk {
+    buffer: GpuBuffer,
+    used: u64,
+}
+
+/// Bytes of an arena buffer at most (the first ones are smaller, see [`Gpu::place`]).
+pub const ARENA_CHUNK: u64 = 256 << 20;
+/// The largest tensor placed in an arena.
+pub const ARENA_MAX_TENSOR: u64 = 32 << 20;
+
+impl WeightArena {
+    pub fn new() -> WeightArena {
+        WeightArena {
+            chunks: Mutex::new(Vec::new()),
+            placed: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes of the tensors' own data placed in the arena (`reserved` less this: what packing
+    /// them costs in alignment, padding and the buffers' unused tails).
+    pub fn placed(&self) -> u64 {
+        self.placed.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Device bytes the arena's buffers hold (what they hold unused included).
+    pub fn reserved(&self) -> u64 {
+        self.chunks
+            .lock()
+            .map_or(0, |c| c.iter().map(|ch| ch.buffer.size).sum())
+    }
+
+    /// The arena's buffers.
+    pub fn buffers(&self) -> usize {
+        self.chunks.lock().map_or(0, |c| c.len())
+    }
+}
+
+impl Default for WeightArena {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 /// One binding-sized piece of a weight tensor: rows `first_row .. first_row + n_rows` (counted
 /// over all experts for a 3-D tensor), starting at byte 0 of `buffer`.
@@ -145,6 +205,7 @@ impl Gpu {
             id: self.fresh_id(),
             size: padded,
             label: label.into(),
+            base: 0,
         })
     }
 
@@ -174,6 +235,65 @@ impl Gpu {
         Ok(buf)
     }
 
+    /// `head` padded to a multiple of 4, then `tail`, as a range of one of `arena`'s buffers when
+    /// there is an arena and the whole fits [`ARENA_MAX_TENSOR`]; else in a buffer of its own.
+    pub fn place(
+        &self,
+        arena: Option<&WeightArena>,
+        label: &str,
+        head: &[u8],
+        tail: &[u8],
+    ) -> Result<GpuBuffer> {
+        let at = head.len().div_ceil(4) as u64 * 4;
+        let size = (at + tail.len() as u64).max(4).div_ceil(4) * 4;
+        let Some(arena) = arena.filter(|_| size <= ARENA_MAX_TENSOR) else {
+            return self.buffer_from_parts(label, head, tail);
+        };
+        let align = u64::from(self.caps.storage_offset_alignment).max(4);
+        let mut chunks = arena
+            .chunks
+            .lock()
+            .map_err(|_| QkError::Engine("weight arena poisoned".into()))?;
+        let fits = |c: &ArenaChunk| c.used.div_ceil(align) * align + size <= c.buffer.size;
+        let i = match chunks.iter().position(fits) {
+            Some(i) => i,
+            None => {
+                // Each buffer twice the last, from 1 MiB (a tiny model holds no 256 MiB) up to
+                // ARENA_CHUNK; first-fit fills the tails the bigger tensors leave.
+                let last = chunks.last().map_or(0, |c| c.buffer.size);
+                let bytes = (2 * last)
+                    .clamp(1 << 20, ARENA_CHUNK)
+                    .min(self.caps.max_buffer_size)
+                    .max(size);
+                let buffer = self.create_buffer("weights.arena", bytes, STORAGE, false)?;
+                chunks.push(ArenaChunk { buffer, used: 0 });
+                chunks.len() - 1
+            }
+        };
+        let chunk = &mut chunks[i];
+        let base = chunk.used.div_ceil(align) * align;
+        chunk.used = base + size;
+        let view = GpuBuffer {
+            buffer: chunk.buffer.buffer.clone(),
+            id: self.fresh_id(),
+            size,
+            label: label.into(),
+            base: chunk.buffer.base + base,
+        };
+        drop(chunks);
+        arena
+            .placed
+            .fetch_add(head.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        // Whole words: the head's last one padded with zeros, as a buffer of its own would be.
+        let mut words = Vec::with_capacity(size as usize);
+        words.extend_from_slice(head);
+        words.resize(at as usize, 0);
+        words.extend_from_slice(tail);
+        words.resize(size as usize, 0);
+        self.write(&view, 0, &words)?;
+        Ok(view)
+    }
+
     pub fn buffer_from_f32(&self, label: &str, data: &[f32]) -> Result<GpuBuffer> {
         self.buffer_from_bytes(label, bytemuck::cast_slice(data))
     }
@@ -195,7 +315,7 @@ impl Gpu {
                 buf.size
             )));
         }
-        self.queue.write_buffer(&buf.buffer, offset, bytes);
+        self.queue.write_buffer(&buf.buffer, buf.base + offset, bytes);
         Ok(())
     }
 
@@ -211,11 +331,12 @@ impl Gpu {
         experts: u64,
         bytes: &[u8],
     ) -> Result<WeightTensor> {
-        self.upload_weight_windowed(name, ty, cols, rows, experts, bytes, u64::MAX)
+        self.upload_weight_windowed(name, ty, cols, rows, experts, bytes, u64::MAX, None)
     }
 
     /// As [`Gpu::upload_weight`] with windows of at most `max_window_bytes` (tests use this to
-    /// exercise windowing without 128 MiB tensors).
+    /// exercise windowing without 128 MiB tensors), small ones placed in `arena` if given
+    /// ([`Gpu::place`]).
     #[allow(clippy::too_many_arguments)]
     pub fn upload_weight_windowed(
         &self,
@@ -226,6 +347,7 @@ impl Gpu {
         experts: u64,
         bytes: &[u8],
         max_window_bytes: u64,
+        arena: Option<&WeightArena>,
     ) -> Result<WeightTensor> {
         let unsupported = || QkError::UnsupportedType {
             tensor: name.into(),
@@ -273,7 +395,7 @@ impl Gpu {
             let lo = (first * row_bytes) as usize;
             let hi = ((first + n) * row_bytes) as usize;
             let label = format!("{name}[{first}..{}]", first + n);
-            let buffer = self.buffer_from_parts(&label, &bytes[lo..hi], grid)?;
+            let buffer = self.place(arena, &label, &bytes[lo..hi], grid)?;
             windows.push(WeightWindow {
                 buffer,
                 first_row: first,

@@ -16,7 +16,7 @@ pub mod pipelines;
 pub mod record;
 pub mod shaders;
 
-pub use buffers::{Binding, GpuBuffer, WeightTensor, WeightWindow};
+pub use buffers::{ARENA_MAX_TENSOR, Binding, GpuBuffer, WeightArena, WeightTensor, WeightWindow};
 pub use context::{AdapterSummary, Caps, CounterSnapshot, Gpu, GpuOptions, adapters, select_adapter};
 pub use pipelines::{BindingKind, Pipeline};
 pub use record::Recorder;

@@ -361,7 +361,7 @@ impl Gpu {
                 binding: i as u32,
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
                     buffer: &b.buffer.buffer,
-                    offset: b.offset,
+                    offset: b.buffer.base + b.offset,
                     size: std::num::NonZeroU64::new(b.size),
                 }),
             })

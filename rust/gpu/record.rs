@@ -258,7 +258,13 @@ impl Recorder<'_> {
         }
         self.end_pass();
         let enc = self.encoder.as_mut().ok_or_else(finished)?;
-        enc.copy_buffer_to_buffer(&src.buffer, src_offset, &dst.buffer, dst_offset, size);
+        enc.copy_buffer_to_buffer(
+            &src.buffer,
+            src.base + src_offset,
+            &dst.buffer,
+            dst.base + dst_offset,
+            size,
+        );
         Ok(())
     }
 
@@ -340,7 +346,7 @@ impl Recorder<'_> {
         if let Some(st) = &staging {
             let mut at = 0;
             for (buf, off, size) in &self.reads {
-                enc.copy_buffer_to_buffer(&buf.buffer, *off, &st.buffer, at, *size);
+                enc.copy_buffer_to_buffer(&buf.buffer, buf.base + *off, &st.buffer, at, *size);
                 at += size;
             }
         }

@@ -7,11 +7,14 @@
 //! they share a type (attention q ‖ k ‖ v, beta ‖ alpha, router ‖ shared-expert gate, shared gate ‖
 //! up, expert gate ‖ up per expert): one mat-vec dispatch reads them all, and every output row is
 //! the same dot product as before, so results keep their bits.
+//!
+//! With a [`WeightArena`] (the engine's default), the small tensors are ranges of a few shared
+//! buffers (see there: the submit of a step costs the host per buffer it references).
 
 use super::config::{Arch, LayerKind, ModelConfig};
 use crate::error::{QkError, Result};
 use crate::gguf::{GgmlType, GgufFile, TensorInfo};
-use crate::gpu::{Gpu, GpuBuffer, WeightTensor};
+use crate::gpu::{Gpu, GpuBuffer, WeightArena, WeightTensor};
 
 /// Beta/alpha logits of a DeltaNet layer.
 pub enum BetaAlpha {
@@ -130,6 +133,7 @@ pub struct Weights {
 struct Loader<'a> {
     gpu: &'a Gpu,
     file: &'a GgufFile,
+    arena: Option<&'a WeightArena>,
     bytes: u64,
 }
 
@@ -178,13 +182,15 @@ impl Loader<'_> {
         }
         let rows: u32 = parts.iter().map(|(_, r)| r).sum();
         let name = parts.iter().map(|(n, _)| *n).collect::<Vec<_>>().join("+");
-        let w = self.gpu.upload_weight(
+        let w = self.gpu.upload_weight_windowed(
             &name,
             ty,
             u64::from(cols),
             u64::from(rows),
             u64::from(experts),
             &joined,
+            u64::MAX,
+            self.arena,
         )?;
         self.bytes += joined.len() as u64;
         Ok(Stacked::One(w))
@@ -238,13 +244,15 @@ impl Loader<'_> {
             .map(|(n, _)| *n)
             .collect::<Vec<_>>()
             .join("+");
-        let w = self.gpu.upload_weight(
+        let w = self.gpu.upload_weight_windowed(
             &name,
             ty,
             u64::from(cols),
             u64::from(rows),
             u64::from(experts) + 1,
             &joined,
+            u64::MAX,
+            self.arena,
         )?;
         self.bytes += joined.len() as u64;
         Ok(Some(w))
@@ -274,13 +282,15 @@ impl Loader<'_> {
     fn matrix(&mut self, name: &str, cols: u32, rows: u32, experts: u32) -> Result<WeightTensor> {
         let (t, ty) = self.checked(name, cols, rows, experts)?;
         let data = self.file.tensor_data(t)?;
-        let w = self.gpu.upload_weight(
+        let w = self.gpu.upload_weight_windowed(
             name,
             ty,
             u64::from(cols),
             u64::from(rows),
             u64::from(experts),
             data,
+            u64::MAX,
+            self.arena,
         )?;
         self.bytes += data.len() as u64;
         Ok(w)
@@ -295,7 +305,8 @@ impl Loader<'_> {
         t.ggml_type()?;
         let values = self.file.dequantize_tensor(t)?;
         self.bytes += values.len() as u64 * 4;
-        self.gpu.buffer_from_f32(name, &values)
+        self.gpu
+            .place(self.arena, name, bytemuck::cast_slice(&values), &[])
     }
 
     fn layer(&mut self, cfg: &ModelConfig, il: u32) -> Result<LayerWeights> {
@@ -467,12 +478,14 @@ impl Weights {
         Ok(())
     }
 
-    /// Upload layers [a, b) and the global tensors the range needs; `progress` gets a line per step.
+    /// Upload layers [a, b) and the global tensors the range needs, the small ones packed into
+    /// arena buffers when `packed`; `progress` gets a line per step.
     pub fn load(
         gpu: &Gpu,
         file: &GgufFile,
         cfg: &ModelConfig,
         layers: (u32, u32),
+        packed: bool,
         progress: &mut dyn FnMut(&str),
     ) -> Result<Weights> {
         let (a, b) = layers;
@@ -488,7 +501,13 @@ impl Weights {
             ))
         );
         Self::check_types(file, layers)?;
-        let mut ld = Loader { gpu, file, bytes: 0 };
+        let arena = packed.then(WeightArena::new);
+        let mut ld = Loader {
+            gpu,
+            file,
+            arena: arena.as_ref(),
+            bytes: 0,
+        };
         let has_output = file.tensor("output.weight").is_some();
         let embed = if a == 0 || (b == cfg.n_layer && !has_output) {
             progress("token_embd");
@@ -516,12 +535,16 @@ impl Weights {
             (None, None)
         };
         let embed = if a == 0 { embed } else { None };
+        // The arena's buffers whole, for the tensors in them.
+        let bytes = arena.as_ref().map_or(ld.bytes, |ar| {
+            ld.bytes.saturating_sub(ar.placed()) + ar.reserved()
+        });
         Ok(Weights {
             embed,
             output_norm,
             output,
             layers: out_layers,
-            bytes: ld.bytes,
+            bytes,
         })
     }
 }

@@ -37,6 +37,8 @@ use crate::transport::engine_stage::lock_engine;
 /// every slot count: for benches comparing shapes in the engine; it changes those ops' last bits.
 /// `spin_wait_us`: how long a decode step's wait for the GPU polls without sleeping before it
 /// blocks (default 20,000 on a GPU, 0 on a CPU adapter); a speed choice with the same bytes.
+/// `weight_arena` (default True): small weight tensors as ranges of a few shared buffers (fewer
+/// buffers for wgpu's submit to track each step); the same bytes either way.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -124,7 +126,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None, spin_wait_us = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None, spin_wait_us = None, weight_arena = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -142,6 +144,7 @@ impl PyEngine {
         dense_group_cols: Option<u32>,
         decode_shapes: Option<BTreeMap<String, Bound<'_, PyAny>>>,
         spin_wait_us: Option<i64>,
+        weight_arena: Option<bool>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -170,6 +173,7 @@ impl PyEngine {
                         })
                 })
                 .transpose()?,
+            weight_arena,
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {
@@ -357,7 +361,8 @@ impl PyEngine {
         Ok(self.lock()?.state_drop(idx)?)
     }
 
-    /// arch, layers, n_layer, n_embd, vocab, slots, ctx, prefill_rows, spin_wait_us, adapter,
+    /// arch, layers, n_layer, n_embd, vocab, slots, ctx, prefill_rows, spin_wait_us, weight_arena,
+    /// adapter,
     /// cache_type_k, cache_type_v,
     /// memory (bytes; kv_per_slot is every local attention layer's K and V at full ctx).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -374,6 +379,7 @@ impl PyEngine {
         d.set_item("ctx", eng.ctx())?;
         d.set_item("prefill_rows", eng.prefill_rows())?;
         d.set_item("spin_wait_us", eng.spin_wait().as_micros() as u64)?;
+        d.set_item("weight_arena", eng.weight_arena())?;
         d.set_item("adapter", eng.gpu.adapter.name.clone())?;
         d.set_item("unchecked_shaders", eng.gpu.unchecked_shaders)?;
         let (k_type, v_type) = eng.kv_types();

@@ -51,16 +51,8 @@ fn load(name: &str, layers: Option<(u32, u32)>, ctx: u32, precise: bool) -> Opti
             layers,
             slots: 2,
             ctx,
-            device: None,
             precise,
-            cache_type_k: None,
-            cache_type_v: None,
-            prefill_rows: None,
-            route_inside_max_rows: None,
-            attention_walk: None,
-            dense_group_cols: None,
-            decode_shapes: Vec::new(),
-            spin_wait: None,
+            ..Default::default()
         },
     )
 }
@@ -284,19 +276,11 @@ fn fast_engine_matches_precise_on_quantised_fixture() {
     // An f32 KV cache, as the precise engine keeps: this test is about the mat-mats (the f16 cache
     // has its own gates in tests/test_kv_cache.py).
     let f32_cache = EngineOptions {
-        layers: None,
         slots: 2,
         ctx: 256,
-        device: None,
-        precise: false,
         cache_type_k: Some(qk::ops::attention::KvType::F32),
         cache_type_v: Some(qk::ops::attention::KvType::F32),
-        prefill_rows: None,
-        route_inside_max_rows: None,
-        attention_walk: None,
-        dense_group_cols: None,
-        decode_shapes: Vec::new(),
-        spin_wait: None,
+        ..Default::default()
     };
     let Some(mut fast) = load_with(name, f32_cache) else {
         return;
@@ -341,19 +325,9 @@ fn load_piece(name: &str, prefill_rows: Option<u32>) -> Option<Engine> {
     load_with(
         name,
         EngineOptions {
-            layers: None,
-            slots: 1,
             ctx: 384,
-            device: None,
-            precise: false,
-            cache_type_k: None,
-            cache_type_v: None,
             prefill_rows,
-            route_inside_max_rows: None,
-            attention_walk: None,
-            dense_group_cols: None,
-            decode_shapes: Vec::new(),
-            spin_wait: None,
+            ..Default::default()
         },
     )
 }
@@ -394,25 +368,70 @@ fn prefill_piece_size_does_not_change_bytes() {
     assert_eq!(got, want, "the piece size changed the bytes");
 }
 
+/// Small weights packed into arena buffers (the default) or each in a buffer of its own: the same
+/// bytes from a prefill and from decode steps, on fixtures of one type and of mixed K-quants.
+#[test]
+fn weight_arena_does_not_change_bytes() {
+    for name in ["tiny-qwen3next-iq4_xs", "tiny-qwen35moe-q4_k_m"] {
+        let load_arena = |weight_arena: Option<bool>| {
+            load_with(
+                name,
+                EngineOptions {
+                    slots: 2,
+                    ctx: 128,
+                    weight_arena,
+                    ..EngineOptions::default()
+                },
+            )
+        };
+        let Some(mut own) = load_arena(Some(false)) else {
+            return;
+        };
+        // Engines on one device share its counters: buffers made by each load.
+        let before = own.counters().buffers;
+        let Some(mut packed) = load_arena(None) else {
+            return;
+        };
+        let packed_made = packed.counters().buffers - before;
+        let own_made = load_arena(Some(false)).unwrap().counters().buffers - before - packed_made;
+        assert!(packed.weight_arena() && !own.weight_arena());
+        // Fewer buffers, and the memory report counts the arena's buffers whole.
+        assert!(
+            packed_made < own_made,
+            "{name}: {packed_made} buffers against {own_made}"
+        );
+        assert!(packed.memory().weights >= own.memory().weights, "{name}");
+        let run = |eng: &mut Engine| {
+            let prompt: Vec<u32> = (0..40).map(|i| (i * 13 + 5) % 400).collect();
+            let mut out = vec![eng.logits(0, &prompt, 0).unwrap()];
+            let mut ids = Vec::new();
+            let first = eng.stage_run(1, StageInput::Tokens(&prompt[..7]), 0, 4).unwrap();
+            ids.push(format!("{first:?}"));
+            for t in [3u32, 17, 250] {
+                let step = eng.step(&[0, 1], StageInput::Tokens(&[t, t + 1]), 4).unwrap();
+                ids.push(format!("{step:?}"));
+            }
+            out.push(eng.logits(1, &prompt[..9], 0).unwrap());
+            (out, ids)
+        };
+        assert_eq!(
+            run(&mut packed),
+            run(&mut own),
+            "{name}: the arena changed the bytes"
+        );
+    }
+}
+
 #[test]
 fn prefill_rows_must_be_whole_chunks() {
     for rows in [0, 100] {
         match Engine::load(
             fixture("tiny-qwen3next-f32").to_str().unwrap(),
             &EngineOptions {
-                layers: None,
-                slots: 1,
                 ctx: 64,
-                device: None,
                 precise: true,
-                cache_type_k: None,
-                cache_type_v: None,
                 prefill_rows: Some(rows),
-                route_inside_max_rows: None,
-                attention_walk: None,
-                dense_group_cols: None,
-                decode_shapes: Vec::new(),
-                spin_wait: None,
+                ..Default::default()
             },
             &mut |_| {},
         ) {

@@ -11,7 +11,7 @@
 
 use qk::gguf::GgmlType;
 use qk::gguf::dequant::dequantize;
-use qk::gpu::{Gpu, WeightTensor};
+use qk::gpu::{Gpu, WeightArena, WeightTensor};
 use qk::ops::embed::{Ids, embed};
 use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, MAX_SPLITS, MOE_TILE_COLS, MOE_WIDE_TILE_COLS,
@@ -139,6 +139,7 @@ fn make(gpu: &Gpu, ty: GgmlType, m: usize, k: usize, experts: usize, window: u64
             experts as u64,
             &bytes,
             window,
+            None,
         )
         .expect("upload");
     Case { w, dense }
@@ -146,20 +147,34 @@ fn make(gpu: &Gpu, ty: GgmlType, m: usize, k: usize, experts: usize, window: u64
 
 /// Mat-vec when `mat_mat` is None, else the given mat-mat kernel (the f32 tests name `Tiled` so
 /// the cooperative path, with its own tolerance, never runs under `NMSE_MAX`).
-fn run_matvec(gpu: &Gpu, case: &Case, m: usize, k: usize, cols: usize, mat_mat: Option<MatmulKernel>) -> f64 {
-    let mut rng = Rng(7 + cols as u64);
-    let x: Vec<f32> = (0..k * cols).map(|_| rng.f32()).collect();
-    let xb = gpu.buffer_from_f32("x", &x).unwrap();
+/// The product of `w` with the `cols` columns `x` (matvec, or the mat-mat `kernel`), as the GPU
+/// wrote it.
+fn product(
+    gpu: &Gpu,
+    w: &WeightTensor,
+    x: &[f32],
+    m: usize,
+    cols: usize,
+    kernel: Option<MatmulKernel>,
+) -> Vec<f32> {
+    let k = x.len() / cols;
+    let xb = gpu.buffer_from_f32("x", x).unwrap();
     let yb = gpu.buffer_zeroed("y", (m * cols * 4) as u64).unwrap();
     let mut rec = gpu.recorder();
     let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
-    if let Some(kernel) = mat_mat {
-        matmul_with(gpu, &mut rec, &case.w, xc, yc, cols as u32, kernel).unwrap();
+    if let Some(kernel) = kernel {
+        matmul_with(gpu, &mut rec, w, xc, yc, cols as u32, kernel).unwrap();
     } else {
-        matvec(gpu, &mut rec, &case.w, xc, yc, cols as u32).unwrap();
+        matvec(gpu, &mut rec, w, xc, yc, cols as u32).unwrap();
     }
     let t = rec.read(&yb, 0, (m * cols * 4) as u64).unwrap();
-    let y: Vec<f32> = bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t]);
+    bytemuck::pod_collect_to_vec(&rec.finish_and_read().unwrap()[t])
+}
+
+fn run_matvec(gpu: &Gpu, case: &Case, m: usize, k: usize, cols: usize, mat_mat: Option<MatmulKernel>) -> f64 {
+    let mut rng = Rng(7 + cols as u64);
+    let x: Vec<f32> = (0..k * cols).map(|_| rng.f32()).collect();
+    let y = product(gpu, &case.w, &x, m, cols, mat_mat);
     nmse(&y, &reference(&case.dense, &x, m, k, cols))
 }
 
@@ -199,6 +214,52 @@ fn matvec_windows_cut_on_rows() {
         let e = run_matvec(gpu, &case, m, k, 70, Some(MatmulKernel::Tiled));
         assert!(e < NMSE_MAX, "windowed matmul {ty}: NMSE {e:e}");
     }
+}
+
+#[test]
+fn weights_in_an_arena_give_the_bytes_of_their_own_buffers() {
+    let Some(gpu) = test_gpu(false) else { return };
+    let arena = WeightArena::new();
+    // Something placed first, so no tensor below starts at byte 0 of the arena's buffer.
+    let first = gpu.place(Some(&arena), "first", &[1, 2, 3], &[]).unwrap();
+    assert_eq!((first.base, first.size), (0, 4));
+    let (m, k) = (37, 512);
+    let mut windows = 0;
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        let mut rng = Rng(300 + i as u64);
+        let bytes = random_weights(ty, m * k, &mut rng);
+        // Windows of a few rows (an IQ1/IQ2/IQ3 window ends with its grid): several per tensor.
+        let row = ty.bytes_for(k as u64).unwrap();
+        let window =
+            qk::gguf::grids::grid_of(ty).map_or(0, |g| std::mem::size_of_val(g) as u64) + 9 * row + 3;
+        let upload = |arena| {
+            gpu.upload_weight_windowed("w", ty, k as u64, m as u64, 1, &bytes, window, arena)
+                .unwrap()
+        };
+        let (own, placed) = (upload(None), upload(Some(&arena)));
+        assert!(placed.windows.len() > 1, "{ty}: expected several windows");
+        assert!(
+            placed.windows.iter().all(|w| w.buffer.base > 0),
+            "{ty}: not placed"
+        );
+        windows += placed.windows.len();
+        for (cols, kernel) in [(1, None), (8, None), (40, Some(MatmulKernel::Tiled))] {
+            let x: Vec<f32> = (0..k * cols).map(|_| rng.f32()).collect();
+            let (a, b) = (
+                product(gpu, &own, &x, m, cols, kernel),
+                product(gpu, &placed, &x, m, cols, kernel),
+            );
+            assert!(same_bits(&a, &b), "{ty}, {cols} columns: arena bytes differ");
+        }
+    }
+    assert!(
+        arena.buffers() * 20 < windows,
+        "{windows} windows in {} arena buffers",
+        arena.buffers()
+    );
+    // Too big for an arena: a buffer of its own.
+    let big = vec![0u8; qk::gpu::ARENA_MAX_TENSOR as usize + 4];
+    assert_eq!(gpu.place(Some(&arena), "big", &big, &[]).unwrap().base, 0);
 }
 
 #[test]

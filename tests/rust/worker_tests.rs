@@ -1096,16 +1096,8 @@ fn fixture_engine(layers: Option<(u32, u32)>) -> Option<qk::engine::Engine> {
         layers,
         slots: 2,
         ctx: 256,
-        device: None,
         precise: true,
-        cache_type_k: None,
-        cache_type_v: None,
-        prefill_rows: None,
-        route_inside_max_rows: None,
-        attention_walk: None,
-        dense_group_cols: None,
-        decode_shapes: Vec::new(),
-        spin_wait: None,
+        ..Default::default()
     };
     match qk::engine::Engine::load(path, &opts, &mut |_| {}) {
         Ok(e) => Some(e),
