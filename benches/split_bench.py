@@ -109,18 +109,25 @@ def step_means(before: dict, after: dict) -> dict:
 
 def engine_means(before: dict, after: dict) -> dict:
     """An engine's decode steps between two readings of ``step_totals()``: µs per step (host
-    record, submit, and the wait for the GPU and the readback) and the share recorded ahead."""
+    record, submit, and the wait for the GPU and the readback), the share recorded ahead, and the
+    record of those alone (``ahead_record_us``: the mean record includes the steps recorded on the
+    spot, ms each)."""
     steps = after["steps"] - before["steps"]
     if not steps:
         return {"steps": 0}
-    return {
+    ahead = after["ahead"] - before["ahead"]
+    out = {
         "steps": steps,
-        "ahead": round((after["ahead"] - before["ahead"]) / steps, 3),
+        "ahead": round(ahead / steps, 3),
         **{
             k: round((after[k] - before[k]) / steps, 1)
             for k in ("record_us", "submit_us", "wait_us", "total_us")
         },
     }
+    # (Older wheels' totals lack it: benches/h200_split.sh may compare two builds.)
+    if ahead and "ahead_record_us" in after:
+        out["ahead_record_us"] = round((after["ahead_record_us"] - before["ahead_record_us"]) / ahead, 1)
+    return out
 
 
 def bench(driver, a, prompts, engines: dict | None = None, link=None) -> dict:

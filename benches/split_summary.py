@@ -15,8 +15,9 @@ from run_summary import result  # benches/ is the script's own directory, first 
 
 
 def engine_part(name: str, t: dict) -> str:
+    ahead_record = f" ({t['ahead_record_us']} for those recorded ahead)" if "ahead_record_us" in t else ""
     return (
-        f"{name} engine {t['total_us']} us (record {t['record_us']}, submit {t['submit_us']}, "
+        f"{name} engine {t['total_us']} us (record {t['record_us']}{ahead_record}, submit {t['submit_us']}, "
         f"wait {t['wait_us']}, ahead {t['ahead']})"
     )
 

@@ -108,6 +108,10 @@ pub struct StepTotals {
     pub ahead: u64,
     pub rows: u64,
     pub record_us: f64,
+    /// `record_us` of the steps recorded ahead alone: a step recorded on the spot (the first
+    /// after a prefill) records all its commands, ms where an ahead step takes µs, so the mean
+    /// over both says little about either.
+    pub ahead_record_us: f64,
     pub submit_us: f64,
     pub wait_us: f64,
     pub total_us: f64,
@@ -119,6 +123,9 @@ impl StepTotals {
         self.ahead += u64::from(t.ahead);
         self.rows += u64::from(t.rows);
         self.record_us += t.record_us;
+        if t.ahead {
+            self.ahead_record_us += t.record_us;
+        }
         self.submit_us += t.submit_us;
         self.wait_us += t.wait_us;
         self.total_us += t.total_us;

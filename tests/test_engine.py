@@ -518,6 +518,27 @@ def test_routing_inside_or_by_the_router_kernel_gives_the_same_bytes():
         assert routers == [0, layers if len(slots) > 1 else 0], f"slots {slots}: {routers}"
 
 
+def test_step_totals_sum_every_step_and_the_ahead_ones_apart():
+    """step_totals() sums each decode step's host timing; ahead_record_us sums the record time of
+    the steps recorded ahead alone (the first step after a prefill records on the spot)."""
+    name = F32[0]
+    eng = engine(name)
+    p = prompt(name)[:20]
+    eng.stage_run(2, p, 0)
+    before = eng.step_totals()
+    timings = []
+    for t in p[:4]:
+        eng.step([2], [t])
+        timings.append(eng.last_step_timing())
+    after = eng.step_totals()
+    ahead = [t for t in timings if t["ahead"]]
+    assert after["steps"] - before["steps"] == 4
+    assert after["ahead"] - before["ahead"] == len(ahead) >= 3
+    assert not timings[0]["ahead"]
+    for key, steps in (("record_us", timings), ("ahead_record_us", ahead)):
+        assert after[key] - before[key] == pytest.approx(sum(t["record_us"] for t in steps))
+
+
 def test_profile_step_labels_every_dispatch_and_changes_nothing():
     """The profiled step returns the plain step's tokens, one labelled entry per dispatch the
     counters saw, and GPU times exactly when the adapter has timestamp queries."""

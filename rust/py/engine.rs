@@ -313,8 +313,9 @@ impl PyEngine {
     }
 
     /// Every decode step's host timing summed since load: steps, ahead (steps recorded while the
-    /// one before ran), rows, record_us, submit_us, wait_us, total_us; a run's means are the
-    /// difference of two readings divided by its steps.
+    /// one before ran), rows, record_us (ahead_record_us: of the steps recorded ahead alone),
+    /// submit_us, wait_us, total_us; a run's means are the difference of two readings divided by
+    /// its steps.
     fn step_totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let t = self.lock()?.step_totals();
         let d = PyDict::new(py);
@@ -322,6 +323,7 @@ impl PyEngine {
         d.set_item("ahead", t.ahead)?;
         d.set_item("rows", t.rows)?;
         d.set_item("record_us", t.record_us)?;
+        d.set_item("ahead_record_us", t.ahead_record_us)?;
         d.set_item("submit_us", t.submit_us)?;
         d.set_item("wait_us", t.wait_us)?;
         d.set_item("total_us", t.total_us)?;
