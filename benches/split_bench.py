@@ -16,7 +16,7 @@ worker's adapter, and each comparison is reported per reference adapter.
 
 usage: python benches/split_bench.py MODEL.gguf [--cut K] [--prompt 256] [--decode 64] [--ctx 2048]
        [--device I] [--worker-device J] [--precise] [--lanes 1,2] [--spin-wait-us N] [--socket-spin-us N]
-       [--worker-in-process]
+       [--worker-in-process] [--no-weight-arena]
        [--worker-env K=V ...]
 """
 
@@ -229,6 +229,8 @@ def worker_process(a, model: str, cut: int, n_layer: int, port: int) -> subproce
         cmd.append("--precise")
     if a.spin_wait_us is not None:
         cmd += ["--spin-wait-us", str(a.spin_wait_us)]
+    if a.no_weight_arena:
+        cmd.append("--no-weight-arena")
     env = dict(os.environ)
     for kv in a.worker_env:
         k, _, v = kv.partition("=")
@@ -236,9 +238,13 @@ def worker_process(a, model: str, cut: int, n_layer: int, port: int) -> subproce
     return subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, env=env)
 
 
-def spin_option(a) -> dict:
-    """The engines' keyword for ``--spin-wait-us``: none when not given (the engine's default)."""
-    return {} if a.spin_wait_us is None else {"spin_wait_us": a.spin_wait_us}
+def engine_options(a) -> dict:
+    """Every engine's keywords for ``--spin-wait-us`` and ``--no-weight-arena``: none when not
+    given (the engine's defaults; so an older wheel without an option still runs)."""
+    options = {} if a.spin_wait_us is None else {"spin_wait_us": a.spin_wait_us}
+    if a.no_weight_arena:
+        options["weight_arena"] = False
+    return options
 
 
 def socket_spin(a, engine) -> int:
@@ -263,7 +269,7 @@ class InProcessWorker:
             ctx=a.ctx,
             device=a.worker_device if a.worker_device is not None else a.device,
             precise=a.precise,
-            **spin_option(a),
+            **engine_options(a),
         )
         fingerprint = Gguf(a.model, header_only=True).fingerprint
         stage = _qk.EngineStage(self.engine, fingerprint, 16)
@@ -330,6 +336,11 @@ def main() -> None:
         help="serve the worker from a thread of this process: one device and queue for both stages "
         "(no switch between two processes' GPU contexts), its engine's timing reported",
     )
+    ap.add_argument(
+        "--no-weight-arena",
+        action="store_true",
+        help="every engine's weight tensors each in a buffer of their own (default: the small ones in arenas)",
+    )
     ap.add_argument("--worker-env", action="append", default=[], help="K=V for the worker's environment")
     a = ap.parse_args()
     lanes = [int(x) for x in a.lanes.split(",")]
@@ -340,8 +351,8 @@ def main() -> None:
     from qk.split import SplitDriver, head_stage
 
     rng = np.random.default_rng(0)
-    spin = spin_option(a)
-    whole = _qk.Engine(a.model, slots=2, ctx=a.ctx, device=a.device, precise=a.precise, **spin)
+    options = engine_options(a)
+    whole = _qk.Engine(a.model, slots=2, ctx=a.ctx, device=a.device, precise=a.precise, **options)
     info = whole.info()
     n_layer, vocab = int(info["n_layer"]), int(info["vocab"])
     cut = a.cut or n_layer // 2
@@ -369,7 +380,7 @@ def main() -> None:
     head_timing = None
     try:
         head = _qk.Engine(
-            a.model, layers=(0, cut), slots=2, ctx=a.ctx, device=a.device, precise=a.precise, **spin
+            a.model, layers=(0, cut), slots=2, ctx=a.ctx, device=a.device, precise=a.precise, **options
         )
         fingerprint = Gguf(a.model, header_only=True).fingerprint
         for n in lanes:
@@ -416,6 +427,7 @@ def main() -> None:
         "spin_wait_us": a.spin_wait_us,
         "worker_in_process": a.worker_in_process,
         "socket_spin_us": a.socket_spin_us,
+        "weight_arena": not a.no_weight_arena,
         "unsplit": u,
         "unsplit_last_step_us": unsplit_timing,
         "head_last_step_us": head_timing,

@@ -55,9 +55,11 @@ def test_split_bench_with_the_worker_in_process_times_each_stage(tmp_path):
         *("--prompt", "16", "--decode", "3", "--ctx", "128", "--lanes", "1", "--worker-in-process"),
         # Both ends of the link poll their sockets a while before they sleep.
         *("--socket-spin-us", "2000"),
+        # Every engine's weights each in a buffer of its own (the other split tests run the arena).
+        "--no-weight-arena",
     )
     assert out["tokens_identical"] is True and out["worker_in_process"] is True
-    assert out["socket_spin_us"] == 2000
+    assert out["socket_spin_us"] == 2000 and out["weight_arena"] is False
     split = out["split_lanes1"]
     assert split["ping_ms"] > 0
     for stage in ("head", "worker"):

@@ -124,8 +124,8 @@ def test_cli_defaults():
 
 
 def test_cli_engine_flags_become_engine_keywords(capsys):
-    """``--prefill-rows`` and the cache types go to the engine as keywords on the server and the
-    worker alike; absent flags leave the engine's defaults; a piece that is not whole 64-position
+    """``--prefill-rows``, the cache types and ``--no-weight-arena`` go to the engine as keywords on
+    the server and the worker alike; absent flags leave the engine's defaults; a piece that is not whole 64-position
     chunks is refused at the command line."""
     from qk import serve, worker
 
@@ -133,9 +133,10 @@ def test_cli_engine_flags_become_engine_keywords(capsys):
     assert worker.engine_args(args) == {"prefill_rows": 512, "cache_type_k": "q8_0"}
     assert worker.engine_args(serve.parse_args([])) == {}
     wargs = worker.build_parser().parse_args(
-        ["--model", "m.gguf", "--layers", "2:4", "--prefill-rows", "128"]
+        ["--model", "m.gguf", "--layers", "2:4", "--prefill-rows", "128", "--no-weight-arena"]
     )
-    assert worker.engine_args(wargs) == {"prefill_rows": 128}
+    assert worker.engine_args(wargs) == {"prefill_rows": 128, "weight_arena": False}
+    assert serve.parse_args(["--no-weight-arena"]).no_weight_arena
     for bad in ("96", "0", "-64"):
         with pytest.raises(SystemExit):
             serve.parse_args(["--prefill-rows", bad])

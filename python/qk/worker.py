@@ -59,8 +59,8 @@ def _microseconds(text: str) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """``--cache-type-k`` / ``--cache-type-v`` / ``--prefill-rows`` / ``--spin-wait-us``, shared with
-    ``qk.serve``."""
+    """``--cache-type-k`` / ``--cache-type-v`` / ``--prefill-rows`` / ``--spin-wait-us`` /
+    ``--no-weight-arena``, shared with ``qk.serve``."""
     p.add_argument(
         "--cache-type-k", choices=("f16", "q8_0", "f32"), help="K cache element type (default f16)"
     )
@@ -77,9 +77,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="microseconds a decode step's wait for the GPU polls without sleeping before it blocks "
         "(default 20000 on a GPU, 0 on a CPU adapter); 0 frees the core at some cost per token",
     )
+    p.add_argument(
+        "--no-weight-arena",
+        action="store_true",
+        help="every weight tensor in a GPU buffer of its own (default: the small ones share a few, "
+        "which makes each decode step's submit cheaper); the outputs are the same",
+    )
 
 
-def engine_args(args: argparse.Namespace) -> dict[str, str | int]:
+def engine_args(args: argparse.Namespace) -> dict[str, str | int | bool]:
     """The engine keywords of the flags of ``add_engine_args`` that were given (absent ones keep
     the engine's defaults)."""
     given = {
@@ -87,6 +93,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, str | int]:
         "cache_type_v": args.cache_type_v,
         "prefill_rows": args.prefill_rows,
         "spin_wait_us": args.spin_wait_us,
+        "weight_arena": False if args.no_weight_arena else None,
     }
     return {k: v for k, v in given.items() if v is not None}
 
