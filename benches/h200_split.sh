@@ -6,7 +6,7 @@
 #   bash benches/h200_split.sh wait [SECONDS]                 wait for it; print the summaries
 # Here, before the device call: benches/device_prepare.sh (the wheel in .device/, gguf-py and the
 # vocabulary for the random model). QK_SPLIT_ARGS: the flags every variant shares. Each run's JSON
-# goes to $OUT/split-<i>.json (copied there by `wait`); the log gets one summary line per run.
+# is split-<i>.json in $OUT/split.tar.gz (written by `wait`); the log gets one summary line per run.
 # QK_SPLIT_AB=1: two builds side by side instead, the wheels in .device/ab/a/ and .device/ab/b/ (as
 # benches/h200_ab.sh takes them), each variant run with a, then b (split-<i>-<a|b>.json).
 set -uo pipefail
@@ -16,7 +16,8 @@ wait)
   deadline=$((SECONDS + ${2:-540}))
   while [ ! -f $WORK/done ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
   cat $WORK/split.log
-  mkdir -p "$OUT" && cp $WORK/*.json "$OUT"/ 2>/dev/null
+  # One file (the device tool returns at most eight): every run's JSON and stderr.
+  mkdir -p "$OUT" && (cd $WORK && tar -czf "$OUT/split.tar.gz" ./*.json ./*.err 2>/dev/null)
   [ -f $WORK/done ] || echo "== still running"
   exit 0 ;;
 start) ;;
