@@ -91,6 +91,13 @@ fn filled(gpu: &Gpu, name: &str, value: f32, len: usize) -> GpuBuffer {
     gpu.buffer_from_f32(name, &vec![value; len]).expect("buffer")
 }
 
+/// The `num / den` quantile of `values` (the median at 1 / 2: the upper middle of an even count).
+fn quantile(values: impl Iterator<Item = f64>, num: usize, den: usize) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    v[v.len() * num / den]
+}
+
 fn flag(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "1")
 }
@@ -1120,11 +1127,7 @@ fn host_step_cost(gpu: &Gpu) {
                 times.push([us(t0, t1), us(t1, t2), us(t2, t3), us(t3, t4)]);
             }
         }
-        let median = |j: usize| {
-            let mut v: Vec<f64> = times.iter().map(|t| t[j]).collect();
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
+        let median = |j: usize| quantile(times.iter().map(|t| t[j]), 1, 2);
         println!(
             "host step ({dispatches} dependent dispatches over {pool} output buffers): record {:>7.1} µs, encode {:>7.1} µs, submit {:>7.1} µs, wait {:>8.1} µs",
             median(0),
@@ -1182,11 +1185,7 @@ fn host_step_cost_ranges(gpu: &Gpu, dispatches: usize, rounds: usize) {
             times.push([us(t0, t1), us(t1, t2), us(t2, t3)]);
         }
     }
-    let median = |j: usize| {
-        let mut v: Vec<f64> = times.iter().map(|t| t[j]).collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
+    let median = |j: usize| quantile(times.iter().map(|t| t[j]), 1, 2);
     println!(
         "host step ({dispatches} dispatches over {pool} ranges of 3 buffers): record+encode {:>7.1} µs, submit {:>7.1} µs, wait {:>8.1} µs",
         median(0),
@@ -1241,15 +1240,12 @@ fn step_input_writes(gpu: &Gpu) {
                 t.push(d.as_secs_f64() * 1e6);
             }
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
+        let median = |v: &Vec<f64>| quantile(v.iter().copied(), 1, 2);
         println!(
             "step inputs as {writes} queue writes: medians write {:>6.1} µs, submit {:>6.1} µs, wait {:>6.1} µs",
-            median(&mut times[0]),
-            median(&mut times[1]),
-            median(&mut times[2]),
+            median(&times[0]),
+            median(&times[1]),
+            median(&times[2]),
         );
     }
 }
@@ -1301,23 +1297,16 @@ fn handoff_round_trip(gpu: &Gpu) {
                 t.push(d.as_secs_f64() * 1e6);
             }
         }
-        let median = |v: &mut Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
-        let p90 = {
-            let v = &mut times[0];
-            v.sort_by(f64::total_cmp);
-            v[v.len() * 9 / 10]
-        };
+        let median = |v: &Vec<f64>| quantile(v.iter().copied(), 1, 2);
+        let p90 = quantile(times[0].iter().copied(), 9, 10);
         println!(
             "hand-off round trip {how} (write {n} f32, 1 dispatch, read back, wait): median {:>6.1} µs, \
              p90 {p90:>6.1} µs; medians: write+record {:>5.1}, encode {:>5.1}, submit {:>5.1}, wait+map {:>6.1}",
-            median(&mut times[0]),
-            median(&mut times[1]),
-            median(&mut times[2]),
-            median(&mut times[3]),
-            median(&mut times[4]),
+            median(&times[0]),
+            median(&times[1]),
+            median(&times[2]),
+            median(&times[3]),
+            median(&times[4]),
         );
     }
 }
