@@ -60,9 +60,14 @@ const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
 /// buffer's unused tail; only weights go in (read-only bindings: a buffer bound for writing
 /// cannot be bound for reading in the same dispatch).
 pub struct WeightArena {
-    chunks: Mutex<Vec<ArenaChunk>>,
+    state: Mutex<ArenaState>,
+}
+
+#[derive(Default)]
+struct ArenaState {
+    chunks: Vec<ArenaChunk>,
     /// Bytes of the tensors' own data placed (not their padding, alignment or grids).
-    placed: std::sync::atomic::AtomicU64,
+    placed: u64,
 }
 
 struct ArenaChunk {
@@ -78,27 +83,22 @@ pub const ARENA_MAX_TENSOR: u64 = 32 << 20;
 impl WeightArena {
     pub fn new() -> WeightArena {
         WeightArena {
-            chunks: Mutex::new(Vec::new()),
-            placed: std::sync::atomic::AtomicU64::new(0),
+            state: Mutex::new(ArenaState::default()),
         }
     }
 
-    /// Bytes of the tensors' own data placed in the arena (`reserved` less this: what packing
-    /// them costs in alignment, padding and the buffers' unused tails).
-    pub fn placed(&self) -> u64 {
-        self.placed.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Device bytes the arena's buffers hold (what they hold unused included).
-    pub fn reserved(&self) -> u64 {
-        self.chunks
-            .lock()
-            .map_or(0, |c| c.iter().map(|ch| ch.buffer.size).sum())
+    /// Device bytes the arena's buffers hold beyond the data placed in them: alignment, padding,
+    /// grids and the buffers' unused tails.
+    pub fn overhead(&self) -> u64 {
+        self.state.lock().map_or(0, |s| {
+            let reserved: u64 = s.chunks.iter().map(|c| c.buffer.size).sum();
+            reserved - s.placed
+        })
     }
 
     /// The arena's buffers.
     pub fn buffers(&self) -> usize {
-        self.chunks.lock().map_or(0, |c| c.len())
+        self.state.lock().map_or(0, |s| s.chunks.len())
     }
 }
 
@@ -250,27 +250,28 @@ impl Gpu {
             return self.buffer_from_parts(label, head, tail);
         };
         let align = u64::from(self.caps.storage_offset_alignment).max(4);
-        let mut chunks = arena
-            .chunks
+        let mut state = arena
+            .state
             .lock()
             .map_err(|_| QkError::Engine("weight arena poisoned".into()))?;
         let fits = |c: &ArenaChunk| c.used.div_ceil(align) * align + size <= c.buffer.size;
-        let i = match chunks.iter().position(fits) {
+        let i = match state.chunks.iter().position(fits) {
             Some(i) => i,
             None => {
                 // Each buffer twice the last, from 1 MiB (a tiny model holds no 256 MiB) up to
                 // ARENA_CHUNK; first-fit fills the tails the bigger tensors leave.
-                let last = chunks.last().map_or(0, |c| c.buffer.size);
+                let last = state.chunks.last().map_or(0, |c| c.buffer.size);
                 let bytes = (2 * last)
                     .clamp(1 << 20, ARENA_CHUNK)
                     .min(self.caps.max_buffer_size)
                     .max(size);
                 let buffer = self.create_buffer("weights.arena", bytes, STORAGE, false)?;
-                chunks.push(ArenaChunk { buffer, used: 0 });
-                chunks.len() - 1
+                state.chunks.push(ArenaChunk { buffer, used: 0 });
+                state.chunks.len() - 1
             }
         };
-        let chunk = &mut chunks[i];
+        state.placed += head.len() as u64;
+        let chunk = &mut state.chunks[i];
         let base = chunk.used.div_ceil(align) * align;
         chunk.used = base + size;
         let view = GpuBuffer {
@@ -280,10 +281,7 @@ impl Gpu {
             label: label.into(),
             base: chunk.buffer.base + base,
         };
-        drop(chunks);
-        arena
-            .placed
-            .fetch_add(head.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        drop(state);
         // Whole words: the head's last one padded with zeros, as a buffer of its own would be.
         let mut words = Vec::with_capacity(size as usize);
         words.extend_from_slice(head);

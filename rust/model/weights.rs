@@ -536,9 +536,7 @@ impl Weights {
         };
         let embed = if a == 0 { embed } else { None };
         // The arena's buffers whole, for the tensors in them.
-        let bytes = arena.as_ref().map_or(ld.bytes, |ar| {
-            ld.bytes.saturating_sub(ar.placed()) + ar.reserved()
-        });
+        let bytes = ld.bytes + arena.as_ref().map_or(0, WeightArena::overhead);
         Ok(Weights {
             embed,
             output_norm,
