@@ -20,7 +20,8 @@
 //! QK_BENCH_ONLY_MATVEC=1 only the large mat-vecs per type (no mat-mat), QK_BENCH_ONLY_HOST=1 only
 //! the host's share of a decode-sized submit per count of buffers it references, a step's input
 //! writes as one queue write or three, and a split's
-//! hand-off through the host with a blocking and a spinning wait.
+//! hand-off through the host with a blocking and a spinning wait, and armed (Vulkan: submitted
+//! ahead, waiting on a timeline semaphore the host signals).
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
 //! (GpuOptions::checked_shaders): run the bench with and without it to compare.
@@ -230,6 +231,7 @@ fn main() {
         host_step_cost(&gpu);
         step_input_writes(&gpu);
         handoff_round_trip(&gpu);
+        armed_handoff(&gpu);
         return;
     }
     if !flag("QK_BENCH_NO_ATTENTION") {
@@ -1309,6 +1311,89 @@ fn handoff_round_trip(gpu: &Gpu) {
             median(&times[4]),
         );
     }
+}
+
+/// The hand-off with its commands submitted before its input is due (Vulkan only): the submit waits
+/// on a timeline semaphore that the host signals when the input would land, so the GPU starts
+/// without a submit in between. Measures the host's signal call and the signal-to-results time
+/// (spinning wait, readback mapped) against the plain submit-to-results of the same commands: what
+/// a split stage would save per token if its next step were queued while the other stage runs.
+fn armed_handoff(gpu: &Gpu) {
+    use ash::vk;
+    use qk::gpu::example::{ScaleParams, scale_add};
+    use wgpu::hal::api::Vulkan;
+    // SAFETY: the ash device outlives every use below (the wgpu device does), and the semaphore
+    // is destroyed only after the device is idle.
+    let Some(raw) = (unsafe { gpu.device.as_hal::<Vulkan>() }).map(|d| d.raw_device().clone()) else {
+        println!("armed hand-off: not a Vulkan device");
+        return;
+    };
+    let mut timeline = vk::SemaphoreTypeCreateInfo::default()
+        .semaphore_type(vk::SemaphoreType::TIMELINE)
+        .initial_value(0);
+    let info = vk::SemaphoreCreateInfo::default().push_next(&mut timeline);
+    let sem = unsafe { raw.create_semaphore(&info, None) }.expect("timeline semaphore");
+    let n = if smoke() { 256u32 } else { 2048 };
+    let x = gpu.buffer_zeroed("row_in", u64::from(n) * 4).expect("x");
+    let y = gpu.buffer_zeroed("row_out", u64::from(n) * 4).expect("y");
+    let partial = gpu.buffer_zeroed("partial", u64::from(n)).expect("partial");
+    let params = ScaleParams { n, a: 2.0, b: 1.0 };
+    let spin = Duration::from_millis(50);
+    hold_clocks(gpu);
+    let rounds = if smoke() { 3 } else { 200 };
+    // Per round: plain submit → results, armed signal call, armed signal → results.
+    let mut times: [Vec<f64>; 3] = Default::default();
+    for round in 0..rounds {
+        let record = || {
+            let mut rec = gpu.recorder();
+            scale_add(gpu, &mut rec, &x, &y, &partial, params).expect("scale");
+            rec.read(&y, 0, u64::from(n) * 4).expect("read");
+            rec.finish().expect("encode")
+        };
+        let plain = record();
+        let t0 = Instant::now();
+        let (out, _) = plain.submit(gpu).wait_spinning(gpu, spin).expect("wait");
+        std::hint::black_box(out);
+        let plain_us = t0.elapsed().as_secs_f64() * 1e6;
+        let value = round as u64 + 1;
+        let armed = record();
+        {
+            let queue = unsafe { gpu.queue.as_hal::<Vulkan>() }.expect("hal queue");
+            queue.add_wait_semaphore(sem, Some(value), vk::PipelineStageFlags::ALL_COMMANDS);
+        }
+        let submitted = armed.submit(gpu);
+        // The GPU reaches the wait and idles there, as a stage's would while the other stage runs.
+        let idle = Instant::now();
+        while idle.elapsed() < Duration::from_micros(300) {
+            std::hint::spin_loop();
+        }
+        let t1 = Instant::now();
+        let signal = vk::SemaphoreSignalInfo::default().semaphore(sem).value(value);
+        unsafe { raw.signal_semaphore(&signal) }.expect("signal");
+        let t2 = Instant::now();
+        let (out, _) = submitted.wait_spinning(gpu, spin).expect("armed wait");
+        std::hint::black_box(out);
+        let t3 = Instant::now();
+        if round > 0 {
+            let us = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e6;
+            times[0].push(plain_us);
+            times[1].push(us(t1, t2));
+            times[2].push(us(t1, t3));
+        }
+    }
+    gpu.wait().expect("idle");
+    unsafe { raw.destroy_semaphore(sem, None) };
+    let median = |v: &Vec<f64>| quantile(v.iter().copied(), 1, 2);
+    let p90 = |v: &Vec<f64>| quantile(v.iter().copied(), 9, 10);
+    println!(
+        "armed hand-off (write-free, 1 dispatch, read back, spinning): plain submit → results median {:>6.1} µs \
+         (p90 {:>6.1}); armed: signal call {:>5.1} µs, signal → results median {:>6.1} µs (p90 {:>6.1})",
+        median(&times[0]),
+        p90(&times[0]),
+        median(&times[1]),
+        median(&times[2]),
+        p90(&times[2]),
+    );
 }
 
 /// The gated DeltaNet decode step (shaders/gdn_step.wgsl) at the Qwen3-Next-80B shape for 1 and 8
