@@ -81,7 +81,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--no-weight-arena",
         action="store_true",
         help="every weight tensor in a GPU buffer of its own (default: the small ones share a few, "
-        "which makes each decode step's submit cheaper); the outputs are the same",
+        "fewer buffers for each decode step's submit to track); the outputs are the same",
     )
 
 
