@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """One line from a split_bench.py JSON, for benches/h200_split.sh: one stream's ms/token unsplit and
 split and their ratio, where a split step's time goes (the head's layers, the chain's round trip,
-each in-process engine's host record, submit and wait), the idle ping, the 2-slot aggregates, and
-whether every run's tokens matched.
+each in-process engine's host record, submit and wait, and with the worker in process the link's
+share: the round trip less the worker's engine), the idle ping, the 2-slot aggregates, and whether
+every run's tokens matched.
 
 usage: python benches/split_summary.py NAME RESULT.json
 """
@@ -38,6 +39,10 @@ def main() -> None:
     for stage in ("head", "worker"):
         if f"single_{stage}_engine" in s:
             parts.append(engine_part(stage, s[f"single_{stage}_engine"]))
+    worker = s.get("single_worker_engine")
+    if step and worker:
+        # The chain's round trip less the worker's engine: the frames both ways and the stage loop.
+        parts.append(f"link {step['chain_ms'] * 1000 - worker['total_us']:.1f} us")
     parts.append(f"ping {s.get('ping_ms')} ms")
     parts.append(f"2 slots {u['two_slot_aggregate_tok_s']} / {s.get('two_slot_aggregate_tok_s')} tok/s")
     parts.append(f"tokens identical {d.get('tokens_identical')}")

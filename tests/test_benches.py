@@ -77,7 +77,7 @@ def test_split_bench_with_the_worker_in_process_times_each_stage(tmp_path):
         text=True,
         check=True,
     ).stdout
-    assert line.startswith("in-process: unsplit ") and "worker engine" in line
+    assert line.startswith("in-process: unsplit ") and "worker engine" in line and "; link " in line
     assert line.rstrip().endswith("tokens identical True")
 
 
