@@ -312,6 +312,16 @@ def test_step_is_one_submit_and_creates_nothing():
     print("decode step counters", delta)
     assert delta["pipelines"] == delta["bind_groups"] == delta["buffers"] == 0
     assert delta["submits"] == 1 and delta["readbacks"] == 1
+    # Its inputs: the token ids and the attention rows; the slot table is the last step's, so it is
+    # not written again. Other slots write it, once.
+    assert delta["writes"] == 2
+    writes = []
+    for slots in ([0, 1], [0, 1]):
+        before = eng.counters()["writes"]
+        outs = eng.step(slots, toks[: len(slots)], topk=4)
+        toks = [o[0][0] for o in outs] + toks[len(slots) :]
+        writes.append(eng.counters()["writes"] - before)
+    assert writes == [3, 2]
 
 
 def test_attention_walk_is_a_speed_choice():

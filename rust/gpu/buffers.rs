@@ -314,6 +314,7 @@ impl Gpu {
             )));
         }
         self.queue.write_buffer(&buf.buffer, buf.base + offset, bytes);
+        Counters::bump(&self.counters.writes);
         Ok(())
     }
 

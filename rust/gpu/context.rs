@@ -76,6 +76,7 @@ pub(crate) struct Counters {
     pub readbacks: AtomicU64,
     pub dispatches: AtomicU64,
     pub spun_waits: AtomicU64,
+    pub writes: AtomicU64,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -88,6 +89,8 @@ pub struct CounterSnapshot {
     pub dispatches: u64,
     /// Waits that saw the GPU finish while polling, never sleeping in the driver.
     pub spun_waits: u64,
+    /// Queue writes into GPU buffers (each a staging buffer and a copy ahead of the next submit).
+    pub writes: u64,
 }
 
 impl Counters {
@@ -105,6 +108,7 @@ impl Counters {
             readbacks: r(&self.readbacks),
             dispatches: r(&self.dispatches),
             spun_waits: r(&self.spun_waits),
+            writes: r(&self.writes),
         }
     }
 }

@@ -400,7 +400,8 @@ impl PyEngine {
     }
 
     /// Cumulative GPU counters: pipelines, bind_groups, buffers, submits, readbacks, dispatches,
-    /// spun_waits (waits that saw the GPU finish while polling, see `spin_wait_us`).
+    /// spun_waits (waits that saw the GPU finish while polling, see `spin_wait_us`), writes (queue
+    /// writes into GPU buffers: a decode step's inputs).
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = self.lock()?.counters();
         let d = PyDict::new(py);
@@ -411,6 +412,7 @@ impl PyEngine {
         d.set_item("readbacks", c.readbacks)?;
         d.set_item("dispatches", c.dispatches)?;
         d.set_item("spun_waits", c.spun_waits)?;
+        d.set_item("writes", c.writes)?;
         Ok(d)
     }
 }
