@@ -21,7 +21,8 @@
 //! the host's share of a decode-sized submit per count of buffers it references, a step's input
 //! writes as one queue write or three, and a split's
 //! hand-off through the host with a blocking and a spinning wait, and armed (Vulkan: submitted
-//! ahead, waiting on a timeline semaphore the host signals).
+//! ahead, waiting on a timeline semaphore the host signals), and the submit-to-results floor of
+//! nothing, one dispatch, and one dispatch with its readback.
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
 //! (GpuOptions::checked_shaders): run the bench with and without it to compare.
@@ -232,6 +233,7 @@ fn main() {
         step_input_writes(&gpu);
         handoff_round_trip(&gpu);
         armed_handoff(&gpu);
+        submit_floor(&gpu);
         return;
     }
     if !flag("QK_BENCH_NO_ATTENTION") {
@@ -1395,6 +1397,48 @@ fn armed_handoff(gpu: &Gpu) {
         median(&times[1]),
         median(&times[2]),
         p90(&times[2]),
+    );
+}
+
+/// Where the submit-to-results floor of a hand-off goes: the same spinning wait after a submit of
+/// nothing, of one dispatch, and of one dispatch with its 8 KB readback copied out and mapped (what
+/// a stage pays), so the driver's share, the GPU's and wgpu's readback path can be told apart.
+fn submit_floor(gpu: &Gpu) {
+    use qk::gpu::example::{ScaleParams, scale_add};
+    let n = if smoke() { 256u32 } else { 2048 };
+    let x = gpu.buffer_zeroed("row_in", u64::from(n) * 4).expect("x");
+    let y = gpu.buffer_zeroed("row_out", u64::from(n) * 4).expect("y");
+    let partial = gpu.buffer_zeroed("partial", u64::from(n)).expect("partial");
+    let params = ScaleParams { n, a: 2.0, b: 1.0 };
+    let spin = Duration::from_millis(50);
+    hold_clocks(gpu);
+    let rounds = if smoke() { 3 } else { 200 };
+    let mut times: [Vec<f64>; 3] = Default::default();
+    for round in 0..rounds {
+        for (case, t) in times.iter_mut().enumerate() {
+            let mut rec = gpu.recorder();
+            if case > 0 {
+                scale_add(gpu, &mut rec, &x, &y, &partial, params).expect("scale");
+            }
+            if case > 1 {
+                rec.read(&y, 0, u64::from(n) * 4).expect("read");
+            }
+            let encoded = rec.finish().expect("encode");
+            let start = Instant::now();
+            let (out, _) = encoded.submit(gpu).wait_spinning(gpu, spin).expect("wait");
+            std::hint::black_box(out);
+            if round > 0 {
+                t.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    let median = |v: &Vec<f64>| quantile(v.iter().copied(), 1, 2);
+    println!(
+        "submit floor (spinning, submit → done, medians): nothing {:>6.1} µs, 1 dispatch {:>6.1} µs, \
+         1 dispatch + 8 KB readback mapped {:>6.1} µs",
+        median(&times[0]),
+        median(&times[1]),
+        median(&times[2]),
     );
 }
 
