@@ -1254,21 +1254,49 @@ fn step_input_writes(gpu: &Gpu) {
     }
 }
 
+/// The hand-off cases' one dispatch: a row of `n` f32 in, scaled into a row out, its workgroup
+/// partial sums (at least 64 floats each) beside it, and the rounds each case runs (clocks held).
+struct HandoffRow {
+    n: u32,
+    x: GpuBuffer,
+    y: GpuBuffer,
+    partial: GpuBuffer,
+    params: qk::gpu::example::ScaleParams,
+    rounds: usize,
+}
+
+impl HandoffRow {
+    fn new(gpu: &Gpu) -> Self {
+        let n = if smoke() { 256u32 } else { 2048 };
+        let row = HandoffRow {
+            n,
+            x: gpu.buffer_zeroed("row_in", u64::from(n) * 4).expect("x"),
+            y: gpu.buffer_zeroed("row_out", u64::from(n) * 4).expect("y"),
+            partial: gpu.buffer_zeroed("partial", u64::from(n)).expect("partial"),
+            params: qk::gpu::example::ScaleParams { n, a: 2.0, b: 1.0 },
+            rounds: if smoke() { 3 } else { 200 },
+        };
+        hold_clocks(gpu);
+        row
+    }
+
+    /// The dispatch, and with `read` the output row's readback.
+    fn record(&self, gpu: &Gpu, rec: &mut Recorder<'_>, read: bool) {
+        qk::gpu::example::scale_add(gpu, rec, &self.x, &self.y, &self.partial, self.params).expect("scale");
+        if read {
+            rec.read(&self.y, 0, u64::from(self.n) * 4).expect("read");
+        }
+    }
+}
+
 /// One hand-off of a split decode step through the host, as a stage pays it per token: a hidden
 /// row (n_embd f32) written into a GPU buffer, one tiny dispatch reading it, the row read back and
 /// waited for. A 2-stage split on one GPU pays two per token (the head's rows out, the ids back
 /// in) on top of the GPU work the unsplit step does: this is their floor, before any socket.
 fn handoff_round_trip(gpu: &Gpu) {
-    use qk::gpu::example::{ScaleParams, scale_add};
-    let n = if smoke() { 256u32 } else { 2048 };
-    let x = gpu.buffer_zeroed("row_in", u64::from(n) * 4).expect("x");
-    let y = gpu.buffer_zeroed("row_out", u64::from(n) * 4).expect("y");
-    // One partial sum per workgroup of the example kernel (at least 64 floats each).
-    let partial = gpu.buffer_zeroed("partial", u64::from(n)).expect("partial");
+    let h = HandoffRow::new(gpu);
+    let n = h.n;
     let row = vec![0.5f32; n as usize];
-    let params = ScaleParams { n, a: 2.0, b: 1.0 };
-    hold_clocks(gpu);
-    let rounds = if smoke() { 3 } else { 200 };
     // Blocking (the driver sleeps until the GPU is done), then spinning on the device's status.
     for (how, spin) in [
         ("blocking", Duration::ZERO),
@@ -1276,12 +1304,11 @@ fn handoff_round_trip(gpu: &Gpu) {
     ] {
         // Per round: whole, then its phases (write + record, encode, submit, wait + map).
         let mut times: [Vec<f64>; 5] = Default::default();
-        for _ in 0..rounds {
+        for _ in 0..h.rounds {
             let start = Instant::now();
-            gpu.write(&x, 0, bytemuck::cast_slice(&row)).expect("write");
+            gpu.write(&h.x, 0, bytemuck::cast_slice(&row)).expect("write");
             let mut rec = gpu.recorder();
-            scale_add(gpu, &mut rec, &x, &y, &partial, params).expect("scale");
-            rec.read(&y, 0, u64::from(n) * 4).expect("read");
+            h.record(gpu, &mut rec, true);
             let recorded = Instant::now();
             let (out, f) = rec
                 .finish()
@@ -1324,7 +1351,6 @@ fn handoff_round_trip(gpu: &Gpu) {
 #[cfg(any(windows, target_os = "linux", target_os = "android"))]
 fn armed_handoff(gpu: &Gpu) {
     use ash::vk;
-    use qk::gpu::example::{ScaleParams, scale_add};
     use wgpu::hal::api::Vulkan;
     // SAFETY: the ash device outlives every use below (the wgpu device does), and the semaphore
     // is destroyed only after the device is idle.
@@ -1337,21 +1363,14 @@ fn armed_handoff(gpu: &Gpu) {
         .initial_value(0);
     let info = vk::SemaphoreCreateInfo::default().push_next(&mut timeline);
     let sem = unsafe { raw.create_semaphore(&info, None) }.expect("timeline semaphore");
-    let n = if smoke() { 256u32 } else { 2048 };
-    let x = gpu.buffer_zeroed("row_in", u64::from(n) * 4).expect("x");
-    let y = gpu.buffer_zeroed("row_out", u64::from(n) * 4).expect("y");
-    let partial = gpu.buffer_zeroed("partial", u64::from(n)).expect("partial");
-    let params = ScaleParams { n, a: 2.0, b: 1.0 };
+    let h = HandoffRow::new(gpu);
     let spin = Duration::from_millis(50);
-    hold_clocks(gpu);
-    let rounds = if smoke() { 3 } else { 200 };
     // Per round: plain submit → results, armed signal call, armed signal → results.
     let mut times: [Vec<f64>; 3] = Default::default();
-    for round in 0..rounds {
+    for round in 0..h.rounds {
         let record = || {
             let mut rec = gpu.recorder();
-            scale_add(gpu, &mut rec, &x, &y, &partial, params).expect("scale");
-            rec.read(&y, 0, u64::from(n) * 4).expect("read");
+            h.record(gpu, &mut rec, true);
             rec.finish().expect("encode")
         };
         let plain = record();
@@ -1404,24 +1423,14 @@ fn armed_handoff(gpu: &Gpu) {
 /// nothing, of one dispatch, and of one dispatch with its 8 KB readback copied out and mapped (what
 /// a stage pays), so the driver's share, the GPU's and wgpu's readback path can be told apart.
 fn submit_floor(gpu: &Gpu) {
-    use qk::gpu::example::{ScaleParams, scale_add};
-    let n = if smoke() { 256u32 } else { 2048 };
-    let x = gpu.buffer_zeroed("row_in", u64::from(n) * 4).expect("x");
-    let y = gpu.buffer_zeroed("row_out", u64::from(n) * 4).expect("y");
-    let partial = gpu.buffer_zeroed("partial", u64::from(n)).expect("partial");
-    let params = ScaleParams { n, a: 2.0, b: 1.0 };
+    let h = HandoffRow::new(gpu);
     let spin = Duration::from_millis(50);
-    hold_clocks(gpu);
-    let rounds = if smoke() { 3 } else { 200 };
     let mut times: [Vec<f64>; 3] = Default::default();
-    for round in 0..rounds {
+    for round in 0..h.rounds {
         for (case, t) in times.iter_mut().enumerate() {
             let mut rec = gpu.recorder();
             if case > 0 {
-                scale_add(gpu, &mut rec, &x, &y, &partial, params).expect("scale");
-            }
-            if case > 1 {
-                rec.read(&y, 0, u64::from(n) * 4).expect("read");
+                h.record(gpu, &mut rec, case > 1);
             }
             let encoded = rec.finish().expect("encode");
             let start = Instant::now();
