@@ -182,18 +182,9 @@ impl Loader<'_> {
         }
         let rows: u32 = parts.iter().map(|(_, r)| r).sum();
         let name = parts.iter().map(|(n, _)| *n).collect::<Vec<_>>().join("+");
-        let w = self.gpu.upload_weight_windowed(
-            &name,
-            ty,
-            u64::from(cols),
-            u64::from(rows),
-            u64::from(experts),
-            &joined,
-            u64::MAX,
-            self.arena,
-        )?;
-        self.bytes += joined.len() as u64;
-        Ok(Stacked::One(w))
+        Ok(Stacked::One(
+            self.upload(&name, ty, cols, rows, experts, &joined)?,
+        ))
     }
 
     /// The tensor `name` checked to have ne = {cols, rows[, experts]}, and its type.
@@ -244,18 +235,7 @@ impl Loader<'_> {
             .map(|(n, _)| *n)
             .collect::<Vec<_>>()
             .join("+");
-        let w = self.gpu.upload_weight_windowed(
-            &name,
-            ty,
-            u64::from(cols),
-            u64::from(rows),
-            u64::from(experts) + 1,
-            &joined,
-            u64::MAX,
-            self.arena,
-        )?;
-        self.bytes += joined.len() as u64;
-        Ok(Some(w))
+        Ok(Some(self.upload(&name, ty, cols, rows, experts + 1, &joined)?))
     }
 
     fn checked(&self, name: &str, cols: u32, rows: u32, experts: u32) -> Result<(&TensorInfo, GgmlType)> {
@@ -282,17 +262,31 @@ impl Loader<'_> {
     fn matrix(&mut self, name: &str, cols: u32, rows: u32, experts: u32) -> Result<WeightTensor> {
         let (t, ty) = self.checked(name, cols, rows, experts)?;
         let data = self.file.tensor_data(t)?;
+        self.upload(name, ty, cols, rows, experts, data)
+    }
+
+    /// `bytes` (`experts` matrices of `rows` × `cols` of `ty`) uploaded, the small ones into the
+    /// loader's arena, and counted.
+    fn upload(
+        &mut self,
+        name: &str,
+        ty: GgmlType,
+        cols: u32,
+        rows: u32,
+        experts: u32,
+        bytes: &[u8],
+    ) -> Result<WeightTensor> {
         let w = self.gpu.upload_weight_windowed(
             name,
             ty,
             u64::from(cols),
             u64::from(rows),
             u64::from(experts),
-            data,
+            bytes,
             u64::MAX,
             self.arena,
         )?;
-        self.bytes += data.len() as u64;
+        self.bytes += bytes.len() as u64;
         Ok(w)
     }
 
