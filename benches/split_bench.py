@@ -231,6 +231,8 @@ def worker_process(a, model: str, cut: int, n_layer: int, port: int) -> subproce
         cmd += ["--spin-wait-us", str(a.spin_wait_us)]
     if a.no_weight_arena:
         cmd.append("--no-weight-arena")
+    if a.armed_steps:
+        cmd.append("--armed-steps")
     env = dict(os.environ)
     for kv in a.worker_env:
         k, _, v = kv.partition("=")
@@ -239,11 +241,14 @@ def worker_process(a, model: str, cut: int, n_layer: int, port: int) -> subproce
 
 
 def engine_options(a) -> dict:
-    """Every engine's keywords for ``--spin-wait-us`` and ``--no-weight-arena``: none when not
-    given (the engine's defaults; so an older wheel without an option still runs)."""
+    """Every engine's keywords for ``--spin-wait-us``, ``--no-weight-arena`` and ``--armed-steps``
+    (which the whole-model engine ignores): none when not given (the engine's defaults; so an older
+    wheel without an option still runs)."""
     options = {} if a.spin_wait_us is None else {"spin_wait_us": a.spin_wait_us}
     if a.no_weight_arena:
         options["weight_arena"] = False
+    if a.armed_steps:
+        options["armed_steps"] = True
     return options
 
 
@@ -341,6 +346,12 @@ def main() -> None:
         action="store_true",
         help="every engine's weight tensors each in a buffer of their own (default: the small ones in arenas)",
     )
+    ap.add_argument(
+        "--armed-steps",
+        action="store_true",
+        help="both stages submit each decode step's successor ahead, held on the GPU until its input "
+        "arrives (each stage then takes a device of its own, also in process)",
+    )
     ap.add_argument("--worker-env", action="append", default=[], help="K=V for the worker's environment")
     a = ap.parse_args()
     lanes = [int(x) for x in a.lanes.split(",")]
@@ -428,6 +439,7 @@ def main() -> None:
         "worker_in_process": a.worker_in_process,
         "socket_spin_us": a.socket_spin_us,
         "weight_arena": not a.no_weight_arena,
+        "armed_steps": a.armed_steps,
         "unsplit": u,
         "unsplit_last_step_us": unsplit_timing,
         "head_last_step_us": head_timing,

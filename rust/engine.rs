@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
+use crate::gpu::armed::ArmedInputs;
 use crate::gpu::record::{Encoded, OpLabel, SubmitProfile, Submitted};
 use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
 use crate::model::decode::{EXPERT_DECODE_OPS, SHAPED_DECODE_OPS};
@@ -361,6 +362,15 @@ pub struct EngineOptions {
     /// Small weight tensors as ranges of a few shared buffers ([`crate::gpu::WeightArena`]: each
     /// buffer a step references costs wgpu's submit host time); None: on. The same bytes either way.
     pub weight_arena: Option<bool>,
+    /// Arm decode steps (Vulkan, a split stage: not both the first and the last layer; else
+    /// ignored): right after a step is handed to the GPU, the same slots' next step is recorded and
+    /// submitted too, waiting on the GPU for a semaphore that the next `step` call signals once its
+    /// input is in mapped memory, so that call's submit is no longer between the input's arrival
+    /// and the GPU's start. The engine then takes a device of its own (an armed submit holds back
+    /// its queue) and one spare slot of recurrent state, where a step armed for a call that did not
+    /// come runs when it is retired (one step of GPU time at the end of each decode streak).
+    /// None: off. The same bytes either way.
+    pub armed_steps: Option<bool>,
 }
 
 /// A decode step's spinning wait on a GPU: longer than any decode step, so a step never sleeps in
@@ -386,6 +396,7 @@ impl Default for EngineOptions {
             decode_shapes: Vec::new(),
             spin_wait: None,
             weight_arena: None,
+            armed_steps: None,
         }
     }
 }
@@ -431,6 +442,29 @@ pub struct Engine {
     /// Slots and top-k of the last decode step whose top-k rows still sit in `scratch.results`
     /// (nothing has written them since): what a chained step may take its tokens from.
     chain_from: Option<(Vec<usize>, u32)>,
+    /// Armed decode steps (`EngineOptions::armed_steps`), where they are on.
+    arming: Option<Arming>,
+}
+
+/// The state of armed decode steps: the mapped inputs and their semaphore, which input buffer the
+/// next step takes, and the step armed for the likely next call. A step in this mode copies its
+/// slot table (at byte 0) and input rows (at `rows_at`) from its input buffer at its start.
+struct Arming {
+    inputs: ArmedInputs,
+    rows_at: u64,
+    parity: usize,
+    pending: Option<ArmedStep>,
+    /// The last step run through the armed path (the next guess looks at it and the current one).
+    last: Option<StepShape>,
+}
+
+/// A decode step submitted to wait for semaphore value `value`, reading input buffer `parity`.
+struct ArmedStep {
+    shape: StepShape,
+    parity: usize,
+    value: u64,
+    tickets: Vec<usize>,
+    submitted: Submitted,
 }
 
 /// Where a decode step's input rows come from.
@@ -535,7 +569,15 @@ impl Engine {
         if opts.device.is_some() {
             gopts.device = opts.device.clone();
         }
-        let gpu = shared_gpu(&gopts)?;
+        let armed = opts.armed_steps == Some(true) && !(layers.0 == 0 && layers.1 == cfg.n_layer);
+        // An armed submit holds back everything after it on its queue: an armed engine shares its
+        // device with no other engine (two stages in one process would wait on each other).
+        let gpu = if armed {
+            Arc::new(Gpu::new(&gopts)?)
+        } else {
+            shared_gpu(&gopts)?
+        };
+        let armed = armed && gpu.adapter.backend == "vulkan";
         for (op, shape) in &opts.decode_shapes {
             crate::ensure!(
                 SHAPED_DECODE_OPS.contains(&op.as_str()),
@@ -568,7 +610,7 @@ impl Engine {
         let weight_arena = opts.weight_arena.unwrap_or(true);
         let weights = Weights::load(&gpu, &file, &cfg, layers, weight_arena, progress)?;
         let freqs = gpu.buffer_from_f32("rope.freqs", &freq_table(cfg.n_rot, cfg.rope_base))?;
-        let slots = SlotState::new_all(&gpu, &cfg, &weights.layers, shape, opts.slots)?;
+        let slots = SlotState::new_all(&gpu, &cfg, &weights.layers, shape, opts.slots, armed)?;
         let has_head = weights.output.is_some();
         let legacy = weights.layers.iter().any(
             |l| matches!(&l.mixer, Mixer::DeltaNet(d) if matches!(d.proj, DeltaNetProjection::Legacy(_))),
@@ -598,6 +640,23 @@ impl Engine {
         } else {
             SPIN_WAIT
         });
+        let arming = if armed {
+            let rows_at = (u64::from(opts.slots) * 4).div_ceil(16) * 16;
+            let row_bytes = if layers.0 == 0 {
+                4
+            } else {
+                u64::from(cfg.n_embd) * 4
+            };
+            ArmedInputs::new(&gpu, rows_at + u64::from(opts.slots) * row_bytes)?.map(|inputs| Arming {
+                inputs,
+                rows_at,
+                parity: 0,
+                pending: None,
+                last: None,
+            })
+        } else {
+            None
+        };
         let engine = Engine {
             gpu,
             model: Model {
@@ -630,18 +689,24 @@ impl Engine {
             in_flight: VecDeque::new(),
             next_step_id: 0,
             chain_from: None,
+            arming,
         };
         engine.build_decode_shapes()?;
         let m = engine.memory();
         progress(&format!(
-            "loaded: weights {:.1} MiB, KV ({} K, {} V) {:.1} MiB + DeltaNet state {:.1} MiB per slot, scratch {:.1} MiB, total {:.1} MiB",
+            "loaded: weights {:.1} MiB, KV ({} K, {} V) {:.1} MiB + DeltaNet state {:.1} MiB per slot, scratch {:.1} MiB, total {:.1} MiB{}",
             mib(m.weights),
             k_type.name(),
             v_type.name(),
             mib(m.kv_per_slot),
             mib(m.deltanet_per_slot),
             mib(m.scratch),
-            mib(m.total)
+            mib(m.total),
+            if engine.armed_steps() {
+                "; armed steps (a device of its own, one spare slot of DeltaNet state)"
+            } else {
+                ""
+            }
         ));
         Ok(engine)
     }
@@ -705,13 +770,15 @@ impl Engine {
         let weights = self.model.weights.bytes;
         let scratch = self.scratch.bytes;
         let slots = self.slots.len() as u64;
+        // Armed steps keep one spare slot of recurrent state (no KV) for retired steps.
+        let spare = if self.arming.is_some() { dn } else { 0 };
         Memory {
             weights,
             kv_per_slot: kv,
             deltanet_per_slot: dn,
             scratch,
             snapshots: snaps,
-            total: weights + slots * (kv + dn) + scratch + snaps,
+            total: weights + slots * (kv + dn) + spare + scratch + snaps,
         }
     }
 
@@ -896,6 +963,7 @@ impl Engine {
     ) -> Result<(StageOutput, Vec<f32>)> {
         let want_logits = head == HeadRows::Logits;
         self.check_input(&input)?;
+        self.disarm()?;
         let n = input.len(self.model.cfg.n_embd);
         crate::ensure!(n > 0, QkError::Engine("stage_run with no rows".into()));
         crate::ensure!(
@@ -1020,6 +1088,12 @@ impl Engine {
     /// One decode position for each of `slots` (distinct) in one recorded pass: token i (or hidden
     /// row i) goes to slots[i] at its current position. Returns one output per slot.
     pub fn step(&mut self, slots: &[usize], input: StageInput<'_>, topk: u32) -> Result<Vec<StageOutput>> {
+        if self.arming.is_some() {
+            // Submitted (or fired) and collected in this call, so the input buffer it read is free
+            // again before the next call writes the other one's successor.
+            let f = self.submit_inner(slots, StepFeed::Rows(input), topk, false, false, true)?;
+            return Ok(self.collect_inner(f)?.0);
+        }
         let id = self.step_submit(slots, StepFeed::Rows(input), topk, false)?;
         self.step_collect(id)
     }
@@ -1036,7 +1110,7 @@ impl Engine {
         topk: u32,
         chain_next: bool,
     ) -> Result<u64> {
-        let f = self.submit_inner(slots, feed, topk, false, chain_next)?;
+        let f = self.submit_inner(slots, feed, topk, false, chain_next, false)?;
         let id = f.id;
         if self.in_flight.len() >= MAX_IN_FLIGHT {
             self.in_flight.pop_front();
@@ -1083,7 +1157,7 @@ impl Engine {
     ) -> Result<(Vec<StageOutput>, StepProfile)> {
         let (normal, totals) = (self.last_step, self.step_totals);
         let before = self.gpu.counters();
-        let f = self.submit_inner(slots, StepFeed::Rows(input), topk, true, false)?;
+        let f = self.submit_inner(slots, StepFeed::Rows(input), topk, true, false, false)?;
         let (out, submit, timing) = self.collect_inner(f)?;
         let after = self.gpu.counters();
         let submit =
@@ -1100,6 +1174,8 @@ impl Engine {
         Ok((out, profile))
     }
 
+    /// `arm`: an armed engine's [`Engine::step`], which fires the step armed for it (or submits
+    /// it) and arms the next; every other step of an armed engine first retires what is armed.
     fn submit_inner(
         &mut self,
         slots: &[usize],
@@ -1107,6 +1183,7 @@ impl Engine {
         topk: u32,
         profile: bool,
         chain_next: bool,
+        arm: bool,
     ) -> Result<InFlight> {
         let started = Instant::now();
         let n = slots.len();
@@ -1159,6 +1236,16 @@ impl Engine {
             self.begin(s, pos, 1)?;
         }
         let positions: Vec<u32> = slots.iter().map(|&s| self.slots[s].pos).collect();
+        if let (true, StepFeed::Rows(input)) = (arm && !profile, &feed) {
+            let shape = StepShape {
+                slots: slots.to_vec(),
+                positions,
+                k: topk.max(1),
+                feed: feed_kind,
+            };
+            return self.submit_armed(shape, input, topk, started);
+        }
+        self.disarm()?;
         if let StepFeed::Rows(input) = &feed {
             self.write_input(input, 0, n)?;
         }
@@ -1191,7 +1278,7 @@ impl Engine {
         let was_ahead = ahead.is_some();
         let (encoded, tickets) = match ahead {
             Some(a) => (a.encoded, a.tickets),
-            None => self.record_step(&shape, profile)?,
+            None => self.record_step(&shape, profile, None)?,
         };
         let submit_begin = Instant::now();
         let submitted = encoded.submit(&self.gpu);
@@ -1210,7 +1297,7 @@ impl Engine {
             };
             let next = shape.advanced(next_feed);
             if next.positions.iter().all(|&p| p < self.model.ctx) {
-                let (encoded, tickets) = self.record_step(&next, false)?;
+                let (encoded, tickets) = self.record_step(&next, false, None)?;
                 self.ahead = Some(Ahead {
                     shape: next,
                     encoded,
@@ -1218,9 +1305,25 @@ impl Engine {
                 });
             }
         }
+        let clock = [started, submit_begin, submitted_at];
+        Ok(self.launched(shape, topk, tickets, submitted, clock, was_ahead))
+    }
+
+    /// Number a step just handed to the GPU and keep what its collect needs; `clock`: the call's
+    /// start, the submit's start and its end.
+    fn launched(
+        &mut self,
+        shape: StepShape,
+        topk: u32,
+        tickets: Vec<usize>,
+        submitted: Submitted,
+        clock: [Instant; 3],
+        ahead: bool,
+    ) -> InFlight {
         let id = self.next_step_id;
         self.next_step_id += 1;
-        Ok(InFlight {
+        let [started, submit_begin, submitted_at] = clock;
+        InFlight {
             id,
             shape,
             topk,
@@ -1229,8 +1332,8 @@ impl Engine {
             started,
             submit_begin,
             submitted_at,
-            ahead: was_ahead,
-        })
+            ahead,
+        }
     }
 
     fn collect_inner(
@@ -1287,6 +1390,149 @@ impl Engine {
         Ok((results, finished.profile, timing))
     }
 
+    /// An armed engine's step: fire the step armed for exactly this (its input written into its
+    /// mapped buffer, then the semaphore signalled), else retire what is armed and submit this one;
+    /// then record the same slots' next step and submit it armed.
+    fn submit_armed(
+        &mut self,
+        shape: StepShape,
+        input: &StageInput<'_>,
+        topk: u32,
+        started: Instant,
+    ) -> Result<InFlight> {
+        let table: Vec<u32> = shape.slots.iter().map(|&s| s as u32).collect();
+        let rows: &[u8] = match input {
+            StageInput::Tokens(t) => bytemuck::cast_slice(t),
+            StageInput::Hidden(h) => bytemuck::cast_slice(h),
+        };
+        // The step's own copy writes the slot table, and the results it leaves are not a chain's.
+        self.slot_table = None;
+        self.chain_from = None;
+        if let Some(a) = self.ahead.take() {
+            a.encoded.discard(&self.gpu);
+        }
+        let fired = match self.arming.as_mut().and_then(|a| a.pending.take()) {
+            Some(p) if p.shape == shape => Some(p),
+            Some(p) => {
+                self.retire(p)?;
+                None
+            }
+            None => None,
+        };
+        let (submitted, tickets, submit_begin, was_ahead) = match fired {
+            Some(p) => {
+                let (gpu, arm) = (&self.gpu, self.arming.as_mut().ok_or_else(no_arming)?);
+                let parts = [(0, bytemuck::cast_slice(&table)), (arm.rows_at, rows)];
+                let submit_begin = Instant::now();
+                arm.inputs.fire(gpu, p.parity, p.value, &parts)?;
+                (p.submitted, p.tickets, submit_begin, true)
+            }
+            None => {
+                {
+                    let states: Vec<&SlotState> = shape.slots.iter().map(|&i| &self.slots[i]).collect();
+                    write_step_rows(&self.gpu, &self.scratch, &states, &shape.positions)?;
+                }
+                let parity = self.take_parity()?;
+                let (gpu, arm) = (&self.gpu, self.arming.as_mut().ok_or_else(no_arming)?);
+                let parts = [(0, bytemuck::cast_slice(&table)), (arm.rows_at, rows)];
+                arm.inputs.write(gpu, parity, &parts)?;
+                let (encoded, tickets) = self.record_step(&shape, false, Some(parity))?;
+                let submit_begin = Instant::now();
+                (encoded.submit(&self.gpu), tickets, submit_begin, false)
+            }
+        };
+        let submitted_at = Instant::now();
+        for (&sl, &p) in shape.slots.iter().zip(&shape.positions) {
+            self.slots[sl].pos = p + 1;
+        }
+        // Arm the likely next call while the GPU runs this one: its positions' table goes with the
+        // armed submit (a queue write rides in the next submit), its rows come at the signal.
+        let next = self.likely_next(&shape)?;
+        if next.positions.iter().all(|&p| p < self.model.ctx) {
+            {
+                let states: Vec<&SlotState> = next.slots.iter().map(|&i| &self.slots[i]).collect();
+                write_step_rows(&self.gpu, &self.scratch, &states, &next.positions)?;
+            }
+            let parity = self.take_parity()?;
+            let (encoded, next_tickets) = self.record_step(&next, false, Some(parity))?;
+            let gpu = Arc::clone(&self.gpu);
+            let arm = self.armed_mut()?;
+            let (armed, value) = arm.inputs.submit(&gpu, encoded)?;
+            arm.pending = Some(ArmedStep {
+                shape: next,
+                parity,
+                value,
+                tickets: next_tickets,
+                submitted: armed,
+            });
+        }
+        let clock = [started, submit_begin, submitted_at];
+        Ok(self.launched(shape, topk, tickets, submitted, clock, was_ahead))
+    }
+
+    /// The step an armed engine expects after `shape`: the same slots again, or — when the step
+    /// before it was over other slots (a split's two lanes take turns) — that one's slots again,
+    /// each at its slot's position now.
+    fn likely_next(&mut self, shape: &StepShape) -> Result<StepShape> {
+        let arm = self.armed_mut()?;
+        let before = arm.last.replace(shape.clone());
+        let like = match before {
+            Some(b) if b.feed == shape.feed && b.slots.iter().all(|s| !shape.slots.contains(s)) => b,
+            _ => shape.clone(),
+        };
+        Ok(StepShape {
+            positions: like.slots.iter().map(|&s| self.slots[s].pos).collect(),
+            ..like
+        })
+    }
+
+    fn armed_mut(&mut self) -> Result<&mut Arming> {
+        self.arming.as_mut().ok_or_else(no_arming)
+    }
+
+    /// The input buffer the next recorded step of an armed engine takes (they alternate, so a
+    /// step's input is never written while the step before it may still read its own).
+    fn take_parity(&mut self) -> Result<usize> {
+        let arm = self.armed_mut()?;
+        let parity = arm.parity;
+        arm.parity ^= 1;
+        Ok(parity)
+    }
+
+    /// Let an armed step that no call will use run harmlessly, and wait for it: its rows all point
+    /// at the spare recurrent state (index `n_slots`) and take zero input. Its attention layers
+    /// still write K and V at the slots' next positions, which every later step or prefill of those
+    /// positions writes again before anything reads them.
+    fn retire(&mut self, p: ArmedStep) -> Result<()> {
+        let spare = self.slots.len() as u32;
+        let n = p.shape.slots.len();
+        let table = vec![spare; n];
+        let width = match p.shape.feed {
+            Feed::Hidden => self.model.cfg.n_embd as usize,
+            _ => 1,
+        };
+        let zeros = vec![0u8; n * width * 4];
+        self.slot_table = None;
+        let (gpu, arm) = (&self.gpu, self.arming.as_mut().ok_or_else(no_arming)?);
+        let parts = [(0, bytemuck::cast_slice(&table)), (arm.rows_at, zeros.as_slice())];
+        arm.inputs.fire(gpu, p.parity, p.value, &parts)?;
+        p.submitted.wait(&self.gpu)?;
+        Ok(())
+    }
+
+    /// Retire the armed step, if any: before anything else is submitted (it would queue behind it).
+    fn disarm(&mut self) -> Result<()> {
+        match self.arming.as_mut().and_then(|a| a.pending.take()) {
+            Some(p) => self.retire(p),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether this engine arms its decode steps (`EngineOptions::armed_steps`, where they apply).
+    pub fn armed_steps(&self) -> bool {
+        self.arming.is_some()
+    }
+
     /// Record (and drop) a decode step of every row count this engine can step, host-fed and
     /// chained: the pipelines and bind groups of each batch shape are built at load, not by the
     /// first request that makes that batch (a cold driver shader cache put those builds inside a
@@ -1309,7 +1555,7 @@ impl Engine {
                     k: 1,
                     feed,
                 };
-                self.record_step(&shape, false)?.0.discard(&self.gpu);
+                self.record_step(&shape, false, None)?.0.discard(&self.gpu);
             }
         }
         Ok(())
@@ -1317,7 +1563,13 @@ impl Engine {
 
     /// Record one decode step of `shape` (its inputs are written separately, before the submit):
     /// the encoded commands and, per row (last stage) or once (hidden rows), the readback index.
-    fn record_step(&self, shape: &StepShape, profile: bool) -> Result<(Encoded, Vec<usize>)> {
+    /// `input`: an armed engine's input buffer the step copies its slot table and rows from.
+    fn record_step(
+        &self,
+        shape: &StepShape,
+        profile: bool,
+        input: Option<usize>,
+    ) -> Result<(Encoded, Vec<usize>)> {
         let n = shape.slots.len();
         let e = self.model.cfg.n_embd as usize;
         let model = &self.model;
@@ -1329,6 +1581,19 @@ impl Engine {
         } else {
             gpu.recorder()
         };
+        if let (Some(parity), Some(arm)) = (input, &self.arming) {
+            let src = arm.inputs.input(parity);
+            rec.copy(src, 0, &s.slots, 0, n as u64 * 4)?;
+            match shape.feed {
+                Feed::Tokens => rec.copy(src, arm.rows_at, &s.tokens, 0, n as u64 * 4)?,
+                Feed::Hidden => rec.copy(src, arm.rows_at, &s.x[0], 0, (n * e * 4) as u64)?,
+                Feed::Chained { .. } => {
+                    return Err(QkError::Engine(
+                        "an armed step takes its rows from the caller".into(),
+                    ));
+                }
+            }
+        }
         match shape.feed {
             Feed::Tokens => model.record_embed(gpu, &mut rec, s, Ids::packed(&s.tokens), n as u32)?,
             Feed::Chained { stride } => {
@@ -1385,6 +1650,7 @@ impl Engine {
 
     /// Copy the slot's state (KV rows up to its position, conv rows, S) into snapshot `idx`.
     pub fn state_save(&mut self, slot: usize, idx: u64) -> Result<()> {
+        self.disarm()?;
         let st = self.slot(slot)?;
         let pos = st.pos;
         let parts = state_parts(st, &self.model.cfg, pos)?;
@@ -1407,6 +1673,7 @@ impl Engine {
     /// Restore snapshot `idx` into `slot` (its position becomes the snapshot's).
     pub fn state_load(&mut self, slot: usize, idx: u64) -> Result<()> {
         self.slot(slot)?;
+        self.disarm()?;
         self.chain_from = None;
         let snap = self
             .snapshots
@@ -1431,6 +1698,23 @@ impl Engine {
             .remove(&idx)
             .map(|_| ())
             .ok_or_else(|| QkError::Engine(format!("no state snapshot {idx}")))
+    }
+}
+
+fn no_arming() -> QkError {
+    QkError::Engine("armed step on an engine without armed steps".into())
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // An armed submit left queued would hold the device forever: retire it (or, failing that,
+        // let it go on whatever its input holds), then the semaphore goes before the device.
+        if self.disarm().is_err()
+            && let Some(arm) = self.arming.as_mut()
+        {
+            arm.inputs.release(&self.gpu);
+        }
+        self.arming = None;
     }
 }
 

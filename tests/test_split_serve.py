@@ -56,6 +56,10 @@ class Proc:
             [*prefix, sys.executable, "-m", *args], env=env, stdout=self.log, stderr=subprocess.STDOUT
         )
 
+    def log_so_far(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
     def output(self) -> str:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -169,14 +173,19 @@ def sse_events(response: httpx.Response) -> list[tuple[str | None, dict]]:
 
 
 @pytest.mark.parametrize(
-    "cuts,lanes",
-    [([1], 1), ([3], 2), ([1, 3], 2)],
-    ids=["2-stage@1", "2-stage@3-lanes2", "3-stage@1,3-lanes2"],
+    "cuts,lanes,armed",
+    [([1], 1, False), ([3], 2, False), ([1, 3], 2, False), ([2], 2, True)],
+    ids=["2-stage@1", "2-stage@3-lanes2", "3-stage@1,3-lanes2", "2-stage@2-lanes2-armed"],
 )
-def test_split_equals_unsplit_streamed_and_concurrent(unsplit, cuts, lanes):
-    split = Split(cuts, "--lanes", str(lanes))
+def test_split_equals_unsplit_streamed_and_concurrent(unsplit, cuts, lanes, armed):
+    # Armed steps on every stage: streaks fire them, the concurrent pair and each new request retire them.
+    flag = ("--armed-steps",) if armed else ()
+    split = Split(cuts, "--lanes", str(lanes), *flag, worker_args=flag)
     try:
         stages = split.health["stages"]
+        if armed:
+            # Each engine says so as it loads (a Vulkan adapter: lavapipe in CI).
+            assert all("armed steps" in p.log_so_far() for p in [split.head, *split.workers])
         assert [s["layers"] for s in stages] == [
             [a, b] for a, b in zip([0, *cuts], [*cuts, N_LAYER], strict=True)
         ]
@@ -215,8 +224,10 @@ def test_split_equals_unsplit_streamed_and_concurrent(unsplit, cuts, lanes):
         split.close()
 
 
-def test_kill_the_worker_mid_stream_then_restart(unsplit):
-    split = Split([2])
+@pytest.mark.parametrize("armed", [False, True], ids=["plain", "armed"])
+def test_kill_the_worker_mid_stream_then_restart(unsplit, armed):
+    flag = ("--armed-steps",) if armed else ()
+    split = Split([2], *flag, worker_args=flag)
     try:
         body = {"prompt": "Once upon a time", "n_predict": 400, "ignore_eos": True, "stream": True}
         contents, error = [], None
@@ -245,7 +256,7 @@ def test_kill_the_worker_mid_stream_then_restart(unsplit):
         assert r.status_code == 503
         # The worker comes back on its port; the head reconnects by itself and serves again.
         split.workers[0].stop()
-        split.workers[0] = worker((2, N_LAYER), split.ports[0])
+        split.workers[0] = worker((2, N_LAYER), split.ports[0], *flag)
         wait_health(split.url, [split.head, *split.workers], status=200, timeout=120)
         body = {"prompt": "Once upon a time", "n_predict": 12}
         want = unsplit.http.post("/completion", json=body).json()

@@ -118,6 +118,7 @@ class Engine:
         decode_shapes: Mapping[str, tuple[int, int, int, int] | tuple[int, int, int, int, str]] | None = None,
         spin_wait_us: int | None = None,
         weight_arena: bool | None = None,
+        armed_steps: bool | None = None,
     ) -> Engine: ...
     def generate(self, tokens: Sequence[int], max_new: int, slot: int = 0) -> list[int]: ...
     def stage_run(

@@ -60,7 +60,7 @@ def _microseconds(text: str) -> int:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """``--cache-type-k`` / ``--cache-type-v`` / ``--prefill-rows`` / ``--spin-wait-us`` /
-    ``--no-weight-arena``, shared with ``qk.serve``."""
+    ``--no-weight-arena`` / ``--armed-steps``, shared with ``qk.serve``."""
     p.add_argument(
         "--cache-type-k", choices=("f16", "q8_0", "f32"), help="K cache element type (default f16)"
     )
@@ -83,6 +83,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="every weight tensor in a GPU buffer of its own (default: the small ones share a few, "
         "fewer buffers for each decode step's submit to track); the outputs are the same",
     )
+    p.add_argument(
+        "--armed-steps",
+        action="store_true",
+        help="a split stage on Vulkan submits each decode step's successor ahead, held on the GPU "
+        "until its input arrives (the submit leaves the per-token path; a device of its own and one "
+        "spare slot of recurrent state); the outputs are the same",
+    )
 
 
 def engine_args(args: argparse.Namespace) -> dict[str, str | int | bool]:
@@ -94,6 +101,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, str | int | bool]:
         "prefill_rows": args.prefill_rows,
         "spin_wait_us": args.spin_wait_us,
         "weight_arena": False if args.no_weight_arena else None,
+        "armed_steps": True if args.armed_steps else None,
     }
     return {k: v for k, v in given.items() if v is not None}
 

@@ -209,6 +209,21 @@ impl Gpu {
         })
     }
 
+    /// A host-visible buffer the GPU copies from (MAP_WRITE | COPY_SRC): an armed step's input,
+    /// written by the host through a mapping wgpu does not know of (gpu/armed.rs).
+    pub(crate) fn mapped_input_buffer(&self, label: &str, size: u64) -> Result<GpuBuffer> {
+        // Mapped at creation (zeros) and unmapped: wgpu then counts it initialised, where it would
+        // otherwise clear it before its first use as a copy source, over what the host wrote.
+        let buf = self.create_buffer(
+            label,
+            size,
+            wgpu::BufferUsages::MAP_WRITE | wgpu::BufferUsages::COPY_SRC,
+            true,
+        )?;
+        buf.buffer.unmap();
+        Ok(buf)
+    }
+
     /// A zero-filled storage buffer (activations, scratch, outputs).
     pub fn buffer_zeroed(&self, label: &str, size: u64) -> Result<GpuBuffer> {
         self.create_buffer(label, size, STORAGE, false)

@@ -9,6 +9,7 @@
 //! let out = { let t = rec.read(&y, 0, bytes)?; rec.finish_and_read()?.swap_remove(t) }; // one submit
 //! ```
 
+pub mod armed;
 pub mod buffers;
 pub mod context;
 pub mod example;

@@ -70,12 +70,15 @@ pub struct SlotState {
 impl SlotState {
     /// The state of `n_slots` slots: each attention layer's KV cache shared by all of them
     /// (`shape`), each DeltaNet layer's conv rows and S in one buffer per layer with a slot axis.
+    /// `spare`: that axis has one entry more, index `n_slots`, which no slot owns: a retired armed
+    /// step (engine.rs) runs its recurrent updates there.
     pub fn new_all(
         gpu: &Gpu,
         cfg: &ModelConfig,
         layers: &[LayerWeights],
         shape: AttnShape,
         n_slots: u32,
+        spare: bool,
     ) -> Result<Vec<SlotState>> {
         let mut slots: Vec<SlotState> = (0..n_slots)
             .map(|_| SlotState {
@@ -97,7 +100,7 @@ impl SlotState {
                     }
                 }
                 LayerKind::DeltaNet => {
-                    let all = u64::from(n_slots);
+                    let all = u64::from(n_slots) + u64::from(spare);
                     crate::ensure!(
                         all * sb <= gpu.caps.max_binding_size,
                         QkError::OutOfMemory(format!(

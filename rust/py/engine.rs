@@ -39,6 +39,9 @@ use crate::transport::engine_stage::lock_engine;
 /// blocks (default 20,000 on a GPU, 0 on a CPU adapter); a speed choice with the same bytes.
 /// `weight_arena` (default True): small weight tensors as ranges of a few shared buffers (fewer
 /// buffers for wgpu's submit to track each step); the same bytes either way.
+/// `armed_steps` (default False; a split stage on Vulkan, else ignored): each decode step submits
+/// the same slots' next one too, held on the GPU until the next `step` call's input lands in mapped
+/// memory, so that call's submit is off the path from input to GPU; the same bytes either way.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -126,7 +129,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None, spin_wait_us = None, weight_arena = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None, spin_wait_us = None, weight_arena = None, armed_steps = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -145,6 +148,7 @@ impl PyEngine {
         decode_shapes: Option<BTreeMap<String, Bound<'_, PyAny>>>,
         spin_wait_us: Option<i64>,
         weight_arena: Option<bool>,
+        armed_steps: Option<bool>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -174,6 +178,7 @@ impl PyEngine {
                 })
                 .transpose()?,
             weight_arena,
+            armed_steps,
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {
@@ -364,7 +369,7 @@ impl PyEngine {
     }
 
     /// arch, layers, n_layer, n_embd, vocab, slots, ctx, prefill_rows, spin_wait_us, weight_arena,
-    /// adapter,
+    /// armed_steps (whether they are on), adapter,
     /// cache_type_k, cache_type_v,
     /// memory (bytes; kv_per_slot is every local attention layer's K and V at full ctx).
     fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -382,6 +387,7 @@ impl PyEngine {
         d.set_item("prefill_rows", eng.prefill_rows())?;
         d.set_item("spin_wait_us", eng.spin_wait().as_micros() as u64)?;
         d.set_item("weight_arena", eng.weight_arena())?;
+        d.set_item("armed_steps", eng.armed_steps())?;
         d.set_item("adapter", eng.gpu.adapter.name.clone())?;
         d.set_item("unchecked_shaders", eng.gpu.unchecked_shaders)?;
         let (k_type, v_type) = eng.kv_types();

@@ -441,3 +441,129 @@ fn prefill_rows_must_be_whole_chunks() {
         }
     }
 }
+
+/// Armed decode steps (a split stage's next step submitted ahead, held by a semaphore until the
+/// next call's input lands): the same bytes as plain steps, through streaks that fire them, calls
+/// that retire them onto the spare state (other slots, a prefill, a snapshot) and the chain's two
+/// stages; a whole-model engine ignores the option.
+#[test]
+fn armed_steps_give_the_same_bytes() {
+    let name = "tiny-qwen3next-f32";
+    let stage = |layers: (u32, u32), armed: bool| {
+        load_with(
+            name,
+            EngineOptions {
+                layers: Some(layers),
+                slots: 2,
+                ctx: 128,
+                armed_steps: Some(armed),
+                ..EngineOptions::default()
+            },
+        )
+    };
+    let Some(whole) = load_with(
+        name,
+        EngineOptions {
+            slots: 2,
+            ctx: 128,
+            armed_steps: Some(true),
+            ..EngineOptions::default()
+        },
+    ) else {
+        return;
+    };
+    assert!(
+        !whole.armed_steps(),
+        "a whole-model engine has no next stage to wait for"
+    );
+    drop(whole);
+    let n_layer = 4;
+    let mut chains = Vec::new();
+    for armed in [false, true] {
+        let (Some(head), Some(tail)) = (stage((0, 2), armed), stage((2, n_layer), armed)) else {
+            return;
+        };
+        // Vulkan adapters (lavapipe, the H200) arm; others run plain steps.
+        let vulkan = head.gpu.adapter.backend == "vulkan";
+        assert_eq!(head.armed_steps(), armed && vulkan);
+        assert_eq!(tail.armed_steps(), armed && vulkan);
+        chains.push((head, tail));
+    }
+    let run = |head: &mut Engine, tail: &mut Engine| {
+        let mut log = Vec::new();
+        let hidden = |o: Vec<StageOutput>| -> Vec<f32> {
+            o.into_iter()
+                .flat_map(|r| match r {
+                    StageOutput::Hidden(h) => h,
+                    StageOutput::Ids { .. } => panic!("head answered ids"),
+                })
+                .collect()
+        };
+        let prefill =
+            |head: &mut Engine, tail: &mut Engine, slot: usize, tokens: &[u32], log: &mut Vec<String>| {
+                let StageOutput::Hidden(h) = head.stage_run(slot, StageInput::Tokens(tokens), 0, 0).unwrap()
+                else {
+                    panic!("head answered ids")
+                };
+                log.push(format!(
+                    "{:?}",
+                    tail.stage_run(slot, StageInput::Hidden(&h), 0, 3).unwrap()
+                ));
+            };
+        let step =
+            |head: &mut Engine, tail: &mut Engine, slots: &[usize], tokens: &[u32], log: &mut Vec<String>| {
+                let h = hidden(head.step(slots, StageInput::Tokens(tokens), 0).unwrap());
+                log.push(format!(
+                    "{:?}",
+                    h.iter().map(|v| v.to_bits()).collect::<Vec<u32>>()
+                ));
+                log.push(format!(
+                    "{:?}",
+                    tail.step(slots, StageInput::Hidden(&h), 3).unwrap()
+                ));
+                // Whether both stages' steps had been recorded (armed: and submitted) ahead.
+                let ahead = |e: &Engine| e.last_step_timing().unwrap().ahead;
+                ahead(head) && ahead(tail)
+            };
+        let prompt: Vec<u32> = (0..21).map(|i| (i * 11 + 2) % 400).collect();
+        prefill(head, tail, 0, &prompt, &mut log);
+        prefill(head, tail, 1, &prompt[..9], &mut log);
+        // A streak on slot 0 (each step fires the one armed by the step before).
+        let mut ahead = Vec::new();
+        for t in [5u32, 77, 301, 12] {
+            ahead.push(step(head, tail, &[0], &[t], &mut log));
+        }
+        // Two lanes taking turns (slot 0 continues its streak first): an armed engine arms the
+        // other lane's step.
+        for t in [6u32, 7, 8, 9] {
+            ahead.push(step(head, tail, &[(t % 2) as usize], &[t], &mut log));
+        }
+        // Both slots: the step armed for slot 0 alone is retired onto the spare state.
+        for t in [40u32, 41, 42] {
+            step(head, tail, &[0, 1], &[t, t + 100], &mut log);
+        }
+        // A snapshot and a prefill in the middle of a streak retire the armed step too.
+        head.state_save(1, 7).unwrap();
+        tail.state_save(1, 7).unwrap();
+        prefill(head, tail, 1, &prompt[..5], &mut log);
+        step(head, tail, &[1], &[9], &mut log);
+        head.state_load(1, 7).unwrap();
+        tail.state_load(1, 7).unwrap();
+        for t in [3u32, 4] {
+            step(head, tail, &[1, 0], &[t, t * 2], &mut log);
+        }
+        (log, ahead)
+    };
+    let (plain, armed) = chains.split_at_mut(1);
+    let (ph, pt) = &mut plain[0];
+    let (ah, at) = &mut armed[0];
+    let (armed_log, armed_ahead) = run(ah, at);
+    let (plain_log, plain_ahead) = run(ph, pt);
+    assert_eq!(armed_log, plain_log, "armed steps changed the bytes");
+    // The first step of a streak is recorded then; the rest were ahead. Taking turns, the plain
+    // engine's guess (the same slots) misses; the armed one's fires from the second turn on.
+    assert_eq!(plain_ahead, [false, true, true, true, true, false, false, false]);
+    if ah.armed_steps() {
+        assert_eq!(armed_ahead, [false, true, true, true, true, false, true, true]);
+    }
+}
