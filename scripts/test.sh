@@ -18,7 +18,9 @@ ruff check python tests scripts benches
 ruff format --check python tests scripts benches
 
 phase "rust tests (core and GPU kernels, without Python)"
-cargo test -q --no-default-features
+# One test at a time: engines of one process share one device and its counters, and the tests that
+# count a step's submits would count a neighbour's too (lavapipe: ~30 s instead of ~20).
+cargo test -q --no-default-features -- --test-threads=1
 
 phase "python tests"
 python -m pytest -q -p no:cacheprovider
