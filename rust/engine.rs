@@ -362,14 +362,15 @@ pub struct EngineOptions {
     /// Small weight tensors as ranges of a few shared buffers ([`crate::gpu::WeightArena`]: each
     /// buffer a step references costs wgpu's submit host time); None: on. The same bytes either way.
     pub weight_arena: Option<bool>,
-    /// Arm decode steps (Vulkan, a split stage: not both the first and the last layer; else
-    /// ignored): right after a step is handed to the GPU, the same slots' next step is recorded and
-    /// submitted too, waiting on the GPU for a semaphore that the next `step` call signals once its
-    /// input is in mapped memory, so that call's submit is no longer between the input's arrival
-    /// and the GPU's start. The engine then takes a device of its own (an armed submit holds back
-    /// its queue) and one spare slot of recurrent state, where a step armed for a call that did not
-    /// come runs when it is retired (one step of GPU time at the end of each decode streak).
-    /// None: off. The same bytes either way.
+    /// Arm host-fed decode steps (Vulkan; else ignored): right after such a step is handed to the
+    /// GPU — a split stage's `step`, or a `step_submit` of rows not followed by a chained step
+    /// (`chain_next` false: a sampled request's) — the likely next step is recorded and submitted
+    /// too, waiting on the GPU for a semaphore that the next call signals once its input is in
+    /// mapped memory, so that call's submit is no longer between the input's arrival and the GPU's
+    /// start. The engine then takes a device of its own (an armed submit holds back its queue) and
+    /// one spare slot of recurrent state, where a step armed for a call that did not come runs when
+    /// it is retired (one step of GPU time at the end of each streak). None: off. The same bytes
+    /// either way.
     pub armed_steps: Option<bool>,
 }
 
@@ -454,6 +455,8 @@ struct Arming {
     rows_at: u64,
     parity: usize,
     pending: Option<ArmedStep>,
+    /// The last submit that read each input buffer.
+    used_by: [Option<wgpu::SubmissionIndex>; 2],
     /// The last step run through the armed path (the next guess looks at it and the current one).
     last: Option<StepShape>,
 }
@@ -569,7 +572,7 @@ impl Engine {
         if opts.device.is_some() {
             gopts.device = opts.device.clone();
         }
-        let armed = opts.armed_steps == Some(true) && !(layers.0 == 0 && layers.1 == cfg.n_layer);
+        let armed = opts.armed_steps == Some(true);
         // An armed submit holds back everything after it on its queue: an armed engine shares its
         // device with no other engine (two stages in one process would wait on each other).
         let gpu = if armed {
@@ -652,6 +655,7 @@ impl Engine {
                 rows_at,
                 parity: 0,
                 pending: None,
+                used_by: [None, None],
                 last: None,
             })
         } else {
@@ -1110,7 +1114,9 @@ impl Engine {
         topk: u32,
         chain_next: bool,
     ) -> Result<u64> {
-        let f = self.submit_inner(slots, feed, topk, false, chain_next, false)?;
+        // Rows not followed by a chained step: the next call most likely brings rows too.
+        let arm = self.arming.is_some() && !chain_next && matches!(feed, StepFeed::Rows(_));
+        let f = self.submit_inner(slots, feed, topk, false, chain_next, arm)?;
         let id = f.id;
         if self.in_flight.len() >= MAX_IN_FLIGHT {
             self.in_flight.pop_front();
@@ -1174,8 +1180,8 @@ impl Engine {
         Ok((out, profile))
     }
 
-    /// `arm`: an armed engine's [`Engine::step`], which fires the step armed for it (or submits
-    /// it) and arms the next; every other step of an armed engine first retires what is armed.
+    /// `arm`: an armed engine's host-fed step that fires the step armed for it (or submits it) and
+    /// arms the next; every other step of an armed engine first retires what is armed.
     fn submit_inner(
         &mut self,
         slots: &[usize],
@@ -1438,7 +1444,9 @@ impl Engine {
                 arm.inputs.write(gpu, parity, &parts)?;
                 let (encoded, tickets) = self.record_step(&shape, false, Some(parity))?;
                 let submit_begin = Instant::now();
-                (encoded.submit(&self.gpu), tickets, submit_begin, false)
+                let submitted = encoded.submit(&self.gpu);
+                self.armed_mut()?.used_by[parity] = Some(submitted.index());
+                (submitted, tickets, submit_begin, false)
             }
         };
         let submitted_at = Instant::now();
@@ -1458,6 +1466,7 @@ impl Engine {
             let gpu = Arc::clone(&self.gpu);
             let arm = self.armed_mut()?;
             let (armed, value) = arm.inputs.submit(&gpu, encoded)?;
+            arm.used_by[parity] = Some(armed.index());
             arm.pending = Some(ArmedStep {
                 shape: next,
                 parity,
@@ -1490,12 +1499,18 @@ impl Engine {
         self.arming.as_mut().ok_or_else(no_arming)
     }
 
-    /// The input buffer the next recorded step of an armed engine takes (they alternate, so a
-    /// step's input is never written while the step before it may still read its own).
+    /// The input buffer the next recorded step of an armed engine takes. They alternate, and the
+    /// last step that read the one taken is waited for here (at once in a decode streak, whose
+    /// step before last has long finished): the host writes it next, while the step just handed
+    /// to the GPU may still read the other. (A step armed on it reads it only after its signal.)
     fn take_parity(&mut self) -> Result<usize> {
+        let gpu = Arc::clone(&self.gpu);
         let arm = self.armed_mut()?;
         let parity = arm.parity;
         arm.parity ^= 1;
+        if let Some(index) = arm.used_by[parity].take() {
+            gpu.wait_for(index)?;
+        }
         Ok(parity)
     }
 
@@ -1512,7 +1527,9 @@ impl Engine {
             _ => 1,
         };
         let zeros = vec![0u8; n * width * 4];
+        // It writes the slot table and (last stage) the top-k rows a chained step would read.
         self.slot_table = None;
+        self.chain_from = None;
         let (gpu, arm) = (&self.gpu, self.arming.as_mut().ok_or_else(no_arming)?);
         let parts = [(0, bytemuck::cast_slice(&table)), (arm.rows_at, zeros.as_slice())];
         arm.inputs.fire(gpu, p.parity, p.value, &parts)?;

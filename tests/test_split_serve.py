@@ -352,3 +352,34 @@ def test_each_stage_runs_on_the_adapter_its_device_names(unsplit):
             assert len(got.json()["tokens"]) == 12
     finally:
         split.close()
+
+
+def test_an_armed_whole_model_server_equals_the_plain_one(unsplit):
+    """``qk.serve --armed-steps`` without a split: sampled requests' host-fed steps are armed, greedy
+    ones chain (retiring what is armed first), concurrent requests change the batch; every body
+    equals the plain server's."""
+    port = free_port()
+    server = Proc(
+        "qk.serve", "--model", str(FIXTURE), "--port", str(port), "--slots", str(SLOTS), "--ctx", str(CTX),
+        "--log-level", "warning", "--armed-steps",
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_health(url, [server])
+        assert "armed steps" in server.log_so_far()
+        with httpx.Client(base_url=url, timeout=120) as http:
+            for route, body in REQUESTS:
+                want = unsplit.http.post(route, json=body)
+                got = http.post(route, json=body)
+                assert got.status_code == want.status_code == 200, got.text
+                assert normalise(got.json()) == normalise(want.json()), route
+            bodies = [
+                {"prompt": "The little model", "n_predict": 16, "temperature": 0.8, "seed": 3},
+                {"prompt": "wanted to learn how to count to ten", "n_predict": 16},
+            ]
+            refs = [unsplit.http.post("/completion", json=b).json()["tokens"] for b in bodies]
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                together = list(pool.map(lambda b: http.post("/completion", json=b).json(), bodies))
+            assert [t["tokens"] for t in together] == refs
+    finally:
+        server.stop()

@@ -86,9 +86,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--armed-steps",
         action="store_true",
-        help="a split stage on Vulkan submits each decode step's successor ahead, held on the GPU "
-        "until its input arrives (the submit leaves the per-token path; a device of its own and one "
-        "spare slot of recurrent state); the outputs are the same",
+        help="on Vulkan, each host-fed decode step (a split stage's; a sampled request's) submits its "
+        "likely successor ahead, held on the GPU until its input arrives (the submit leaves the "
+        "per-token path; a device of its own and one spare slot of recurrent state); the outputs are "
+        "the same",
     )
 
 

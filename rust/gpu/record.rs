@@ -428,6 +428,11 @@ impl Encoded {
 }
 
 impl Submitted {
+    /// The submission these commands went in with (to wait for them without taking the results).
+    pub fn index(&self) -> wgpu::SubmissionIndex {
+        self.index.clone()
+    }
+
     /// Wait for these commands (and so everything submitted before them; not what was submitted
     /// since) and return the readbacks in order.
     pub fn wait(self, gpu: &Gpu) -> Result<(Vec<Vec<u8>>, Finished)> {

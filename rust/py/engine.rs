@@ -39,9 +39,10 @@ use crate::transport::engine_stage::lock_engine;
 /// blocks (default 20,000 on a GPU, 0 on a CPU adapter); a speed choice with the same bytes.
 /// `weight_arena` (default True): small weight tensors as ranges of a few shared buffers (fewer
 /// buffers for wgpu's submit to track each step); the same bytes either way.
-/// `armed_steps` (default False; a split stage on Vulkan, else ignored): each decode step submits
-/// the same slots' next one too, held on the GPU until the next `step` call's input lands in mapped
-/// memory, so that call's submit is off the path from input to GPU; the same bytes either way.
+/// `armed_steps` (default False; Vulkan, else ignored): each host-fed decode step (`step`, or
+/// `step_submit` of rows with `chain_next` false) submits the likely next one too, held on the GPU
+/// until the next call's input lands in mapped memory, so that call's submit is off the path from
+/// input to GPU (a device of its own, one spare slot of DeltaNet state); the same bytes either way.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)

@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use qk::QkError;
-use qk::engine::{Engine, EngineOptions, StageInput, StageOutput};
+use qk::engine::{Engine, EngineOptions, StageInput, StageOutput, StepFeed};
 use qk::gguf::GgufFile;
 use qk::model::{Arch, LayerKind, ModelConfig};
 
@@ -445,7 +445,7 @@ fn prefill_rows_must_be_whole_chunks() {
 /// Armed decode steps (a split stage's next step submitted ahead, held by a semaphore until the
 /// next call's input lands): the same bytes as plain steps, through streaks that fire them, calls
 /// that retire them onto the spare state (other slots, a prefill, a snapshot) and the chain's two
-/// stages; a whole-model engine ignores the option.
+/// stages.
 #[test]
 fn armed_steps_give_the_same_bytes() {
     let name = "tiny-qwen3next-f32";
@@ -461,22 +461,6 @@ fn armed_steps_give_the_same_bytes() {
             },
         )
     };
-    let Some(whole) = load_with(
-        name,
-        EngineOptions {
-            slots: 2,
-            ctx: 128,
-            armed_steps: Some(true),
-            ..EngineOptions::default()
-        },
-    ) else {
-        return;
-    };
-    assert!(
-        !whole.armed_steps(),
-        "a whole-model engine has no next stage to wait for"
-    );
-    drop(whole);
     let n_layer = 4;
     let mut chains = Vec::new();
     for armed in [false, true] {
@@ -565,5 +549,85 @@ fn armed_steps_give_the_same_bytes() {
     assert_eq!(plain_ahead, [false, true, true, true, true, false, false, false]);
     if ah.armed_steps() {
         assert_eq!(armed_ahead, [false, true, true, true, true, false, true, true]);
+    }
+}
+
+/// A whole model's host-fed steps armed (`step_submit` of rows with `chain_next` false, a sampled
+/// request's): the same bytes as plain steps, through a streak, steps submitted before the one
+/// before them is collected, a greedy run that chains (which retires the armed step first) and a
+/// chained step right after an armed one, which is refused (its ids' rows were not kept).
+#[test]
+fn armed_host_fed_steps_of_a_whole_model_give_the_same_bytes() {
+    let whole = |armed: bool| {
+        load_with(
+            "tiny-qwen3next-f32",
+            EngineOptions {
+                slots: 2,
+                ctx: 128,
+                armed_steps: Some(armed),
+                ..EngineOptions::default()
+            },
+        )
+    };
+    let (Some(mut plain), Some(mut armed)) = (whole(false), whole(true)) else {
+        return;
+    };
+    let vulkan = armed.gpu.adapter.backend == "vulkan";
+    assert_eq!(armed.armed_steps(), vulkan);
+    assert!(!plain.armed_steps());
+    let run = |eng: &mut Engine| {
+        let mut log = Vec::new();
+        let mut ahead = Vec::new();
+        let prompt: Vec<u32> = (0..19).map(|i| (i * 7 + 1) % 400).collect();
+        for slot in [0, 1] {
+            let out = eng
+                .stage_run(slot, StageInput::Tokens(&prompt[..12 + slot]), 0, 2)
+                .unwrap();
+            log.push(format!("{out:?}"));
+        }
+        let step = |eng: &mut Engine, slots: &[usize], toks: &[u32], chain_next: bool| {
+            eng.step_submit(slots, StepFeed::Rows(StageInput::Tokens(toks)), 2, chain_next)
+                .unwrap()
+        };
+        // A sampled streak: each step's tokens known only after the one before is collected.
+        for t in [3u32, 30, 300] {
+            let id = step(eng, &[0, 1], &[t, t + 1], false);
+            log.push(format!("{:?}", eng.step_collect(id).unwrap()));
+            ahead.push(eng.last_step_timing().unwrap().ahead);
+        }
+        // Teacher-forced: two steps submitted before either is collected.
+        let a = step(eng, &[0, 1], &[5, 6], false);
+        let b = step(eng, &[0, 1], &[7, 8], false);
+        log.push(format!("{:?}", eng.step_collect(a).unwrap()));
+        log.push(format!("{:?}", eng.step_collect(b).unwrap()));
+        // Greedy: a host-fed step that announces a chain, then chained steps.
+        let id = step(eng, &[1], &[9], true);
+        let chained = eng.step_submit(&[1], StepFeed::Chained, 2, true).unwrap();
+        log.push(format!("{:?}", eng.step_collect(id).unwrap()));
+        log.push(format!("{:?}", eng.step_collect(chained).unwrap()));
+        // And sampled again on slot 0.
+        let id = step(eng, &[0], &[11], false);
+        log.push(format!("{:?}", eng.step_collect(id).unwrap()));
+        let id = step(eng, &[0], &[12], false);
+        log.push(format!("{:?}", eng.step_collect(id).unwrap()));
+        ahead.push(eng.last_step_timing().unwrap().ahead);
+        (log, ahead)
+    };
+    let (armed_log, armed_ahead) = run(&mut armed);
+    let (plain_log, _) = run(&mut plain);
+    assert_eq!(armed_log, plain_log, "armed steps changed the bytes");
+    if vulkan {
+        // The streak's steps after its first, and the second sampled step on slot 0, fired.
+        assert_eq!(armed_ahead, [false, true, true, true]);
+        // A chained step right after an armed one has no greedy rows to read: refused, clearly.
+        let id = armed
+            .step_submit(&[0], StepFeed::Rows(StageInput::Tokens(&[13])), 2, false)
+            .unwrap();
+        let refused = armed.step_submit(&[0], StepFeed::Chained, 2, true).unwrap_err();
+        assert!(
+            matches!(refused, QkError::Engine(ref m) if m.contains("chained")),
+            "{refused}"
+        );
+        armed.step_collect(id).unwrap();
     }
 }
