@@ -289,6 +289,12 @@ def main() -> None:
         action="store_true",
         help="every weight tensor in a buffer of its own (default: the small ones packed in arenas)",
     )
+    ap.add_argument(
+        "--armed-steps",
+        action="store_true",
+        help="host-fed steps armed (each submits its successor ahead, held until its input lands; "
+        "the engine takes a device of its own): the host-fed figures change, the chained ones should not",
+    )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -307,6 +313,8 @@ def main() -> None:
         options["spin_wait_us"] = a.spin_wait_us
     if a.no_weight_arena:
         options["weight_arena"] = False
+    if a.armed_steps:
+        options["armed_steps"] = True
     if a.decode_shape:
         options["decode_shapes"] = {
             op: tuple(v if v.isalpha() else int(v) for v in shape.split(","))
@@ -395,6 +403,7 @@ def main() -> None:
         "dense_group_cols": a.dense_group_cols,
         "spin_wait_us": a.spin_wait_us,
         "weight_arena": info.get("weight_arena"),
+        "armed_steps": info.get("armed_steps"),
         "decode_shapes": a.decode_shape,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,

@@ -106,7 +106,10 @@ def test_engine_bench_with_profile_prints_its_json():
         "--ctx",
         "128",
         "--profile",
+        # Armed host-fed steps, beside the chained ones, the profile and the scheduler's.
+        "--armed-steps",
     )
+    assert out["armed_steps"] is True
     assert out["decode_ms_per_token"] > 0 and out["decode_chained_ms_per_token"] > 0
     host = out["decode_host"]
     assert 0 < host["wait_us"]["median"] <= host["wait_us"]["max"]
