@@ -242,8 +242,8 @@ def worker_process(a, model: str, cut: int, n_layer: int, port: int) -> subproce
 
 def engine_options(a) -> dict:
     """Every engine's keywords for ``--spin-wait-us``, ``--no-weight-arena`` and ``--armed-steps``
-    (which the whole-model engine ignores): none when not given (the engine's defaults; so an older
-    wheel without an option still runs)."""
+    (the stages'; the whole-model reference is never armed, so unsplit measures what it did): none
+    when not given (the engine's defaults; so an older wheel without an option still runs)."""
     options = {} if a.spin_wait_us is None else {"spin_wait_us": a.spin_wait_us}
     if a.no_weight_arena:
         options["weight_arena"] = False
@@ -363,7 +363,8 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     options = engine_options(a)
-    whole = _qk.Engine(a.model, slots=2, ctx=a.ctx, device=a.device, precise=a.precise, **options)
+    unarmed = {k: v for k, v in options.items() if k != "armed_steps"}
+    whole = _qk.Engine(a.model, slots=2, ctx=a.ctx, device=a.device, precise=a.precise, **unarmed)
     info = whole.info()
     n_layer, vocab = int(info["n_layer"]), int(info["vocab"])
     cut = a.cut or n_layer // 2
