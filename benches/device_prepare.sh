@@ -5,6 +5,7 @@
 #   rust-tests        the cargo integration-test binary (GPU kernel tests, run there on real hardware;
 #                     test profile)
 #   kernels-bench     the kernel micro-benchmark (benches/kernels.rs, release profile)
+#   link-bench        the split's transport alone (benches/link.rs, release profile; no GPU)
 #   gguf-py/          llama.cpp's gguf-py from the sdist (benches/make_model.py writes the model with it)
 #   vocab/            the qwen2 vocabulary GGUF from the sdist
 # and .ref.tar.xz: llama.cpp's source from the same sdist, cut to what llama-bench and
@@ -28,7 +29,9 @@ cp "$(cargo test --no-default-features --no-run --message-format=json 2>/dev/nul
   .device/rust-tests
 cp "$(cargo build --release --no-default-features --bench kernels --message-format=json 2>/dev/null | executable_of kernels)" \
   .device/kernels-bench
-strip .device/rust-tests .device/kernels-bench
+cp "$(cargo build --release --no-default-features --bench link --message-format=json 2>/dev/null | executable_of link)" \
+  .device/link-bench
+strip .device/rust-tests .device/kernels-bench .device/link-bench
 cp -r "$(python scripts/sdist.py gguf-py)" .device/gguf-py
 cp "$(python scripts/sdist.py llama.cpp)/models/ggml-vocab-qwen2.gguf" .device/vocab/
 # llama.cpp for the side-by-side numbers: the library, ggml with its CPU and CUDA backends, and the two

@@ -106,6 +106,21 @@ pub struct Conn {
     timeouts: Timeouts,
     limits: Limits,
     peer_error: Option<ErrorMsg>,
+    /// The socket's SO_RCVTIMEO and SO_SNDTIMEO as last set (outer None: not known), so a read or
+    /// write sets them only when the deadline needs it: one setsockopt per read was a third of a
+    /// decode step's syscalls on the link (`benches/link.rs`).
+    read_timeout: Option<Option<Duration>>,
+    write_timeout: Option<Option<Duration>>,
+}
+
+/// Whether a socket timeout `set` bounds a blocking call that has `left` (None: no limit) well
+/// enough: never longer than what is left, and not so much shorter that a long wait wakes often.
+fn timeout_fits(set: Option<Option<Duration>>, left: Option<Duration>) -> bool {
+    match (set, left) {
+        (Some(Some(set)), Some(left)) => set <= left && set >= left / 2,
+        (Some(None), None) => true,
+        _ => false,
+    }
 }
 
 impl Conn {
@@ -153,6 +168,8 @@ impl Conn {
             timeouts,
             limits: Limits::default(),
             peer_error: None,
+            read_timeout: None,
+            write_timeout: None,
         })
     }
 
@@ -214,22 +231,37 @@ impl Conn {
                     bytes.len()
                 )));
             }
-            self.stream
-                .set_write_timeout(Some(left))
-                .map_err(|e| self.fail(format!("set write timeout: {e}")))?;
+            if !timeout_fits(self.write_timeout, Some(left)) {
+                self.write_timeout = None;
+                self.stream
+                    .set_write_timeout(Some(left))
+                    .map_err(|e| self.fail(format!("set write timeout: {e}")))?;
+                self.write_timeout = Some(Some(left));
+            }
             match self.stream.write(&bytes[sent..]) {
                 Ok(0) => return Err(self.fail("the connection closed while writing".into())),
                 Ok(k) => sent += k,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    return Err(self.fail(format!(
-                        "timed out writing {} ({sent} of {} bytes)",
-                        msg.op().name(),
-                        bytes.len()
-                    )));
-                }
+                // A timeout shorter than what is left: the loop checks the deadline again.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) => {}
                 Err(e) => return Err(self.fail(format!("writing {}: {e}", msg.op().name()))),
             }
+        }
+        Ok(())
+    }
+
+    /// Make the socket's blocking reads return within `left` (None: wait as long as it takes),
+    /// setting SO_RCVTIMEO only where the one set does not fit.
+    fn bound_reads(&mut self, left: Option<Duration>) -> Result<()> {
+        if !timeout_fits(self.read_timeout, left) {
+            self.read_timeout = None;
+            self.stream
+                .set_read_timeout(left)
+                .map_err(|e| self.fail(format!("set read timeout: {e}")))?;
+            self.read_timeout = Some(left);
         }
         Ok(())
     }
@@ -248,9 +280,7 @@ impl Conn {
                     Some(left)
                 }
             };
-            self.stream
-                .set_read_timeout(timeout)
-                .map_err(|e| self.fail(format!("set read timeout: {e}")))?;
+            self.bound_reads(timeout)?;
             match self.stream.read(&mut buf[got..]) {
                 Ok(0) => {
                     return Err(self.fail(format!(
@@ -259,10 +289,12 @@ impl Conn {
                     )));
                 }
                 Ok(k) => got += k,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                    return Err(self.fail(format!("timed out {what} ({got} of {} bytes)", buf.len())));
-                }
+                // A timeout shorter than what is left: the loop checks the deadline again.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) => {}
                 Err(e) => return Err(self.fail(format!("{what}: {e}"))),
             }
         }
@@ -275,14 +307,31 @@ impl Conn {
     /// before it reads (`next_request`).
     fn read_header_bytes(&mut self, wait: Option<Duration>) -> Result<[u8; HEADER_LEN]> {
         let deadline = wait.map(|w| Instant::now() + w);
-        if let Some(w) = wait {
-            self.spin_until_readable(self.timeouts.spin.min(w));
+        if let Some(w) = wait
+            && self.spin_until_readable(self.timeouts.spin.min(w))
+        {
+            return self.header_now();
         }
         let mut head = [0u8; HEADER_LEN];
         self.read_by(&mut head[..1], deadline, "waiting for a message")?;
         let deadline = Instant::now() + self.timeouts.base;
         self.read_by(&mut head[1..], Some(deadline), "reading a frame header")?;
         Ok(head)
+    }
+
+    /// A header that has begun to arrive: all of it within `timeouts.base`, in one read as a rule.
+    fn header_now(&mut self) -> Result<[u8; HEADER_LEN]> {
+        let mut head = [0u8; HEADER_LEN];
+        let deadline = Instant::now() + self.timeouts.base;
+        self.read_by(&mut head, Some(deadline), "waiting for a message")?;
+        Ok(head)
+    }
+
+    /// Read one message that has begun to arrive (`spin_until_readable` or `readable_within` saw
+    /// it): as `recv`, without a first read for its first byte alone.
+    pub fn recv_ready(&mut self) -> Result<Message> {
+        let head = self.header_now()?;
+        self.read_rest(&head)
     }
 
     /// Check the header, then read and decode the payload within `timeouts.for_rows(n)`. The payload
@@ -365,9 +414,7 @@ impl Conn {
     /// notices a takeover or a stop between them; a head looks between calls for what the chain
     /// sent unasked (a takeover notice).
     pub fn readable_within(&mut self, timeout: Duration) -> Result<bool> {
-        self.stream
-            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
-            .map_err(|e| self.fail(format!("set read timeout: {e}")))?;
+        self.bound_reads(Some(timeout.max(Duration::from_millis(1))))?;
         let mut byte = [0u8; 1];
         match self.stream.peek(&mut byte) {
             // Ok(0) is the peer's close: the next read reports it.
@@ -428,6 +475,7 @@ impl Conn {
     /// DRAIN_TIME / DRAIN_BYTES: unread input would make the close a reset.
     fn drain_close(&mut self) {
         let _ = self.stream.shutdown(Shutdown::Write);
+        self.read_timeout = None;
         let deadline = Instant::now() + DRAIN_TIME;
         let mut scratch = [0u8; 4096];
         let mut drained = 0;

@@ -501,7 +501,7 @@ impl Server<'_> {
                 )));
             }
             if ready {
-                return conn.recv(None).map_err(Waited::Failed);
+                return conn.recv_ready().map_err(Waited::Failed);
             }
         }
     }
