@@ -1056,7 +1056,11 @@ impl Engine {
             } else {
                 hidden_ticket = Some(rec.read(&s.x[cur], 0, (len * e * 4) as u64)?);
             }
-            let (out, finished) = rec.finish_and_read_timed()?;
+            let submitted = rec.finish()?.submit(gpu);
+            if final_piece && profiles.is_none() && self.arming.is_none() {
+                self.record_first_step(slot, base + n as u32, topk)?;
+            }
+            let (out, finished) = submitted.wait(&self.gpu)?;
             if let (Some(list), Some(p)) = (profiles.as_mut(), finished.profile) {
                 list.push(p);
             }
@@ -1087,6 +1091,35 @@ impl Engine {
             StageOutput::Hidden(hidden)
         };
         Ok((result, logits))
+    }
+
+    /// While a prompt's last piece runs, record the decode step most likely next — this slot alone
+    /// at `pos`, with the prompt's top-k — so its call finds it recorded ahead (a streak's first
+    /// step otherwise records on the critical path: ~2–3 ms of host work for a 48-layer step on the
+    /// H200). Another call discards it.
+    fn record_first_step(&mut self, slot: usize, pos: u32, topk: u32) -> Result<()> {
+        if pos >= self.model.ctx {
+            return Ok(());
+        }
+        let shape = StepShape {
+            slots: vec![slot],
+            positions: vec![pos],
+            k: topk.max(1),
+            feed: if self.is_first() {
+                Feed::Tokens
+            } else {
+                Feed::Hidden
+            },
+        };
+        let (encoded, tickets) = self.record_step(&shape, false, None)?;
+        if let Some(old) = self.ahead.replace(Ahead {
+            shape,
+            encoded,
+            tickets,
+        }) {
+            old.encoded.discard(&self.gpu);
+        }
+        Ok(())
     }
 
     /// One decode position for each of `slots` (distinct) in one recorded pass: token i (or hidden

@@ -530,7 +530,8 @@ def test_routing_inside_or_by_the_router_kernel_gives_the_same_bytes():
 
 def test_step_totals_sum_every_step_and_the_ahead_ones_apart():
     """step_totals() sums each decode step's host timing; ahead_record_us sums the record time of
-    the steps recorded ahead alone (the first step after a prefill records on the spot)."""
+    the steps recorded ahead alone. A prompt's first step is recorded while its last piece runs
+    (that slot alone, the prompt's top-k); a step of other slots after a prefill records on the spot."""
     name = F32[0]
     eng = engine(name)
     p = prompt(name)[:20]
@@ -540,11 +541,14 @@ def test_step_totals_sum_every_step_and_the_ahead_ones_apart():
     for t in p[:4]:
         eng.step([2], [t])
         timings.append(eng.last_step_timing())
+    eng.stage_run(1, p[:5], 0)
+    eng.step([2], [p[5]])
+    timings.append(eng.last_step_timing())
     after = eng.step_totals()
     ahead = [t for t in timings if t["ahead"]]
-    assert after["steps"] - before["steps"] == 4
-    assert after["ahead"] - before["ahead"] == len(ahead) >= 3
-    assert not timings[0]["ahead"]
+    assert after["steps"] - before["steps"] == 5
+    assert [t["ahead"] for t in timings] == [True, True, True, True, False]
+    assert after["ahead"] - before["ahead"] == len(ahead)
     for key, steps in (("record_us", timings), ("ahead_record_us", ahead)):
         assert after[key] - before[key] == pytest.approx(sum(t["record_us"] for t in steps))
 
