@@ -534,6 +534,8 @@ struct Ahead {
     shape: StepShape,
     encoded: Encoded,
     tickets: Vec<usize>,
+    /// An armed engine's: the input buffer its first commands copy from.
+    input: Option<usize>,
 }
 
 impl Engine {
@@ -1057,7 +1059,7 @@ impl Engine {
                 hidden_ticket = Some(rec.read(&s.x[cur], 0, (len * e * 4) as u64)?);
             }
             let submitted = rec.finish()?.submit(gpu);
-            if final_piece && profiles.is_none() && self.arming.is_none() {
+            if final_piece && profiles.is_none() {
                 self.record_first_step(slot, base + n as u32, topk)?;
             }
             let (out, finished) = submitted.wait(&self.gpu)?;
@@ -1111,11 +1113,15 @@ impl Engine {
                 Feed::Hidden
             },
         };
-        let (encoded, tickets) = self.record_step(&shape, false, None)?;
+        // An armed engine submits it from the input buffer it will take next (nothing else takes one
+        // before that step: every other call retires and submits without one).
+        let input = self.arming.as_ref().map(|a| a.parity);
+        let (encoded, tickets) = self.record_step(&shape, false, input)?;
         if let Some(old) = self.ahead.replace(Ahead {
             shape,
             encoded,
             tickets,
+            input,
         }) {
             old.encoded.discard(&self.gpu);
         }
@@ -1307,7 +1313,7 @@ impl Engine {
         };
         // A step recorded while the previous one ran serves if it was recorded for exactly this.
         let ahead = match self.ahead.take() {
-            Some(a) if !profile && a.shape == shape => Some(a),
+            Some(a) if !profile && a.shape == shape && a.input.is_none() => Some(a),
             Some(a) => {
                 a.encoded.discard(&self.gpu);
                 None
@@ -1341,6 +1347,7 @@ impl Engine {
                     shape: next,
                     encoded,
                     tickets,
+                    input: None,
                 });
             }
         }
@@ -1447,9 +1454,8 @@ impl Engine {
         // The step's own copy writes the slot table, and the results it leaves are not a chain's.
         self.slot_table = None;
         self.chain_from = None;
-        if let Some(a) = self.ahead.take() {
-            a.encoded.discard(&self.gpu);
-        }
+        // Recorded ahead by a prompt's last piece, from an input buffer (see the plain case below).
+        let ahead = self.ahead.take();
         let fired = match self.arming.as_mut().and_then(|a| a.pending.take()) {
             Some(p) if p.shape == shape => Some(p),
             Some(p) => {
@@ -1460,6 +1466,9 @@ impl Engine {
         };
         let (submitted, tickets, submit_begin, was_ahead) = match fired {
             Some(p) => {
+                if let Some(a) = ahead {
+                    a.encoded.discard(&self.gpu);
+                }
                 let (gpu, arm) = (&self.gpu, self.arming.as_mut().ok_or_else(no_arming)?);
                 let parts = [(0, bytemuck::cast_slice(&table)), (arm.rows_at, rows)];
                 let submit_begin = Instant::now();
@@ -1475,11 +1484,20 @@ impl Engine {
                 let (gpu, arm) = (&self.gpu, self.arming.as_mut().ok_or_else(no_arming)?);
                 let parts = [(0, bytemuck::cast_slice(&table)), (arm.rows_at, rows)];
                 arm.inputs.write(gpu, parity, &parts)?;
-                let (encoded, tickets) = self.record_step(&shape, false, Some(parity))?;
+                let (encoded, tickets, was_ahead) = match ahead {
+                    Some(a) if a.shape == shape && a.input == Some(parity) => (a.encoded, a.tickets, true),
+                    other => {
+                        if let Some(a) = other {
+                            a.encoded.discard(&self.gpu);
+                        }
+                        let (encoded, tickets) = self.record_step(&shape, false, Some(parity))?;
+                        (encoded, tickets, false)
+                    }
+                };
                 let submit_begin = Instant::now();
                 let submitted = encoded.submit(&self.gpu);
                 self.armed_mut()?.used_by[parity] = Some(submitted.index());
-                (submitted, tickets, submit_begin, false)
+                (submitted, tickets, submit_begin, was_ahead)
             }
         };
         let submitted_at = Instant::now();

@@ -530,7 +530,8 @@ fn armed_steps_give_the_same_bytes() {
         head.state_save(1, 7).unwrap();
         tail.state_save(1, 7).unwrap();
         prefill(head, tail, 1, &prompt[..5], &mut log);
-        step(head, tail, &[1], &[9], &mut log);
+        // A prompt's first step: recorded (armed: from its input buffer) while the prompt ran.
+        ahead.push(step(head, tail, &[1], &[9], &mut log));
         head.state_load(1, 7).unwrap();
         tail.state_load(1, 7).unwrap();
         for t in [3u32, 4] {
@@ -546,9 +547,15 @@ fn armed_steps_give_the_same_bytes() {
     assert_eq!(armed_log, plain_log, "armed steps changed the bytes");
     // The first step of a streak is recorded then; the rest were ahead. Taking turns, the plain
     // engine's guess (the same slots) misses; the armed one's fires from the second turn on.
-    assert_eq!(plain_ahead, [false, true, true, true, true, false, false, false]);
+    assert_eq!(
+        plain_ahead,
+        [false, true, true, true, true, false, false, false, true]
+    );
     if ah.armed_steps() {
-        assert_eq!(armed_ahead, [false, true, true, true, true, false, true, true]);
+        assert_eq!(
+            armed_ahead,
+            [false, true, true, true, true, false, true, true, true]
+        );
     }
 }
 
