@@ -1131,12 +1131,6 @@ impl Engine {
     /// One decode position for each of `slots` (distinct) in one recorded pass: token i (or hidden
     /// row i) goes to slots[i] at its current position. Returns one output per slot.
     pub fn step(&mut self, slots: &[usize], input: StageInput<'_>, topk: u32) -> Result<Vec<StageOutput>> {
-        if self.arming.is_some() {
-            // Submitted (or fired) and collected in this call, so the input buffer it read is free
-            // again before the next call writes the other one's successor.
-            let f = self.submit_inner(slots, StepFeed::Rows(input), topk, false, false, true)?;
-            return Ok(self.collect_inner(f)?.0);
-        }
         let id = self.step_submit(slots, StepFeed::Rows(input), topk, false)?;
         self.step_collect(id)
     }
@@ -1280,14 +1274,13 @@ impl Engine {
             let pos = self.slot(s)?.pos;
             self.begin(s, pos, 1)?;
         }
-        let positions: Vec<u32> = slots.iter().map(|&s| self.slots[s].pos).collect();
-        if let (true, StepFeed::Rows(input)) = (arm && !profile, &feed) {
-            let shape = StepShape {
-                slots: slots.to_vec(),
-                positions,
-                k: topk.max(1),
-                feed: feed_kind,
-            };
+        let shape = StepShape {
+            slots: slots.to_vec(),
+            positions: slots.iter().map(|&s| self.slots[s].pos).collect(),
+            k: topk.max(1),
+            feed: feed_kind,
+        };
+        if let (true, StepFeed::Rows(input)) = (arm, &feed) {
             return self.submit_armed(shape, input, topk, started);
         }
         self.disarm()?;
@@ -1301,16 +1294,7 @@ impl Engine {
                 .write(&self.scratch.slots, 0, bytemuck::cast_slice(&slot_table))?;
             self.slot_table = Some(slot_table);
         }
-        {
-            let states: Vec<&SlotState> = slots.iter().map(|&i| &self.slots[i]).collect();
-            write_step_rows(&self.gpu, &self.scratch, &states, &positions)?;
-        }
-        let shape = StepShape {
-            slots: slots.to_vec(),
-            positions,
-            k: topk.max(1),
-            feed: feed_kind,
-        };
+        self.write_rows_of(&shape)?;
         // A step recorded while the previous one ran serves if it was recorded for exactly this.
         let ahead = match self.ahead.take() {
             Some(a) if !profile && a.shape == shape && a.input.is_none() => Some(a),
@@ -1328,9 +1312,7 @@ impl Engine {
         let submit_begin = Instant::now();
         let submitted = encoded.submit(&self.gpu);
         let submitted_at = Instant::now();
-        for (&sl, &p) in slots.iter().zip(&shape.positions) {
-            self.slots[sl].pos = p + 1;
-        }
+        self.advance(&shape);
         self.chain_from = (self.is_first() && self.is_last()).then(|| (shape.slots.clone(), shape.k));
         // Record the likely next step (same slots, one position on) while the GPU runs this one:
         // its recording then costs the next call nothing. Any other next call discards it.
@@ -1353,6 +1335,19 @@ impl Engine {
         }
         let clock = [started, submit_begin, submitted_at];
         Ok(self.launched(shape, topk, tickets, submitted, clock, was_ahead))
+    }
+
+    /// Write the attention rows (slot, position) of `shape`'s rows, where its step reads them.
+    fn write_rows_of(&self, shape: &StepShape) -> Result<()> {
+        let states: Vec<&SlotState> = shape.slots.iter().map(|&i| &self.slots[i]).collect();
+        write_step_rows(&self.gpu, &self.scratch, &states, &shape.positions)
+    }
+
+    /// Move each slot of a step just handed to the GPU one position on.
+    fn advance(&mut self, shape: &StepShape) {
+        for (&sl, &p) in shape.slots.iter().zip(&shape.positions) {
+            self.slots[sl].pos = p + 1;
+        }
     }
 
     /// Number a step just handed to the GPU and keep what its collect needs; `clock`: the call's
@@ -1476,10 +1471,7 @@ impl Engine {
                 (p.submitted, p.tickets, submit_begin, true)
             }
             None => {
-                {
-                    let states: Vec<&SlotState> = shape.slots.iter().map(|&i| &self.slots[i]).collect();
-                    write_step_rows(&self.gpu, &self.scratch, &states, &shape.positions)?;
-                }
+                self.write_rows_of(&shape)?;
                 let parity = self.take_parity()?;
                 let (gpu, arm) = (&self.gpu, self.arming.as_mut().ok_or_else(no_arming)?);
                 let parts = [(0, bytemuck::cast_slice(&table)), (arm.rows_at, rows)];
@@ -1501,17 +1493,12 @@ impl Engine {
             }
         };
         let submitted_at = Instant::now();
-        for (&sl, &p) in shape.slots.iter().zip(&shape.positions) {
-            self.slots[sl].pos = p + 1;
-        }
+        self.advance(&shape);
         // Arm the likely next call while the GPU runs this one: its positions' table goes with the
         // armed submit (a queue write rides in the next submit), its rows come at the signal.
         let next = self.likely_next(&shape)?;
         if next.positions.iter().all(|&p| p < self.model.ctx) {
-            {
-                let states: Vec<&SlotState> = next.slots.iter().map(|&i| &self.slots[i]).collect();
-                write_step_rows(&self.gpu, &self.scratch, &states, &next.positions)?;
-            }
+            self.write_rows_of(&next)?;
             let parity = self.take_parity()?;
             let (encoded, next_tickets) = self.record_step(&next, false, Some(parity))?;
             let gpu = Arc::clone(&self.gpu);
@@ -1775,13 +1762,9 @@ fn no_arming() -> QkError {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // An armed submit left queued would hold the device forever: retire it (or, failing that,
-        // let it go on whatever its input holds), then the semaphore goes before the device.
-        if self.disarm().is_err()
-            && let Some(arm) = self.arming.as_mut()
-        {
-            arm.inputs.release(&self.gpu);
-        }
+        // An armed submit left queued would hold the device forever: retire it; if that fails,
+        // dropping the inputs lets it go on whatever they hold. The semaphore goes before the device.
+        let _ = self.disarm();
         self.arming = None;
     }
 }

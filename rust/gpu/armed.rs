@@ -163,29 +163,16 @@ mod imp {
             self.signalled = value;
             Ok(())
         }
-
-        /// Let every armed submit go (whatever its input buffer holds) and wait for the device:
-        /// the last resort before the semaphore goes, when the owner could not retire a step.
-        pub fn release(&mut self, gpu: &Gpu) {
-            if self.staged > self.signalled {
-                let _ = self.signal(self.staged);
-            }
-            let _ = gpu.wait();
-        }
     }
 
     impl Drop for ArmedInputs {
+        /// Let an armed submit the owner could not retire go (on whatever its input buffer
+        /// holds), and wait for the device before the semaphore it waited on goes.
         fn drop(&mut self) {
             if self.staged > self.signalled {
                 let _ = self.signal(self.staged);
             }
-            // The semaphore may still be waited on by a submit the GPU has not finished: wait for
-            // the device through the semaphore itself (the wgpu device may already be going).
-            let values = [self.staged];
-            let sems = [self.sem];
-            let info = vk::SemaphoreWaitInfo::default().semaphores(&sems).values(&values);
             unsafe {
-                let _ = self.raw.wait_semaphores(&info, u64::MAX);
                 let _ = self.raw.device_wait_idle();
                 self.raw.destroy_semaphore(self.sem, None);
             }
@@ -220,9 +207,6 @@ mod imp {
             match *self {}
         }
         pub fn write(&mut self, _gpu: &Gpu, _parity: usize, _parts: &[(u64, &[u8])]) -> Result<()> {
-            match *self {}
-        }
-        pub fn release(&mut self, _gpu: &Gpu) {
             match *self {}
         }
     }
