@@ -36,6 +36,7 @@
 use std::time::{Duration, Instant};
 
 use qk::gguf::GgmlType;
+use qk::gpu::armed::ArmedInputs;
 use qk::gpu::{Gpu, GpuBuffer, Recorder, WeightTensor};
 use qk::ops::attention::{
     self, AttnRows, AttnShape, CoreArgs, DecodeTuning, GateLayout, KvGroup, KvType, OutLayout, PrefillKernel,
@@ -1343,26 +1344,16 @@ fn handoff_round_trip(gpu: &Gpu) {
 }
 
 /// The hand-off with its commands submitted before its input is due (Vulkan only): the submit waits
-/// on a timeline semaphore that the host signals when the input would land, so the GPU starts
-/// without a submit in between. Measures the host's signal call and the signal-to-results time
-/// (spinning wait, readback mapped) against the plain submit-to-results of the same commands: what
-/// a split stage would save per token if its next step were queued while the other stage runs.
-/// (wgpu builds its Vulkan backend on Windows, Linux and Android only.)
-#[cfg(any(windows, target_os = "linux", target_os = "android"))]
+/// on a timeline semaphore that the host signals when the input would land (the engine's armed
+/// steps, `qk::gpu::armed`), so the GPU starts without a submit in between. Measures the host's
+/// signal call and the signal-to-results time (spinning wait, readback mapped) against the plain
+/// submit-to-results of the same commands: what a split stage saves per token with its next step
+/// queued while the other stage runs.
 fn armed_handoff(gpu: &Gpu) {
-    use ash::vk;
-    use wgpu::hal::api::Vulkan;
-    // SAFETY: the ash device outlives every use below (the wgpu device does), and the semaphore
-    // is destroyed only after the device is idle.
-    let Some(raw) = (unsafe { gpu.device.as_hal::<Vulkan>() }).map(|d| d.raw_device().clone()) else {
+    let Some(mut armed) = ArmedInputs::new(gpu, 4).expect("armed inputs") else {
         println!("armed hand-off: not a Vulkan device");
         return;
     };
-    let mut timeline = vk::SemaphoreTypeCreateInfo::default()
-        .semaphore_type(vk::SemaphoreType::TIMELINE)
-        .initial_value(0);
-    let info = vk::SemaphoreCreateInfo::default().push_next(&mut timeline);
-    let sem = unsafe { raw.create_semaphore(&info, None) }.expect("timeline semaphore");
     let h = HandoffRow::new(gpu);
     let spin = Duration::from_millis(50);
     // Per round: plain submit → results, armed signal call, armed signal → results.
@@ -1378,21 +1369,15 @@ fn armed_handoff(gpu: &Gpu) {
         let (out, _) = plain.submit(gpu).wait_spinning(gpu, spin).expect("wait");
         std::hint::black_box(out);
         let plain_us = t0.elapsed().as_secs_f64() * 1e6;
-        let value = round as u64 + 1;
-        let armed = record();
-        {
-            let queue = unsafe { gpu.queue.as_hal::<Vulkan>() }.expect("hal queue");
-            queue.add_wait_semaphore(sem, Some(value), vk::PipelineStageFlags::ALL_COMMANDS);
-        }
-        let submitted = armed.submit(gpu);
+        let (submitted, value) = armed.submit(gpu, record()).expect("armed submit");
         // The GPU reaches the wait and idles there, as a stage's would while the other stage runs.
         let idle = Instant::now();
         while idle.elapsed() < Duration::from_micros(300) {
             std::hint::spin_loop();
         }
         let t1 = Instant::now();
-        let signal = vk::SemaphoreSignalInfo::default().semaphore(sem).value(value);
-        unsafe { raw.signal_semaphore(&signal) }.expect("signal");
+        // Write-free: the commands take no input, so the signal alone.
+        armed.fire(gpu, 0, value, &[]).expect("signal");
         let t2 = Instant::now();
         let (out, _) = submitted.wait_spinning(gpu, spin).expect("armed wait");
         std::hint::black_box(out);
@@ -1404,8 +1389,6 @@ fn armed_handoff(gpu: &Gpu) {
             times[2].push(us(t1, t3));
         }
     }
-    gpu.wait().expect("idle");
-    unsafe { raw.destroy_semaphore(sem, None) };
     let median = |v: &Vec<f64>| quantile(v.iter().copied(), 1, 2);
     let p90 = |v: &Vec<f64>| quantile(v.iter().copied(), 9, 10);
     println!(
@@ -1449,11 +1432,6 @@ fn submit_floor(gpu: &Gpu) {
         median(&times[1]),
         median(&times[2]),
     );
-}
-
-#[cfg(not(any(windows, target_os = "linux", target_os = "android")))]
-fn armed_handoff(_gpu: &Gpu) {
-    println!("armed hand-off: no Vulkan backend in this build");
 }
 
 /// The gated DeltaNet decode step (shaders/gdn_step.wgsl) at the Qwen3-Next-80B shape for 1 and 8
