@@ -113,14 +113,25 @@ pub struct Conn {
     write_timeout: Option<Option<Duration>>,
 }
 
-/// Whether a socket timeout `set` bounds a blocking call that has `left` (None: no limit) well
-/// enough: never longer than what is left, and not so much shorter that a long wait wakes often.
-fn timeout_fits(set: Option<Option<Duration>>, left: Option<Duration>) -> bool {
-    match (set, left) {
+/// Bound a blocking socket call to `left` (None: no limit) through `apply` (a setsockopt), unless
+/// the timeout last set (`cached`) already does well enough: never longer than what is left, and
+/// not so much shorter that a long wait wakes often.
+fn fit_timeout(
+    cached: &mut Option<Option<Duration>>,
+    left: Option<Duration>,
+    apply: impl FnOnce(Option<Duration>) -> io::Result<()>,
+) -> io::Result<()> {
+    let fits = match (*cached, left) {
         (Some(Some(set)), Some(left)) => set <= left && set >= left / 2,
         (Some(None), None) => true,
         _ => false,
+    };
+    if !fits {
+        *cached = None;
+        apply(left)?;
+        *cached = Some(left);
     }
+    Ok(())
 }
 
 impl Conn {
@@ -231,13 +242,10 @@ impl Conn {
                     bytes.len()
                 )));
             }
-            if !timeout_fits(self.write_timeout, Some(left)) {
-                self.write_timeout = None;
-                self.stream
-                    .set_write_timeout(Some(left))
-                    .map_err(|e| self.fail(format!("set write timeout: {e}")))?;
-                self.write_timeout = Some(Some(left));
-            }
+            fit_timeout(&mut self.write_timeout, Some(left), |t| {
+                self.stream.set_write_timeout(t)
+            })
+            .map_err(|e| self.fail(format!("set write timeout: {e}")))?;
             match self.stream.write(&bytes[sent..]) {
                 Ok(0) => return Err(self.fail("the connection closed while writing".into())),
                 Ok(k) => sent += k,
@@ -256,14 +264,8 @@ impl Conn {
     /// Make the socket's blocking reads return within `left` (None: wait as long as it takes),
     /// setting SO_RCVTIMEO only where the one set does not fit.
     fn bound_reads(&mut self, left: Option<Duration>) -> Result<()> {
-        if !timeout_fits(self.read_timeout, left) {
-            self.read_timeout = None;
-            self.stream
-                .set_read_timeout(left)
-                .map_err(|e| self.fail(format!("set read timeout: {e}")))?;
-            self.read_timeout = Some(left);
-        }
-        Ok(())
+        fit_timeout(&mut self.read_timeout, left, |t| self.stream.set_read_timeout(t))
+            .map_err(|e| self.fail(format!("set read timeout: {e}")))
     }
 
     /// Fill `buf` before `deadline` (None: wait forever).
