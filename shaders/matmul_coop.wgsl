@@ -2,18 +2,19 @@
 // feature exists): Y[:, n] = W · X[:, n], W in any ggml type, X and Y f32 column-major as in
 // matmul.wgsl, dense or grouped by expert (MOE, common_matmul.wgsl). A workgroup of SGS subgroups
 // (SG lanes each) computes a TM (rows) × TN (columns) tile; subgroup s owns the WM × WN block
-// (s mod TM/WM, s div TM/WM) as AM × AN accumulators of 16×16. Per TK-wide K step (32 or 64; KK =
-// TK / 16) the workgroup dequantises its W rows to f16 and converts its X columns to f16 in
+// (s mod TM/WM, s div TM/WM) as AM × AN accumulators of F×F. Per TK-wide K step (32 or 64; KK =
+// TK / F) the workgroup dequantises its W rows to f16 and converts its X columns to f16 in
 // workgroup memory, then each subgroup runs KK × AM × AN multiply-adds. A split-K dispatch
 // (common_matmul.wgsl) walks its workgroup's K range only. Accumulators are ACC (f32 where the device offers
 // f16×f16→f32, else f16). Inputs in f16 lose precision (11-bit mantissa) and range (|x| ≤ 65504):
 // the tests state the tolerance. K not a multiple of 32 is zero-padded in the tile. Each output is
 // the same chain of multiply-adds whatever the tile shape or grouping, so a row's result does not
-// depend on which tile or call computes it, nor on TK (the same 16-wide chain either way).
+// depend on which tile or call computes it, nor on TK (the same F-wide chain either way).
 //
-// Only 16×16×16 configurations are used: naga's WGSL has square 8×8 and 16×16 matrices, and 16×16
-// f16 is what Vulkan drivers with tensor cores offer. Metal's simdgroup matrices are 8×8, so this
-// shader is never chosen there (the runtime picks it from the adapter's configuration list).
+// F is the matrices' size, 16 or 8 (naga's WGSL has square 8×8 and 16×16 matrices): 16×16×16 f16
+// is what Vulkan drivers with tensor cores offer; 8×8×8 is the runtime's choice only where the
+// adapter offers no 16 (Mesa's lavapipe, Metal's simdgroup matrices). The result's chain is then
+// 8-wide: another summation order, on another device.
 enable f16;
 enable wgpu_cooperative_matrix;
 #include "common.wgsl"
@@ -21,6 +22,7 @@ enable wgpu_cooperative_matrix;
 #include "common_matmul.wgsl"
 #define QTYPE q8_0
 #define SG 32
+#define F 16
 #define ACC f32
 #define TM 64
 #define TN 64
@@ -68,8 +70,10 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq3_s
 #variants QTYPE=mxfp4
 #variants QTYPE=iq4_xs TM=128 TN=64 WM=32 WN=32 AM=2 AN=2 SGS=8 MOE=1 XH=2
+#variants QTYPE=iq4_xs F=8 SG=8 AM=4 AN=4 KK=4 XH=16 WPT=8
+#variants QTYPE=q6_k F=8 SG=8 AM=4 AN=4 KK=4 XH=16
 
-// Row pitch of the f16 tiles in halves: TK + 8 keeps every 16×16 load 16-byte aligned (80- or
+// Row pitch of the f16 tiles in halves: TK + 8 keeps every F×F load 16-byte aligned (80- or
 // 144-byte rows) while shifting successive rows across memory banks (LDM, TM + 8, likewise).
 const LD = {{TK}}u + 8u;
 const THREADS = {{SGS}}u * {{SG}}u;
@@ -91,8 +95,9 @@ var<workgroup> w_tile: array<f16, {{TK}} * ({{TM}} + 8)>; // TK × LDM, (k, m)
 var<workgroup> w_tile: array<f16, {{TM}} * ({{TK}} + 8)>; // TM × LD, row-major (m, k)
 #endif
 var<workgroup> x_tile: array<f16, {{TN}} * ({{TK}} + 8)>; // TN × LD, column n holds its k contiguous
-// One 16×16 accumulator per subgroup on its way out, column-major, so edge tiles clip per element.
-var<workgroup> c_stage: array<{{ACC}}, {{SGS}} * 256>;
+// One F×F accumulator per subgroup on its way out, column-major, so edge tiles clip per element.
+const FF = {{F}}u * {{F}}u;
+var<workgroup> c_stage: array<{{ACC}}, {{SGS}} * {{F}} * {{F}}>;
 
 #if QTYPE == iq4_xs
 // The fill reads quant words the way memory lays them out: invocation t takes word j = t mod QW of
@@ -221,7 +226,7 @@ fn main(ids: ComputeIds) {
 #endfor
 #for a in 0..AM
 #for b in 0..AN
-        var acc{{a}}{{b}}: coop_mat16x16<{{ACC}}, C>;
+        var acc{{a}}{{b}}: coop_mat{{F}}x{{F}}<{{ACC}}, C>;
 #endfor
 #endfor
         let kr = k_range(ids.wid.z);
@@ -294,13 +299,13 @@ fn main(ids: ComputeIds) {
             {
 #for a in 0..AM
 #if QTYPE == iq4_xs
-                let a{{a}} = coopLoad<coop_mat16x16<f16, A>>(&w_tile[16u * {{kk}}u * LDM + sm + 16u * {{a}}u], LDM);
+                let a{{a}} = coopLoad<coop_mat{{F}}x{{F}}<f16, A>>(&w_tile[{{F}}u * {{kk}}u * LDM + sm + {{F}}u * {{a}}u], LDM);
 #else
-                let a{{a}} = coopLoadT<coop_mat16x16<f16, A>>(&w_tile[(sm + 16u * {{a}}u) * LD + 16u * {{kk}}u], LD);
+                let a{{a}} = coopLoadT<coop_mat{{F}}x{{F}}<f16, A>>(&w_tile[(sm + {{F}}u * {{a}}u) * LD + {{F}}u * {{kk}}u], LD);
 #endif
 #endfor
 #for b in 0..AN
-                let b{{b}} = coopLoad<coop_mat16x16<f16, B>>(&x_tile[(sn + 16u * {{b}}u) * LD + 16u * {{kk}}u], LD);
+                let b{{b}} = coopLoad<coop_mat{{F}}x{{F}}<f16, B>>(&x_tile[(sn + {{F}}u * {{b}}u) * LD + {{F}}u * {{kk}}u], LD);
 #endfor
 #for a in 0..AM
 #for b in 0..AN
@@ -312,14 +317,14 @@ fn main(ids: ComputeIds) {
             workgroupBarrier();
         }
         // Each accumulator through the subgroup's staging block, then out by its lanes with clipping.
-        let stage = sg * 256u;
+        let stage = sg * FF;
 #for a in 0..AM
 #for b in 0..AN
-        coopStore(acc{{a}}{{b}}, &c_stage[stage], 16u);
+        coopStore(acc{{a}}{{b}}, &c_stage[stage], {{F}}u);
         workgroupBarrier();
-        for (var e = lane; e < 256u; e += {{SG}}u) {
-            let m = m0 + sm + 16u * {{a}}u + e % 16u;
-            let n = sn + 16u * {{b}}u + e / 16u;
+        for (var e = lane; e < FF; e += {{SG}}u) {
+            let m = m0 + sm + {{F}}u * {{a}}u + e % {{F}}u;
+            let n = sn + {{F}}u * {{b}}u + e / {{F}}u;
             if m < P.rows && n < tile.cols {
                 Y[y_col_start(tile, n, ids.wid.z) + m] = f32(c_stage[stage + e]);
             }

@@ -152,7 +152,7 @@ pub fn coop_prefill_fits(gpu: &Gpu, shape: &AttnShape) -> bool {
         && shape.v_type == KvType::F16
         && shape.head_dim.is_multiple_of(32)
         && shape.group() <= PREFILL_ROWS
-        && matmul::coop_offered(gpu, wgpu::CooperativeScalarType::F32)
+        && matmul::coop_fragment(gpu, wgpu::CooperativeScalarType::F32) == Some(16)
         && COOP_SUBGROUPS * gpu.caps.subgroup_max_size <= gpu.caps.max_invocations
         && bytes <= u64::from(gpu.caps.max_workgroup_storage)
 }

@@ -1200,7 +1200,7 @@ pub enum Precision {
 }
 
 /// A cooperative-matrix workgroup tile: `rows` × `cols` outputs, each subgroup a `sg_rows` ×
-/// `sg_cols` block of 16×16 accumulators (all multiples of 16; rows a multiple of sg_rows…).
+/// `sg_cols` block of F×F accumulators (all multiples of 16; rows a multiple of sg_rows…).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CoopTile {
     pub rows: u32,
@@ -1269,9 +1269,9 @@ impl CoopTile {
     }
 
     /// Workgroup memory: the two f16 tiles (pitch k_step + 8; the IQ4_XS W tile is k-major, pitch
-    /// rows + 8, no larger while rows ≥ k_step) and one 16×16 staging block per subgroup.
-    fn workgroup_bytes(self, acc_bytes: u32) -> u32 {
-        (self.rows + self.cols) * (self.k_step + 8) * 2 + self.subgroups() * 256 * acc_bytes
+    /// rows + 8, no larger while rows ≥ k_step) and one F×F staging block per subgroup.
+    fn workgroup_bytes(self, fragment: u32, acc_bytes: u32) -> u32 {
+        (self.rows + self.cols) * (self.k_step + 8) * 2 + self.subgroups() * fragment * fragment * acc_bytes
     }
 
     /// Only the K steps the shader is written for.
@@ -1317,39 +1317,55 @@ pub const MOE_WIDE_TILE_COLS: u32 = 64;
 const WIDE_MIN_WORKGROUPS: u64 = 256;
 
 /// The accumulator scalar (`"f32"` or `"f16"`) the cooperative mat-mat with `tile` uses on this
-/// device, or None where it cannot run: it needs a 16×16×16 configuration with f16 A/B among the
-/// adapter's cooperative-matrix list (f32 accumulation preferred), shader f16, a fixed subgroup
-/// size (its workgroup is whole subgroups) and room for its tiles.
+/// device, or None where it cannot run: it needs a square f16 configuration ([`coop_fragment`])
+/// among the adapter's cooperative-matrix list (f32 accumulation preferred), shader f16, a fixed
+/// subgroup size (its workgroup is whole subgroups) and room for its tiles.
 pub fn coop_accumulator(gpu: &Gpu, tile: CoopTile) -> Option<&'static str> {
     use wgpu::CooperativeScalarType as S;
     let caps = &gpu.caps;
     if !tile.valid() || tile.subgroups() * caps.subgroup_max_size > caps.max_invocations {
         return None;
     }
-    let fits = |acc_bytes: u32| caps.max_workgroup_storage >= tile.workgroup_bytes(acc_bytes);
-    if coop_offered(gpu, S::F32) && fits(4) {
+    // At F = 8 a subgroup block of more than 16 matrices (the 64×32 blocks: 32) is not taken: on
+    // lavapipe, the one 8×8 device this runs on, one such pipeline took its JIT over ten minutes.
+    let fits = |acc: S, acc_bytes: u32| {
+        coop_fragment(gpu, acc).is_some_and(|f| {
+            (f == 16 || (tile.sg_rows / f) * (tile.sg_cols / f) <= 16)
+                && caps.max_workgroup_storage >= tile.workgroup_bytes(f, acc_bytes)
+        })
+    };
+    if fits(S::F32, 4) {
         Some("f32")
-    } else if coop_offered(gpu, S::F16) && fits(2) {
+    } else if fits(S::F16, 2) {
         Some("f16")
     } else {
         None
     }
 }
 
-/// Whether a cooperative-matrix kernel of 16×16×16 f16 multiply-adds into `acc` accumulators can
-/// run here: the adapter lists that configuration, has shader f16, and a fixed subgroup size (the
-/// kernels' workgroups are whole subgroups).
-pub fn coop_offered(gpu: &Gpu, acc: wgpu::CooperativeScalarType) -> bool {
+/// The size F of the F×F×F f16 multiply-adds into `acc` accumulators a cooperative-matrix kernel
+/// can run here, if any: 16 where the adapter lists it (tensor cores), else 8 on Vulkan (Mesa's
+/// lavapipe offers only 8×8×8 — 26.2 does, 25.0 not at all —: the kernels' one test bed off the GPU; naga's WGSL
+/// has only these two square sizes). Metal's 8×8 simdgroup matrices are left out until the
+/// kernels have run there. Also needs shader f16 and a fixed subgroup size (the kernels'
+/// workgroups are whole subgroups).
+pub fn coop_fragment(gpu: &Gpu, acc: wgpu::CooperativeScalarType) -> Option<u32> {
     let caps = &gpu.caps;
-    caps.cooperative_matrix
+    let usable = caps.cooperative_matrix
         && caps.shader_f16
         && caps.subgroup_min_size == caps.subgroup_max_size
-        && caps.subgroup_max_size != 0
-        && caps.cooperative_matrix_configs.iter().any(|c| {
-            (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+        && caps.subgroup_max_size != 0;
+    let offered = |f: u32| {
+        caps.cooperative_matrix_configs.iter().any(|c| {
+            (c.m_size, c.n_size, c.k_size) == (f, f, f)
                 && c.ab_type == wgpu::CooperativeScalarType::F16
                 && c.cr_type == acc
         })
+    };
+    let vulkan = gpu.adapter.backend == "vulkan";
+    [16, 8]
+        .into_iter()
+        .find(|&f| usable && offered(f) && (f == 16 || vulkan))
 }
 
 /// What kind of kernel a product over `ncols` activation columns runs. Prefill pieces are cut so
@@ -1536,6 +1552,12 @@ fn matmul_pipeline(
                     gpu.adapter.name
                 ))
             })?;
+            let acc_type = if acc == "f32" {
+                wgpu::CooperativeScalarType::F32
+            } else {
+                wgpu::CooperativeScalarType::F16
+            };
+            let f = coop_fragment(gpu, acc_type).expect("coop_accumulator found a fragment");
             // The fill's loop counts (matmul_coop.wgsl checks them against the tile).
             let threads = tile.subgroups() * gpu.caps.subgroup_max_size;
             let per_invocation = |items: u32| items.div_ceil(threads);
@@ -1549,11 +1571,12 @@ fn matmul_pipeline(
                     ("TN", tile.cols.to_string()),
                     ("WM", tile.sg_rows.to_string()),
                     ("WN", tile.sg_cols.to_string()),
-                    ("AM", (tile.sg_rows / 16).to_string()),
-                    ("AN", (tile.sg_cols / 16).to_string()),
+                    ("F", f.to_string()),
+                    ("AM", (tile.sg_rows / f).to_string()),
+                    ("AN", (tile.sg_cols / f).to_string()),
                     ("SGS", tile.subgroups().to_string()),
                     ("TK", tile.k_step.to_string()),
-                    ("KK", (tile.k_step / 16).to_string()),
+                    ("KK", (tile.k_step / f).to_string()),
                     ("MOE", moe_flag),
                     ("XH", per_invocation(tile.cols * tile.k_step / 4).to_string()),
                     ("WPT", per_invocation(tile.rows * tile.k_step / 8).to_string()),
