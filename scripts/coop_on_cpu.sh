@@ -3,8 +3,9 @@
 # unstable suite offers 8×8×8 f16 matrices (stable's does not), so the matrix kernels run their
 # F = 8 form here instead of only on a GPU with tensor cores. Unstable's driver needs its own C
 # library, so the test binary runs under unstable's loader, unpacked beside the system (nothing is
-# installed). Usage: bash scripts/coop_on_cpu.sh [test filter, default "cooperative"].
-# Slow: lavapipe compiles each cooperative pipeline for minutes.
+# installed). Usage: bash scripts/coop_on_cpu.sh [Rust test filter, default "cooperative"], or with
+# Python test files (e.g. tests/test_engine_fast.py: the fast engine's gates), run by the .venv that
+# scripts/test.sh builds. Slow: lavapipe compiles each cooperative pipeline for up to minutes.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
@@ -35,17 +36,23 @@ icd="$DIR/lvp_icd.json"
 sed "s#\"library_path\": \"[^\"]*\"#\"library_path\": \"$LIB/libvulkan_lvp.so\"#" \
   "$DIR/root/usr/share/vulkan/icd.d/lvp_icd.json" >"$icd"
 
+cd "$ROOT"
+log="$DIR/last-run.log"
+under_unstable=(env VK_ICD_FILENAMES="$icd" QK_REQUIRE_GPU=1 "$LIB/ld-linux-x86-64.so.2" --library-path "$LIB")
+if [[ "$FILTER" == *.py ]]; then
+  # Only in-process engines see this driver: a test's subprocesses start under the system's loader.
+  "${under_unstable[@]}" "$ROOT/.venv/bin/python" -m pytest -q -s -p no:cacheprovider "$@" 2>&1 | tee "$log"
+  grep -q " passed" "$log" || { echo "no test ran" >&2; exit 1; }
+  exit 0
+fi
 # The Rust test binary, built here against the system's C library (the newer one runs it).
-bin=$(cd "$ROOT" && cargo test -q --no-default-features --test rust --no-run --message-format=json 2>/dev/null \
+bin=$(cargo test -q --no-default-features --test rust --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "rust":
         print(m["executable"])')
 [ -n "$bin" ] || { echo "no test binary built" >&2; exit 1; }
-cd "$ROOT"
-log="$DIR/last-run.log"
-VK_ICD_FILENAMES="$icd" QK_REQUIRE_GPU=1 \
-  "$LIB/ld-linux-x86-64.so.2" --library-path "$LIB" "$bin" --test-threads=1 --nocapture "$FILTER" 2>&1 | tee "$log"
+"${under_unstable[@]}" "$bin" --test-threads=1 --nocapture "$FILTER" 2>&1 | tee "$log"
 # Passing is not enough: the cooperative kernels must have run (the tests skip what a driver lacks).
 grep -qE "\((f32|f16) accumulators" "$log" || { echo "no cooperative kernel ran on lavapipe" >&2; exit 1; }
