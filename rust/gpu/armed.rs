@@ -94,6 +94,7 @@ mod imp {
         /// Submit `encoded` to wait for the next semaphore value; returns it with that value.
         pub fn submit(&mut self, gpu: &Gpu, encoded: Encoded) -> Result<(Submitted, u64)> {
             let value = self.staged + 1;
+            let barrier = self.host_writes_barrier(gpu)?;
             {
                 // The wait applies to the queue's next submit, which is the one below: the owner
                 // is the device's only submitter (see the module header).
@@ -101,9 +102,44 @@ mod imp {
                     .ok_or_else(|| QkError::Device("armed steps: not a Vulkan queue".into()))?;
                 queue.add_wait_semaphore(self.sem, Some(value), vk::PipelineStageFlags::ALL_COMMANDS);
             }
-            let submitted = encoded.submit(gpu);
+            let submitted = encoded.submit_after(gpu, Some(barrier));
             self.staged = value;
             Ok((submitted, value))
+        }
+
+        /// Commands that make host writes visible to the commands after them: the input is
+        /// written after the armed submit, and a queue submit makes visible only the host writes
+        /// made before it (Vulkan's host write ordering guarantee); for later ones the spec asks
+        /// for a memory barrier whose source is the host. Its own command buffer, ahead of the
+        /// step's in the same submit: wgpu lets an encoder be recorded raw or through wgpu, not
+        /// both.
+        fn host_writes_barrier(&self, gpu: &Gpu) -> Result<wgpu::CommandBuffer> {
+            let mut encoder = gpu
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("armed.host_writes"),
+                });
+            // SAFETY: the raw encoder is only given one barrier; wgpu ends and submits it.
+            let recorded = unsafe {
+                encoder.as_hal_mut::<Vulkan, _, _>(|raw| {
+                    raw.map(|raw| {
+                        let barrier = vk::MemoryBarrier::default()
+                            .src_access_mask(vk::AccessFlags::HOST_WRITE)
+                            .dst_access_mask(vk::AccessFlags::TRANSFER_READ | vk::AccessFlags::SHADER_READ);
+                        self.raw.cmd_pipeline_barrier(
+                            raw.raw_handle(),
+                            vk::PipelineStageFlags::HOST,
+                            vk::PipelineStageFlags::TRANSFER | vk::PipelineStageFlags::COMPUTE_SHADER,
+                            vk::DependencyFlags::empty(),
+                            &[barrier],
+                            &[],
+                            &[],
+                        );
+                    })
+                })
+            };
+            recorded.ok_or_else(|| QkError::Device("armed steps: not a Vulkan command encoder".into()))?;
+            Ok(encoder.finish())
         }
 
         /// Write `parts` (byte offset, bytes) into input buffer `parity`, then let the submit

@@ -389,7 +389,12 @@ pub struct Submitted {
 impl Encoded {
     /// Submit, and ask for the readbacks to be mapped once the GPU is done.
     pub fn submit(self, gpu: &Gpu) -> Submitted {
-        let index = gpu.queue.submit([self.commands]);
+        self.submit_after(gpu, None)
+    }
+
+    /// [`Encoded::submit`], with `first` (if any) ahead of these commands in the same submit.
+    pub fn submit_after(self, gpu: &Gpu, first: Option<wgpu::CommandBuffer>) -> Submitted {
+        let index = gpu.queue.submit(first.into_iter().chain([self.commands]));
         Counters::bump(&gpu.counters.submits);
         let done = Arc::new(AtomicBool::new(false));
         {
