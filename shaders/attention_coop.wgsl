@@ -8,14 +8,15 @@
 // the piece are zero and never written) and walks its split's keys in blocks of BC = 32 staged in
 // workgroup memory as f16. Subgroup s owns rows 16·(s mod 4)..+16: for the scores S = q·Kᵀ it
 // computes the 16 keys (s div 4) of each block, for the output the dims D/2·(s div 4)..+D/2, with q
-// held as A matrices for the whole walk. The online softmax needs a per-row rescale of the output
+// held as A matrices for the whole walk. The matrices are F×F, F = 16 (tensor cores) or 8 (an
+// adapter with only 8×8×8, e.g. lavapipe: each 16-wide block is then R × R of them). The online softmax needs a per-row rescale of the output
 // that cooperative matrices cannot do in place, so the walk is made twice: the first pass finds
 // each row's max m over its visible keys, the second accumulates o = Σ exp(s − m)·v and
 // l = Σ exp(s − m) with m fixed (scores cost twice, the output never moves). Inputs to the
 // multiply-adds are f16 (q, the cache's own K and V, the weights p ∈ [0, 1]), accumulators f32,
 // the scale and the exponentials f32: the precision of llama.cpp's tensor-core flash attention, and
 // what the tests state. A row's result depends on its own q and its split only (each output is its
-// own chain of 16-wide multiply-adds), never on the other rows of its tile.
+// own chain of F-wide multiply-adds), never on the other rows of its tile.
 enable f16;
 enable wgpu_cooperative_matrix;
 #include "common.wgsl"
@@ -23,10 +24,16 @@ enable wgpu_cooperative_matrix;
 #define HEAD_DIM 256
 #define GROUP 8
 #define SG 32
-// 16-wide chunks in half a head row (HEAD_DIM / 32).
-#define DH 8
-#variants HEAD_DIM=64 GROUP=2 DH=2
-#variants HEAD_DIM=32 GROUP=3 DH=1
+#define F 16
+// 16-wide blocks per F (16 / F), F-wide chunks in half a head row (HEAD_DIM / 2F) and in a block
+// of keys (32 / F).
+#define R 1
+#define DF 8
+#define KB 2
+#variants HEAD_DIM=64 GROUP=2 DF=2
+#variants HEAD_DIM=32 GROUP=3 DF=1
+#variants HEAD_DIM=64 GROUP=2 F=8 SG=8 R=2 DF=4 KB=4
+#variants HEAD_DIM=256 F=8 SG=8 R=2 DF=16 KB=4
 
 const D: u32 = {{HEAD_DIM}}u;
 const G: u32 = {{GROUP}}u;
@@ -34,6 +41,11 @@ const BR: u32 = 64u;
 const TT: u32 = BR / G;
 const BC: u32 = 32u;
 const THREADS: u32 = 8u * {{SG}}u;
+// Invocations per row in the softmax passes, and the keys of a block each scans.
+const PARTS: u32 = THREADS / BR;
+const KP: u32 = BC / PARTS;
+const_assert PARTS >= 1u && PARTS * BR == THREADS && KP * PARTS == BC;
+const_assert {{R}}u * {{F}}u == 16u && {{DF}}u * {{F}}u == HALF && {{KB}}u * {{F}}u == BC;
 const HALF: u32 = D / 2u;
 // Pitches in halves: rows 16-byte aligned and shifted across memory banks.
 const LDK: u32 = D + 8u;
@@ -57,8 +69,8 @@ var<workgroup> kvq: array<f16, BR * LDQ>;
 var<workgroup> s_tile: array<f32, BC * BR>;
 // Weights of a block as [row][key] (f16), the A operand of the output's multiply-adds.
 var<workgroup> p_tile: array<f16, BR * LDP>;
-// Per-row partial maxima / sums of the 4 invocations sharing a row, and the rows' maxima.
-var<workgroup> row_part: array<f32, 4u * BR>;
+// Per-row partial maxima / sums of the PARTS invocations sharing a row, and the rows' maxima.
+var<workgroup> row_part: array<f32, PARTS * BR>;
 var<workgroup> row_max: array<f32, BR>;
 // (live, first key, end key, first token) of this workgroup's tile and split.
 var<workgroup> tile_wg: vec4<u32>;
@@ -137,22 +149,26 @@ fn main(ids: ComputeIds) {
         let lane = sl.y;
         let rb = sg % 4u;
         let side = sg / 4u;
-        // The row this invocation scans in the softmax passes (4 per row, 8 keys of a block each);
-        // its keys through its own position are visible.
+        // The row this invocation scans in the softmax passes (PARTS per row, KP keys of a block
+        // each); its keys through its own position are visible.
         let row = t % BR;
         let part = t / BR;
         let own = P.pos + t_first + row / G;
 
         stage_q(0u, t_first, g, t);
         workgroupBarrier();
-#for c in 0..DH
-        let qa{{c}} = coopLoadT<coop_mat16x16<f16, A>>(&kvq[(16u * rb) * LDQ + 16u * {{c}}u], LDQ);
+#for i in 0..R
+#for c in 0..DF
+        let qa{{i}}_{{c}} = coopLoadT<coop_mat{{F}}x{{F}}<f16, A>>(&kvq[(16u * rb + {{F}}u * {{i}}u) * LDQ + {{F}}u * {{c}}u], LDQ);
+#endfor
 #endfor
         workgroupBarrier();
         stage_q(1u, t_first, g, t);
         workgroupBarrier();
-#for c in 0..DH
-        let qb{{c}} = coopLoadT<coop_mat16x16<f16, A>>(&kvq[(16u * rb) * LDQ + 16u * {{c}}u], LDQ);
+#for i in 0..R
+#for c in 0..DF
+        let qb{{i}}_{{c}} = coopLoadT<coop_mat{{F}}x{{F}}<f16, A>>(&kvq[(16u * rb + {{F}}u * {{i}}u) * LDQ + {{F}}u * {{c}}u], LDQ);
+#endfor
 #endfor
 
         var mx = MASKED;
@@ -164,39 +180,49 @@ fn main(ids: ComputeIds) {
             workgroupBarrier();
             stage_block(k0, end, local, g, t, false);
             workgroupBarrier();
-            var s: coop_mat16x16<f32, C>;
-#for c in 0..DH
-            s = coopMultiplyAdd(qa{{c}}, coopLoad<coop_mat16x16<f16, B>>(&kvq[(16u * side) * LDK + 16u * {{c}}u], LDK), s);
-            s = coopMultiplyAdd(qb{{c}}, coopLoad<coop_mat16x16<f16, B>>(&kvq[(16u * side) * LDK + HALF + 16u * {{c}}u], LDK), s);
+            // Rows 16·rb + F·i, keys 16·side + F·j of the block.
+#for i in 0..R
+#for j in 0..R
+            {
+                var s: coop_mat{{F}}x{{F}}<f32, C>;
+                let kj = (16u * side + {{F}}u * {{j}}u) * LDK;
+#for c in 0..DF
+                s = coopMultiplyAdd(qa{{i}}_{{c}}, coopLoad<coop_mat{{F}}x{{F}}<f16, B>>(&kvq[kj + {{F}}u * {{c}}u], LDK), s);
+                s = coopMultiplyAdd(qb{{i}}_{{c}}, coopLoad<coop_mat{{F}}x{{F}}<f16, B>>(&kvq[kj + HALF + {{F}}u * {{c}}u], LDK), s);
 #endfor
-            coopStore(s, &s_tile[(16u * side) * BR + 16u * rb], BR);
+                coopStore(s, &s_tile[(16u * side + {{F}}u * {{j}}u) * BR + 16u * rb + {{F}}u * {{i}}u], BR);
+            }
+#endfor
+#endfor
             workgroupBarrier();
 #if PASS == 0
-            for (var j = 0u; j < 8u; j++) {
-                let key = k0 + 8u * part + j;
+            for (var j = 0u; j < KP; j++) {
+                let key = k0 + KP * part + j;
                 if key < end && key <= own {
-                    mx = max(mx, s_tile[(8u * part + j) * BR + row] * P.scale);
+                    mx = max(mx, s_tile[(KP * part + j) * BR + row] * P.scale);
                 }
             }
 #else
-            for (var j = 0u; j < 8u; j++) {
-                let key = k0 + 8u * part + j;
+            for (var j = 0u; j < KP; j++) {
+                let key = k0 + KP * part + j;
                 var p = f16(0.0);
                 if key < end && key <= own {
-                    p = f16(exp(s_tile[(8u * part + j) * BR + row] * P.scale - m));
+                    p = f16(exp(s_tile[(KP * part + j) * BR + row] * P.scale - m));
                 }
                 l += f32(p);
-                p_tile[row * LDP + 8u * part + j] = p;
+                p_tile[row * LDP + KP * part + j] = p;
             }
             stage_block(k0, end, local, g, t, true);
             workgroupBarrier();
-#for kc in 0..2
+#for kk in 0..KB
+#for i in 0..R
             {
-                let pa = coopLoadT<coop_mat16x16<f16, A>>(&p_tile[(16u * rb) * LDP + 16u * {{kc}}u], LDP);
-#for c in 0..DH
-                o{{c}} = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&kvq[(16u * {{kc}}u) * LDK + side * HALF + 16u * {{c}}u], LDK), o{{c}});
+                let pa = coopLoadT<coop_mat{{F}}x{{F}}<f16, A>>(&p_tile[(16u * rb + {{F}}u * {{i}}u) * LDP + {{F}}u * {{kk}}u], LDP);
+#for c in 0..DF
+                o{{i}}_{{c}} = coopMultiplyAdd(pa, coopLoadT<coop_mat{{F}}x{{F}}<f16, B>>(&kvq[({{F}}u * {{kk}}u) * LDK + side * HALF + {{F}}u * {{c}}u], LDK), o{{i}}_{{c}});
 #endfor
             }
+#endfor
 #endfor
 #endif
         }
@@ -204,13 +230,19 @@ fn main(ids: ComputeIds) {
         row_part[part * BR + row] = mx;
         workgroupBarrier();
         if part == 0u {
-            row_max[row] = max(max(row_part[row], row_part[BR + row]), max(row_part[2u * BR + row], row_part[3u * BR + row]));
+            var rm = row_part[row];
+            for (var q = 1u; q < PARTS; q++) {
+                rm = max(rm, row_part[q * BR + row]);
+            }
+            row_max[row] = rm;
         }
         workgroupBarrier();
         let m = row_max[row];
         var l = 0.0;
-#for c in 0..DH
-        var o{{c}}: coop_mat16x16<f32, C>;
+#for i in 0..R
+#for c in 0..DF
+        var o{{i}}_{{c}}: coop_mat{{F}}x{{F}}<f32, C>;
+#endfor
 #endfor
 #endif
 #endfor
@@ -219,23 +251,29 @@ fn main(ids: ComputeIds) {
         workgroupBarrier();
         let tok = t_first + row / G;
         if part == 0u && row < TT * G && tok < P.rows {
-            let total = row_part[row] + row_part[BR + row] + row_part[2u * BR + row] + row_part[3u * BR + row];
+            // In order of the parts, as the sum ((a + b) + c) + d.
+            var total = row_part[row];
+            for (var q = 1u; q < PARTS; q++) {
+                total += row_part[q * BR + row];
+            }
             PART_ML[part_index(tok, g * G + row % G, split)] = vec2<f32>(m, total);
         }
-        // Each output block through the subgroup's 16×16 of s_tile, then out a row's 16 dims at a time.
-        let stage = sg * 256u;
-#for c in 0..DH
-        coopStore(o{{c}}, &s_tile[stage], 16u);
+        // Each output block through the subgroup's F×F of s_tile, then out a row's F dims at a time.
+        let stage = sg * {{F}}u * {{F}}u;
+#for i in 0..R
+#for c in 0..DF
+        coopStore(o{{i}}_{{c}}, &s_tile[stage], {{F}}u);
         workgroupBarrier();
-        for (var e = lane; e < 256u; e += {{SG}}u) {
-            let r = 16u * rb + e / 16u;
+        for (var e = lane; e < {{F}}u * {{F}}u; e += {{SG}}u) {
+            let r = 16u * rb + {{F}}u * {{i}}u + e / {{F}}u;
             let rt = t_first + r / G;
             if r < TT * G && rt < P.rows {
-                PART_O[part_index(rt, g * G + r % G, split) * D + side * HALF + 16u * {{c}}u + e % 16u] =
-                    s_tile[stage + (e % 16u) * 16u + e / 16u];
+                PART_O[part_index(rt, g * G + r % G, split) * D + side * HALF + {{F}}u * {{c}}u + e % {{F}}u] =
+                    s_tile[stage + (e % {{F}}u) * {{F}}u + e / {{F}}u];
             }
         }
         workgroupBarrier();
+#endfor
 #endfor
     }
 }

@@ -140,20 +140,27 @@ pub fn prefill_kernel(gpu: &Gpu, shape: &AttnShape, precision: Precision) -> Pre
 }
 
 /// Whether [`PrefillKernel::Coop`] can run `shape` here: f16 K and V, head dims in 32-wide halves,
-/// a GQA group within one 64-row tile, 16×16×16 f16→f32 cooperative matrices, and room for its
-/// workgroup (8 subgroups) and its workgroup memory.
+/// a GQA group within one 64-row tile, F×F×F f16→f32 cooperative matrices
+/// ([`matmul::coop_fragment`]), and room for its workgroup (8 subgroups, at least one invocation
+/// per row of the tile) and its workgroup memory.
 pub fn coop_prefill_fits(gpu: &Gpu, shape: &AttnShape) -> bool {
     let hd = u64::from(shape.head_dim);
     let rows = u64::from(PREFILL_ROWS);
     let keys = u64::from(COOP_KEYS);
-    // Staged q half or K/V block (f16), scores (f32), weights (f16), row maxima and sums, the tile.
-    let bytes = 2 * rows * (hd / 2 + 8) + 4 * keys * rows + 2 * rows * (keys + 8) + 4 * 5 * rows + 16;
+    let threads = COOP_SUBGROUPS * gpu.caps.subgroup_max_size;
+    let parts = u64::from(threads / PREFILL_ROWS);
+    // Staged q half or K/V block (f16), scores (f32), weights (f16), row maxima per part and the
+    // rows' maxima, the tile.
+    let bytes =
+        2 * rows * (hd / 2 + 8) + 4 * keys * rows + 2 * rows * (keys + 8) + 4 * (parts + 1) * rows + 16;
     shape.k_type == KvType::F16
         && shape.v_type == KvType::F16
         && shape.head_dim.is_multiple_of(32)
         && shape.group() <= PREFILL_ROWS
-        && matmul::coop_fragment(gpu, wgpu::CooperativeScalarType::F32) == Some(16)
-        && COOP_SUBGROUPS * gpu.caps.subgroup_max_size <= gpu.caps.max_invocations
+        && matmul::coop_fragment(gpu, wgpu::CooperativeScalarType::F32).is_some()
+        && threads <= gpu.caps.max_invocations
+        && threads.is_multiple_of(PREFILL_ROWS)
+        && COOP_KEYS.is_multiple_of(threads / PREFILL_ROWS)
         && bytes <= u64::from(gpu.caps.max_workgroup_storage)
 }
 
@@ -860,13 +867,17 @@ pub fn record_prefill(
                     gpu.adapter.name
                 ))
             );
+            let f = matmul::coop_fragment(gpu, wgpu::CooperativeScalarType::F32).unwrap_or(16);
             gpu.pipeline(
                 &COOP_FILE,
                 &[
                     ("HEAD_DIM", shape.head_dim.to_string()),
                     ("GROUP", shape.group().to_string()),
                     ("SG", gpu.caps.subgroup_max_size.to_string()),
-                    ("DH", (shape.head_dim / 32).to_string()),
+                    ("F", f.to_string()),
+                    ("R", (16 / f).to_string()),
+                    ("DF", (shape.head_dim / 2 / f).to_string()),
+                    ("KB", (COOP_KEYS / f).to_string()),
                 ],
                 &[],
             )?
