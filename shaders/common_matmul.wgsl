@@ -34,6 +34,17 @@ struct MatmulParams {
     // splits' outputs in Y.
     k_split: u32,
     split_stride: u32,
+    // The decode stages of matmul_coop.wgsl (PRE, EPI; unsplit, dense), as in matvec.wgsl: the
+    // norm's epsilon; EPI=conv's channels, taps, floats of state per slot and column 0's index in
+    // SLOTS; PRE=head_rms's partial sums per head, column 0's first sum and the sums' column stride.
+    eps: f32,
+    conv_rows: u32,
+    taps: u32,
+    state_stride: u32,
+    slots_offset: u32,
+    head_parts: u32,
+    sq_offset: u32,
+    sq_stride: u32,
 }
 
 var<immediate> P: MatmulParams;

@@ -11,6 +11,14 @@
 // the same chain of multiply-adds whatever the tile shape or grouping, so a row's result does not
 // depend on which tile or call computes it, nor on TK (the same F-wide chain either way).
 //
+// Decode's fused stages (dense, unsplit; matvec.wgsl's PRE and EPI, bindings from 3 in the order
+// NORM or SQ, RES, CONV_W, STATE, SLOTS): PRE=rms normalises each column on the fly (its norm
+// weights multiply X as the tile is filled, its scale 1/sqrt(mean(x²) + eps) multiplies the
+// finished products, from sums of squares taken from the same loads); PRE=head_rms scales head h of
+// column c by 1/sqrt(S/head dim + eps), S from sums an earlier kernel wrote; EPI=add stores RES + y,
+// EPI=conv runs the GDN conv1d + SiLU on the rows below P.conv_rows and advances each column's slot
+// state. The tensor-core form of the decode step's dense products when several slots step together.
+//
 // F is the matrices' size, 16 or 8 (naga's WGSL has square 8×8 and 16×16 matrices): 16×16×16 f16
 // is what Vulkan drivers with tensor cores offer; 8×8×8 is the runtime's choice only where the
 // adapter offers no 16 (Mesa's lavapipe, Metal's simdgroup matrices). The result's chain is then
@@ -38,6 +46,16 @@ enable wgpu_cooperative_matrix;
 // loops unroll (`#for`) and their arrays stay in registers; checked against the tile below.
 #define XH 4
 #define WPT 2
+#define PRE none
+#define EPI store
+#define HEADS 32
+#define HD4 32
+#define B_NORM 3
+#define B_SQ 3
+#define B_RES 3
+#define B_CW 3
+#define B_ST 4
+#define B_SL 5
 #variants QTYPE=f32
 #variants QTYPE=f16
 #variants QTYPE=bf16
@@ -72,6 +90,9 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq4_xs TM=128 TN=64 WM=32 WN=32 AM=2 AN=2 SGS=8 MOE=1 XH=2
 #variants QTYPE=iq4_xs F=8 SG=8 AM=4 AN=4 KK=4 XH=16 WPT=8
 #variants QTYPE=q6_k F=8 SG=8 AM=4 AN=4 KK=4 XH=16
+#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 XH=1 WPT=4 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
+#variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 XH=1 PRE=head_rms EPI=add B_SQ=3 B_RES=4
+#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=4 AN=2 SGS=4 F=8 SG=8 KK=4 XH=4 WPT=16 PRE=rms
 
 // Row pitch of the f16 tiles in halves: TK + 8 keeps every F×F load 16-byte aligned (80- or
 // 144-byte rows) while shifting successive rows across memory banks (LDM, TM + 8, likewise).
@@ -95,6 +116,57 @@ var<workgroup> w_tile: array<f16, {{TK}} * ({{TM}} + 8)>; // TK × LDM, (k, m)
 var<workgroup> w_tile: array<f16, {{TM}} * ({{TK}} + 8)>; // TM × LD, row-major (m, k)
 #endif
 var<workgroup> x_tile: array<f16, {{TN}} * ({{TK}} + 8)>; // TN × LD, column n holds its k contiguous
+#if PRE == rms
+@group(0) @binding({{B_NORM}}) var<storage, read> NORM: array<vec4<f32>>;
+// The invocations' sums of squares (entry t + THREADS·h: column entry / XK4), then the columns' scales.
+var<workgroup> sq_tile: array<f32, {{TN}} * ({{TK}} / 4)>;
+var<workgroup> col_scale: array<f32, {{TN}}>;
+#endif
+#if PRE == head_rms
+@group(0) @binding({{B_SQ}}) var<storage, read> SQ: array<f32>;
+var<workgroup> head_inv: array<f32, {{TN}} * {{HEADS}}>;
+#endif
+#if EPI == add
+@group(0) @binding({{B_RES}}) var<storage, read> RES: array<f32>;
+#endif
+#if EPI == conv
+@group(0) @binding({{B_CW}}) var<storage, read> CONV_W: array<f32>;
+@group(0) @binding({{B_ST}}) var<storage, read_write> STATE: array<f32>;
+@group(0) @binding({{B_SL}}) var<storage, read> SLOTS: array<u32>;
+#endif
+
+// Output row m of column n (of the tile) as EPI says, y its finished product.
+fn store_out(o: u32, m: u32, n: u32, y: f32) {
+#if EPI == add
+    Y[o] = RES[o] + y;
+#else
+#if EPI == conv
+    if m < P.conv_rows {
+        // As matvec.wgsl's conv epilogue: the current input's tap first, then the history, oldest
+        // first; each channel of each column has one owner.
+        let st = SLOTS[P.slots_offset + n] * P.state_stride + m;
+        let hist = P.taps - 1u;
+        var acc_conv = CONV_W[m * P.taps + hist] * y;
+        for (var j = 0u; j < hist; j++) {
+            let v = STATE[st + j * P.conv_rows];
+            acc_conv += CONV_W[m * P.taps + j] * v;
+            if j > 0u {
+                STATE[st + (j - 1u) * P.conv_rows] = v;
+            }
+        }
+        if hist > 0u {
+            STATE[st + (hist - 1u) * P.conv_rows] = y;
+        }
+        Y[o] = acc_conv / (1.0 + exp(-acc_conv));
+    } else {
+        Y[o] = y;
+    }
+#else
+    Y[o] = y;
+#endif
+#endif
+}
+
 // One F×F accumulator per subgroup on its way out, column-major, so edge tiles clip per element.
 const FF = {{F}}u * {{F}}u;
 var<workgroup> c_stage: array<{{ACC}}, {{SGS}} * {{F}} * {{F}}>;
@@ -229,6 +301,23 @@ fn main(ids: ComputeIds) {
         var acc{{a}}{{b}}: coop_mat{{F}}x{{F}}<{{ACC}}, C>;
 #endfor
 #endfor
+#if PRE == rms
+        var sq_acc: array<f32, XH>;
+#endif
+#if PRE == head_rms
+        for (var i = t; i < {{TN}}u * {{HEADS}}u; i += THREADS) {
+            let c = i / {{HEADS}}u;
+            if c < tile.cols {
+                let at = P.sq_offset + (tile.first + c) * P.sq_stride + (i % {{HEADS}}u) * P.head_parts;
+                var sum = 0.0;
+                for (var g = 0u; g < P.head_parts; g++) {
+                    sum += SQ[at + g];
+                }
+                head_inv[i] = inverseSqrt(sum / f32(4u * {{HD4}}u) + P.eps);
+            }
+        }
+        workgroupBarrier();
+#endif
         let kr = k_range(ids.wid.z);
         // The next K step's global reads, issued before this step's MMAs (software pipelining: a
         // step's loads are in flight while the tensor cores work), stored to the tiles at its top.
@@ -279,7 +368,18 @@ fn main(ids: ComputeIds) {
                 let xn = e / XK4;
                 let xk4 = e % XK4;
                 if xn < {{TN}}u {
-                    let v = x_next[h];
+                    var v = x_next[h];
+#if PRE == rms
+                    sq_acc[h] += dot(v, v);
+                    if k0 + 4u * xk4 < P.k {
+                        v *= NORM[k0 / 4u + xk4];
+                    }
+#endif
+#if PRE == head_rms
+                    if xn < tile.cols {
+                        v *= head_inv[xn * {{HEADS}}u + (k0 / 4u + xk4) / {{HD4}}u];
+                    }
+#endif
                     let at = xn * LD + 4u * xk4;
 #for i in 0..4
                     x_tile[at + {{i}}u] = f16(v[{{i}}]);
@@ -316,6 +416,26 @@ fn main(ids: ComputeIds) {
 #endfor
             workgroupBarrier();
         }
+#if PRE == rms
+        // Column c's sum of squares: its XK4 entries in order.
+#for hh in 0..XH
+        {
+            let e = t + THREADS * {{hh}}u;
+            if e < {{TN}}u * XK4 {
+                sq_tile[e] = sq_acc[{{hh}}];
+            }
+        }
+#endfor
+        workgroupBarrier();
+        if t < {{TN}}u {
+            var sum = 0.0;
+            for (var j = 0u; j < XK4; j++) {
+                sum += sq_tile[t * XK4 + j];
+            }
+            col_scale[t] = inverseSqrt(sum / f32(P.k) + P.eps);
+        }
+        workgroupBarrier();
+#endif
         // Each accumulator through the subgroup's staging block, then out by its lanes with clipping.
         let stage = sg * FF;
 #for a in 0..AM
@@ -326,7 +446,11 @@ fn main(ids: ComputeIds) {
             let m = m0 + sm + {{F}}u * {{a}}u + e % {{F}}u;
             let n = sn + {{F}}u * {{b}}u + e / {{F}}u;
             if m < P.rows && n < tile.cols {
-                Y[y_col_start(tile, n, ids.wid.z) + m] = f32(c_stage[stage + e]);
+                var y = f32(c_stage[stage + e]);
+#if PRE == rms
+                y *= col_scale[n];
+#endif
+                store_out(y_col_start(tile, n, ids.wid.z) + m, m, tile.first + n, y);
             }
         }
         workgroupBarrier();

@@ -284,6 +284,14 @@ struct MatmulParams {
     order_at: u32,
     k_split: u32,
     split_stride: u32,
+    eps: f32,
+    conv_rows: u32,
+    taps: u32,
+    state_stride: u32,
+    slots_offset: u32,
+    head_parts: u32,
+    sq_offset: u32,
+    sq_stride: u32,
 }
 
 /// Steps (rows × K / weights per step) up to which a mat-vec counts as small (see
@@ -629,6 +637,85 @@ pub fn matvec_fused(
     fusion: &MatvecFusion<'_>,
 ) -> Result<()> {
     matvec_with(gpu, rec, w, x, y, ncols, fusion, MatvecLaunch::DEFAULT, None)
+}
+
+/// Whether [`matvec_coop`] can run this product here: a cooperative-matrix adapter, a dense
+/// quantised or f16 matrix in one binding window, at most 16 columns, and stages it has (not a
+/// norm that also stores its output, nor the experts' SiLU·mul input).
+pub fn matvec_coop_fits(gpu: &Gpu, w: &WeightTensor, ncols: u32, fusion: &MatvecFusion<'_>) -> bool {
+    let stages = !matches!(
+        fusion.input,
+        MatvecInput::SiluMul { .. } | MatvecInput::Rms { store: Some(_), .. }
+    );
+    stages
+        && w.experts == 1
+        && w.ty != GgmlType::F32
+        && w.windows.len() == 1
+        && (1..=CoopTile::NARROW_128X16.cols).contains(&ncols)
+        && coop_accumulator(gpu, CoopTile::NARROW_128X16).is_some()
+}
+
+/// A decode step's dense product on tensor cores: y[:, j] = W · x[:, j] for j < `ncols` (≤ 16),
+/// with `fusion`'s stages as the mat-vec applies them, in the narrow 128 × 16 cooperative tile
+/// (f16 inputs, as prefill's products; [`matvec_coop_fits`] says where it runs). One dispatch per
+/// 128 rows reads each weight once for all the columns, where the mat-vec's arithmetic grows with
+/// them. Its bytes are not the mat-vec's (f16 inputs, another summation order).
+#[allow(clippy::too_many_arguments)]
+pub fn matvec_coop(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    fusion: &MatvecFusion<'_>,
+) -> Result<()> {
+    check_dense("matvec_coop", "", w, &x, &y, ncols)?;
+    crate::ensure!(
+        matvec_coop_fits(gpu, w, ncols, fusion),
+        QkError::Engine(format!(
+            "{}: no tensor-core decode product for {ncols} columns of {} here ({})",
+            w.name, w.ty, gpu.adapter.name
+        ))
+    );
+    let tile = CoopTile::NARROW_128X16;
+    let pipe = matmul_pipeline_with(
+        gpu,
+        &w.name,
+        w.ty,
+        MatmulKernel::Coop(tile),
+        false,
+        fusion.defines(ncols, 3),
+    )?;
+    let win = &w.windows[0];
+    let k = as_u32(w.cols, "K")?;
+    let mut stages = MatvecParams::default();
+    fusion.params(&mut stages);
+    let p = MatmulParams {
+        k,
+        rows: as_u32(win.n_rows, "rows")?,
+        row_bytes: as_u32(w.row_bytes, "row bytes")?,
+        w_offset: as_u32(win.offset, "window offset")?,
+        n: ncols,
+        x_offset: x.offset,
+        x_stride: x.stride,
+        y_offset: y.offset,
+        y_stride: y.stride,
+        k_split: k,
+        eps: stages.eps,
+        conv_rows: stages.conv_rows,
+        taps: stages.taps,
+        state_stride: stages.state_stride,
+        slots_offset: stages.slots_offset,
+        head_parts: stages.head_parts,
+        sq_offset: stages.sq_offset,
+        sq_stride: stages.sq_stride,
+        ..Default::default()
+    };
+    let mut bindings = vec![win.buffer.all(), x.buf.all(), y.buf.all()];
+    bindings.extend(fusion.bindings());
+    let row_tiles = as_u32(win.n_rows.div_ceil(u64::from(tile.rows)), "row tiles")?;
+    rec.dispatch(&pipe, &bindings, bytemuck::bytes_of(&p), [row_tiles, 1, 1])
 }
 
 /// Whether [`matvec_shaped`] takes `extra` beside `w`.
@@ -1530,6 +1617,18 @@ fn matmul_pipeline(
     kernel: MatmulKernel,
     moe: bool,
 ) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
+    matmul_pipeline_with(gpu, name, ty, kernel, moe, Vec::new())
+}
+
+/// [`matmul_pipeline`] with more defines for the cooperative kernel (its decode stages).
+fn matmul_pipeline_with(
+    gpu: &Gpu,
+    name: &str,
+    ty: GgmlType,
+    kernel: MatmulKernel,
+    moe: bool,
+    stages: Vec<(&'static str, String)>,
+) -> Result<std::sync::Arc<crate::gpu::Pipeline>> {
     let moe_flag = u32::from(moe).to_string();
     match kernel {
         MatmulKernel::Tiled => {
@@ -1561,28 +1660,26 @@ fn matmul_pipeline(
             // The fill's loop counts (matmul_coop.wgsl checks them against the tile).
             let threads = tile.subgroups() * gpu.caps.subgroup_max_size;
             let per_invocation = |items: u32| items.div_ceil(threads);
-            gpu.pipeline(
-                &MATMUL_COOP,
-                &[
-                    ("QTYPE", qtype_name(ty).into()),
-                    ("SG", gpu.caps.subgroup_max_size.to_string()),
-                    ("ACC", acc.into()),
-                    ("TM", tile.rows.to_string()),
-                    ("TN", tile.cols.to_string()),
-                    ("WM", tile.sg_rows.to_string()),
-                    ("WN", tile.sg_cols.to_string()),
-                    ("F", f.to_string()),
-                    ("AM", (tile.sg_rows / f).to_string()),
-                    ("AN", (tile.sg_cols / f).to_string()),
-                    ("SGS", tile.subgroups().to_string()),
-                    ("TK", tile.k_step.to_string()),
-                    ("KK", (tile.k_step / f).to_string()),
-                    ("MOE", moe_flag),
-                    ("XH", per_invocation(tile.cols * tile.k_step / 4).to_string()),
-                    ("WPT", per_invocation(tile.rows * tile.k_step / 8).to_string()),
-                ],
-                &[],
-            )
+            let mut defines = vec![
+                ("QTYPE", qtype_name(ty).into()),
+                ("SG", gpu.caps.subgroup_max_size.to_string()),
+                ("ACC", acc.into()),
+                ("TM", tile.rows.to_string()),
+                ("TN", tile.cols.to_string()),
+                ("WM", tile.sg_rows.to_string()),
+                ("WN", tile.sg_cols.to_string()),
+                ("F", f.to_string()),
+                ("AM", (tile.sg_rows / f).to_string()),
+                ("AN", (tile.sg_cols / f).to_string()),
+                ("SGS", tile.subgroups().to_string()),
+                ("TK", tile.k_step.to_string()),
+                ("KK", (tile.k_step / f).to_string()),
+                ("MOE", moe_flag),
+                ("XH", per_invocation(tile.cols * tile.k_step / 4).to_string()),
+                ("WPT", per_invocation(tile.rows * tile.k_step / 8).to_string()),
+            ];
+            defines.extend(stages);
+            gpu.pipeline(&MATMUL_COOP, &defines, &[])
         }
     }
 }
@@ -1920,6 +2017,7 @@ pub fn matmul_id(
             order_at: g.order_at(),
             k_split: as_u32(w.cols, "K")?,
             split_stride: 0,
+            ..Default::default()
         };
         let row_tiles = as_u32(w.rows.div_ceil(u64::from(tm)), "row tiles")?;
         rec.dispatch(

@@ -889,3 +889,137 @@ fn column_groups_give_every_column_the_same_bytes() {
         }
     }
 }
+
+/// What the decode stages of one case read and write.
+struct DecodeBuffers<'a> {
+    norm: &'a GpuBuffer,
+    sums: &'a GpuBuffer,
+    residual: &'a GpuBuffer,
+    conv: &'a GpuBuffer,
+    state: &'a GpuBuffer,
+    slots: &'a GpuBuffer,
+}
+
+impl<'a> DecodeBuffers<'a> {
+    /// The stages of `case`: "rms", "head_rms add", "add" or "rms conv".
+    fn fusion(
+        &self,
+        case: &str,
+        k: usize,
+        heads: usize,
+        parts: usize,
+        channels: usize,
+        taps: usize,
+    ) -> MatvecFusion<'a> {
+        let input = match case {
+            "rms" | "rms conv" => MatvecInput::Rms {
+                weight: self.norm,
+                eps: EPS,
+                store: None,
+            },
+            "head_rms add" => MatvecInput::HeadRms {
+                sums: self.sums,
+                heads: heads as u32,
+                head_dim: (k / heads) as u32,
+                parts: parts as u32,
+                offset: 0,
+                stride: (heads * parts) as u32,
+                eps: EPS,
+            },
+            _ => MatvecInput::Plain,
+        };
+        let output = match case {
+            "head_rms add" | "add" => MatvecOutput::AddTo {
+                residual: self.residual,
+            },
+            "rms conv" => conv_output(self.conv, self.state, self.slots, channels, taps),
+            _ => MatvecOutput::Store,
+        };
+        MatvecFusion { input, output }
+    }
+}
+
+/// The decode products on tensor cores (`matvec_coop`) against the f32 mat-vec with the same
+/// stages: the norm (its weights folded into the f16 inputs, its scale after), the head norm, the
+/// residual add, and the conv epilogue with its slot states. Tolerance: f16 inputs give NMSE
+/// ≈ 1.6e-7 against f32 products (matmul_tests' coop_nmse_max: 1e-6 with f32 accumulators, 1e-5
+/// with f16). 300 rows: a partial third 128-row tile; 1 to 16 columns.
+#[test]
+fn tensor_core_decode_products_match_the_mat_vec() {
+    use qk::ops::matmul::{CoopTile, coop_accumulator, matvec_coop, matvec_coop_fits};
+    let Some(gpu) = test_gpu(false) else { return };
+    let Some(acc) = coop_accumulator(gpu, CoopTile::NARROW_128X16) else {
+        crate::matmul_tests::coop_not_exercised(gpu, "tensor-core decode products");
+        return;
+    };
+    let tol = if acc == "f32" { 1e-6 } else { 1e-5 };
+    let (m, k, channels, taps, n_slots) = (300usize, 512usize, 200usize, 4usize, 17usize);
+    let (heads, parts) = (8usize, 3usize);
+    let stride = (taps - 1) * channels;
+    let g = gpu.buffer_from_f32("g", &floats(k, 9, 1.0)).unwrap();
+    let cw = gpu
+        .buffer_from_f32("cw", &floats(channels * taps, 4, 1.0))
+        .unwrap();
+    let slots: Vec<u32> = (0..16).map(|c| (c * 5 + 3) % n_slots as u32).collect();
+    let slb = gpu.buffer_from_u32("slots", &slots).unwrap();
+    let state0 = floats(n_slots * stride, 6, 1.0);
+    for (i, ty) in [GgmlType::IQ4XS, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K]
+        .into_iter()
+        .enumerate()
+    {
+        let (w, _) = upload(gpu, ty, m, k, 1, 40 + i as u64);
+        for cols in [1usize, 5, 8, 16] {
+            let x = floats(k * cols, 50 + cols as u64, 30.0);
+            let xb = gpu.buffer_from_f32("x", &x).unwrap();
+            let res = gpu.buffer_from_f32("res", &floats(m * cols, 3, 2.0)).unwrap();
+            let sums: Vec<f32> = floats(cols * heads * parts, 7, 1.0)
+                .iter()
+                .map(|v| 1.0 + v.abs() * 50.0)
+                .collect();
+            let sq = gpu.buffer_from_f32("sq", &sums).unwrap();
+            for case in ["rms", "head_rms add", "add", "rms conv"] {
+                let states = [
+                    gpu.buffer_from_f32("state a", &state0).unwrap(),
+                    gpu.buffer_from_f32("state b", &state0).unwrap(),
+                ];
+                let ys = [0, 1].map(|j| {
+                    let yb = gpu.buffer_zeroed("y", (m * cols * 4) as u64).unwrap();
+                    let b = DecodeBuffers {
+                        norm: &g,
+                        sums: &sq,
+                        residual: &res,
+                        conv: &cw,
+                        state: &states[j],
+                        slots: &slb,
+                    };
+                    let f = b.fusion(case, k, heads, parts, channels, taps);
+                    assert!(matvec_coop_fits(gpu, &w, cols as u32, &f));
+                    let mut rec = gpu.recorder();
+                    let (xc, yc) = (Columns::packed(&xb, k as u32), Columns::packed(&yb, m as u32));
+                    if j == 0 {
+                        matvec_fused(gpu, &mut rec, &w, xc, yc, cols as u32, &f).unwrap();
+                    } else {
+                        matvec_coop(gpu, &mut rec, &w, xc, yc, cols as u32, &f).unwrap();
+                    }
+                    rec.submit().unwrap();
+                    read(gpu, &yb, m * cols)
+                });
+                let want: Vec<f64> = ys[0].iter().map(|&v| f64::from(v)).collect();
+                let e = nmse(&ys[1], &want);
+                assert!(e < tol, "{ty} {cols} columns {case}: NMSE {e:e} ≥ {tol:e}");
+                if case == "rms conv" {
+                    let [a, b] = states.each_ref().map(|s| read(gpu, s, n_slots * stride));
+                    let want: Vec<f64> = a.iter().map(|&v| f64::from(v)).collect();
+                    let e = nmse(&b, &want);
+                    assert!(e < tol, "{ty} {cols} columns: conv state NMSE {e:e}");
+                    // Slots in no column keep their state, bit for bit.
+                    for s in (0..n_slots as u32).filter(|s| !slots[..cols].contains(s)) {
+                        let r = s as usize * stride..(s as usize + 1) * stride;
+                        assert_eq!(b[r.clone()], state0[r], "{ty} {cols} columns: slot {s} touched");
+                    }
+                }
+                println!("tensor-core decode {ty} {cols} columns {case} ({acc} accumulators): NMSE {e:e}");
+            }
+        }
+    }
+}
