@@ -295,6 +295,12 @@ def main() -> None:
         help="host-fed steps armed (each submits its successor ahead, held until its input lands; "
         "the engine takes a device of its own): the host-fed figures change, the chained ones should not",
     )
+    ap.add_argument(
+        "--tensor-core-decode-cols",
+        type=int,
+        metavar="N",
+        help="decode steps of at least N slots run the mixers' dense products on tensor cores (f16 inputs)",
+    )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -315,6 +321,8 @@ def main() -> None:
         options["weight_arena"] = False
     if a.armed_steps:
         options["armed_steps"] = True
+    if a.tensor_core_decode_cols is not None:
+        options["tensor_core_decode_cols"] = a.tensor_core_decode_cols
     if a.decode_shape:
         options["decode_shapes"] = {
             op: tuple(v if v.isalpha() else int(v) for v in shape.split(","))
@@ -404,6 +412,7 @@ def main() -> None:
         "spin_wait_us": a.spin_wait_us,
         "weight_arena": info.get("weight_arena"),
         "armed_steps": info.get("armed_steps"),
+        "tensor_core_decode_cols": info.get("tensor_core_decode_cols"),
         "decode_shapes": a.decode_shape,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,

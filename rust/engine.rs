@@ -372,6 +372,14 @@ pub struct EngineOptions {
     /// it is retired (one step of GPU time at the end of each streak). None: off. The same bytes
     /// either way.
     pub armed_steps: Option<bool>,
+    /// Decode steps of at least this many slots (2–16) run their dense products (the mixers'
+    /// projections; not the F32 router) on tensor cores ([`crate::ops::matmul::matvec_coop`]),
+    /// where the adapter has cooperative matrices and the precision is fast. None: never. Each
+    /// weight is then read once for all the slots with the arithmetic on the matrix units, where
+    /// the mat-vec's grows with the slots; the inputs are f16, as prefill's products. Such a step
+    /// no longer gives a slot the bytes it gets stepping alone (another kernel); split ≡ unsplit
+    /// and reuse ≡ no reuse still hold. Off until measured.
+    pub tensor_core_decode_cols: Option<u32>,
 }
 
 /// A decode step's spinning wait on a GPU: longer than any decode step, so a step never sleeps in
@@ -398,6 +406,7 @@ impl Default for EngineOptions {
             spin_wait: None,
             weight_arena: None,
             armed_steps: None,
+            tensor_core_decode_cols: None,
         }
     }
 }
@@ -551,6 +560,12 @@ impl Engine {
         crate::ensure!(opts.ctx >= 1, QkError::Engine("ctx must be at least 1".into()));
         let attention_walk = opts.attention_walk.unwrap_or(DecodeTuning::DEFAULT);
         attention_walk.check()?;
+        if let Some(n) = opts.tensor_core_decode_cols {
+            crate::ensure!(
+                (2..=16).contains(&n),
+                QkError::Engine(format!("tensor_core_decode_cols must be 2 to 16, not {n}"))
+            );
+        }
         let dense_group_cols = opts.dense_group_cols.unwrap_or(DENSE_GROUP_COLS);
         crate::ensure!(
             (1..=MATVEC_MAX_COLS).contains(&dense_group_cols),
@@ -679,6 +694,7 @@ impl Engine {
                 attention_walk,
                 dense_group_cols,
                 decode_shapes: opts.decode_shapes.clone(),
+                tensor_core_decode_cols: opts.tensor_core_decode_cols.filter(|_| !opts.precise),
             },
             spin_wait,
             weight_arena,
@@ -1581,6 +1597,15 @@ impl Engine {
             Some(p) => self.retire(p),
             None => Ok(()),
         }
+    }
+
+    /// From how many slots a decode step's dense products run on tensor cores
+    /// (`EngineOptions::tensor_core_decode_cols`; None for a precise engine, and where the adapter
+    /// has no cooperative matrices).
+    pub fn tensor_core_decode_cols(&self) -> Option<u32> {
+        let coop =
+            crate::ops::matmul::coop_accumulator(&self.gpu, crate::ops::matmul::CoopTile::NARROW_128X16);
+        self.model.tensor_core_decode_cols.filter(|_| coop.is_some())
     }
 
     /// Whether this engine arms its decode steps (`EngineOptions::armed_steps`, where they apply).

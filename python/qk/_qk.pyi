@@ -119,6 +119,7 @@ class Engine:
         spin_wait_us: int | None = None,
         weight_arena: bool | None = None,
         armed_steps: bool | None = None,
+        tensor_core_decode_cols: int | None = None,
     ) -> Engine: ...
     def generate(self, tokens: Sequence[int], max_new: int, slot: int = 0) -> list[int]: ...
     def stage_run(

@@ -23,7 +23,8 @@ use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::gdn_step::{self, GdnStepArgs, GdnStepParams};
 use crate::ops::matmul::{
     Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecLaunch, MatvecOutput, MatvecShape, MoeInput,
-    MoeRoute, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes, takes_f32_rows,
+    MoeRoute, matvec_coop, matvec_coop_fits, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped,
+    route_lanes, takes_f32_rows,
 };
 use crate::ops::router::{self, RouterParams, SharedSlot};
 
@@ -112,9 +113,17 @@ impl Model {
             .map(|(_, shape)| *shape)
     }
 
+    /// Whether a step of `t` rows runs `w`'s product with these stages on tensor cores
+    /// (`tensor_core_decode_cols`).
+    fn on_tensor_cores(&self, gpu: &Gpu, w: &WeightTensor, t: u32, fusion: &MatvecFusion<'_>) -> bool {
+        self.tensor_core_decode_cols.is_some_and(|n| t >= n) && matvec_coop_fits(gpu, w, t, fusion)
+    }
+
     /// One of the step's dense mat-vecs (`extra`: F32 rows riding in its dispatch, as
     /// [`matvec_shaped`]), launched in the shape the engine was given for the op named last
-    /// (`decode_shapes`), else with its columns grouped as it was told (`dense_group_cols`).
+    /// (`decode_shapes`), else on tensor cores where the engine was told to
+    /// (`tensor_core_decode_cols`), else with its columns grouped as it was told
+    /// (`dense_group_cols`).
     #[allow(clippy::too_many_arguments)]
     fn dense(
         &self,
@@ -129,6 +138,9 @@ impl Model {
     ) -> Result<()> {
         let launch = match self.given_shape(rec) {
             Some(shape) => MatvecLaunch::Shape(shape),
+            None if extra.is_none() && self.on_tensor_cores(gpu, w, t, fusion) => {
+                return matvec_coop(gpu, rec, w, x, y, t, fusion);
+            }
             None => MatvecLaunch::ForMatrix {
                 group_cols: self.dense_group_cols,
             },
@@ -245,7 +257,9 @@ impl Model {
             BetaAlpha::Split { .. } => None,
         };
         let last = stacked.as_ref().unwrap_or(gate);
-        let ba_rides = f32_ba.filter(|ba| takes_f32_rows(last, ba));
+        // Not beside a product on tensor cores, whose kernel has no F32 rows.
+        let ba_rides =
+            f32_ba.filter(|ba| takes_f32_rows(last, ba) && !self.on_tensor_cores(gpu, last, t, &plain_norm));
         let ba_bytes = ba_rides.map_or(0, dense_bytes);
         match stacked {
             // q ‖ k ‖ v ‖ z in one product; the conv runs on the first cd rows.

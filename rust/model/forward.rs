@@ -462,6 +462,9 @@ pub struct Model {
     pub dense_group_cols: u32,
     /// Launch shapes of the decode step's mat-vecs by op (`EngineOptions::decode_shapes`).
     pub decode_shapes: Vec<(String, MatvecShape)>,
+    /// Decode steps of at least this many rows take the tensor-core dense products
+    /// (`EngineOptions::tensor_core_decode_cols`; None for precise engines).
+    pub tensor_core_decode_cols: Option<u32>,
 }
 
 /// Bytes of a dense weight matrix (what one mat-vec reads).

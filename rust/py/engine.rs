@@ -43,6 +43,10 @@ use crate::transport::engine_stage::lock_engine;
 /// `step_submit` of rows with `chain_next` false) submits the likely next one too, held on the GPU
 /// until the next call's input lands in mapped memory, so that call's submit is off the path from
 /// input to GPU (a device of its own, one spare slot of DeltaNet state); the same bytes either way.
+/// `tensor_core_decode_cols` (2–16; default None: never): decode steps of at least that many slots
+/// run the mixers' dense products on tensor cores where the adapter has cooperative matrices (f16
+/// inputs; a fast engine only): a speed choice that gives such a step's slots other bytes than
+/// each would get stepping alone.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -130,7 +134,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None, spin_wait_us = None, weight_arena = None, armed_steps = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None, spin_wait_us = None, weight_arena = None, armed_steps = None, tensor_core_decode_cols = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -150,6 +154,7 @@ impl PyEngine {
         spin_wait_us: Option<i64>,
         weight_arena: Option<bool>,
         armed_steps: Option<bool>,
+        tensor_core_decode_cols: Option<u32>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -180,6 +185,7 @@ impl PyEngine {
                 .transpose()?,
             weight_arena,
             armed_steps,
+            tensor_core_decode_cols,
         };
         let engine = detach(py, || {
             Engine::load(&path, &opts, &mut |line| {
@@ -389,6 +395,7 @@ impl PyEngine {
         d.set_item("spin_wait_us", eng.spin_wait().as_micros() as u64)?;
         d.set_item("weight_arena", eng.weight_arena())?;
         d.set_item("armed_steps", eng.armed_steps())?;
+        d.set_item("tensor_core_decode_cols", eng.tensor_core_decode_cols())?;
         d.set_item("adapter", eng.gpu.adapter.name.clone())?;
         d.set_item("unchecked_shaders", eng.gpu.unchecked_shaders)?;
         let (k_type, v_type) = eng.kv_types();
