@@ -47,8 +47,8 @@ use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, Iq4Lookup, MatmulKernel, MatvecFusion,
     MatvecInput, MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator,
     expert_call_shape, expert_shape, group_experts, k_splits, matmul_id, matmul_kernel, matmul_split,
-    matmul_with, matvec, matvec_id, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped,
-    route_lanes,
+    matmul_with, matvec, matvec_coop, matvec_coop_fits, matvec_fused, matvec_id, matvec_id_routed,
+    matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes,
 };
 
 struct Rng(u64);
@@ -1032,6 +1032,52 @@ fn coop_decode(gpu: &Gpu, rng: &mut Rng) {
             }
             println!("{line}");
         }
+    }
+    // As the engine's tensor_core_decode_cols records it: the norm and the conv epilogue (its
+    // state for 16 slots) fused, against the mat-vec with the same stages in the engine's shape.
+    let channels = rows * 2 / 3;
+    let norm = filled(gpu, "norm", 1.0, k as usize);
+    let conv_w = filled(gpu, "conv_w", 0.25, (channels * 4) as usize);
+    let state = gpu
+        .buffer_zeroed("state", u64::from(16 * 3 * channels) * 4)
+        .expect("state");
+    let slots = gpu
+        .buffer_from_u32("slots", &(0..16).collect::<Vec<u32>>())
+        .expect("slots");
+    let fusion = MatvecFusion {
+        input: MatvecInput::Rms {
+            weight: &norm,
+            eps: 1e-6,
+            store: None,
+        },
+        output: MatvecOutput::Conv {
+            weights: &conv_w,
+            state: &state,
+            slots: &slots,
+            slots_offset: 0,
+            channels,
+            taps: 4,
+            state_stride: 3 * channels,
+        },
+    };
+    for cols in [1u32, 2, 4, 8] {
+        if !matvec_coop_fits(gpu, &w, cols, &fusion) {
+            continue;
+        }
+        hold_clocks(gpu);
+        let mut line = format!("coop decode {cols} column(s) norm + conv fused:");
+        for (name, on_tensor_cores) in [("mat-vec", false), ("tensor cores", true)] {
+            let t = time_submit(gpu, iters, |rec| {
+                let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
+                if on_tensor_cores {
+                    matvec_coop(gpu, rec, &w, xc, yc, cols, &fusion).expect("matvec_coop")
+                } else {
+                    matvec_fused(gpu, rec, &w, xc, yc, cols, &fusion).expect("matvec_fused")
+                }
+            });
+            line += &format!("  {name} {:>7.1} µs", t * 1e6);
+        }
+        println!("{line}");
     }
 }
 
