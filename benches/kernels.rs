@@ -47,8 +47,8 @@ use qk::ops::matmul::{
     Columns, CoopTile, ExpertGroups, ExpertIds, GroupShape, Iq4Lookup, MatmulKernel, MatvecFusion,
     MatvecInput, MatvecOutput, MatvecShape, MoeInput, MoeRoute, Precision, coop_accumulator,
     expert_call_shape, expert_shape, group_experts, k_splits, matmul_id, matmul_kernel, matmul_split,
-    matmul_with, matvec, matvec_coop, matvec_coop_fits, matvec_fused, matvec_id, matvec_id_routed,
-    matvec_id_sum, matvec_id_with, matvec_shaped, route_lanes,
+    matmul_with, matvec, matvec_coop, matvec_coop_fits, matvec_id, matvec_id_routed, matvec_id_sum,
+    matvec_id_with, matvec_shaped, route_lanes,
 };
 
 struct Rng(u64);
@@ -977,6 +977,52 @@ fn engine_projections_decode(gpu: &Gpu, rng: &mut Rng) {
             );
         }
     }
+    // The same products as the engine's tensor_core_decode_cols records them (cold): the
+    // q‖k‖v‖z with its norm and conv on tensor cores and the F32 beta/alpha in a mat-vec of its
+    // own (no F32 rows ride in the tensor-core kernel), and the output projection.
+    let ba_fusion = MatvecFusion {
+        input: qkvz_input,
+        output: MatvecOutput::Store,
+    };
+    for cols in [2u32, 4, 8] {
+        if !matvec_coop_fits(gpu, &qkvz[0], cols, &qkvz_fusion) {
+            println!("engine decode {cols} column(s) on tensor cores: not on this adapter");
+            continue;
+        }
+        hold_clocks(gpu);
+        for is_qkvz in [true, false] {
+            let copies = if is_qkvz { qkvz.len() } else { out.len() };
+            let mut at = 0;
+            let t = time_submit(gpu, iters, |rec| {
+                let c = at % copies;
+                at += 1;
+                if is_qkvz {
+                    let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, proj_width));
+                    matvec_coop(gpu, rec, &qkvz[c], xc, yc, cols, &qkvz_fusion).expect("q‖k‖v‖z");
+                    let ya = Columns {
+                        offset: rows,
+                        ..Columns::packed(&y, proj_width)
+                    };
+                    matvec_shaped(gpu, rec, &ba[c], None, xc, ya, cols, &ba_fusion, None)
+                        .expect("beta/alpha");
+                } else {
+                    let (xc, yc) = (Columns::packed(&x, dk), Columns::packed(&hidden, out_rows));
+                    matvec_coop(gpu, rec, &out[c], xc, yc, cols, &out_fusion).expect("out");
+                }
+            });
+            let (what, bytes) = if is_qkvz {
+                ("tensor cores q‖k‖v‖z+conv, beta/alpha apart", qkvz_bytes)
+            } else {
+                ("tensor cores head_rms(16 parts)+out+add", out_bytes)
+            };
+            println!(
+                "engine decode {cols} column(s) {:<44} {:>8.1} µs  {:>7.1} GB/s  ({copies} weight copies)",
+                format!("{what} cold"),
+                t * 1e6,
+                bytes as f64 / t / 1e9
+            );
+        }
+    }
 }
 
 /// Decode's few columns on tensor cores: the DeltaNet q‖k‖v‖z (12,288 × 2048 IQ4_XS, no norm) at 1,
@@ -1032,52 +1078,6 @@ fn coop_decode(gpu: &Gpu, rng: &mut Rng) {
             }
             println!("{line}");
         }
-    }
-    // As the engine's tensor_core_decode_cols records it: the norm and the conv epilogue (its
-    // state for 16 slots) fused, against the mat-vec with the same stages in the engine's shape.
-    let channels = rows * 2 / 3;
-    let norm = filled(gpu, "norm", 1.0, k as usize);
-    let conv_w = filled(gpu, "conv_w", 0.25, (channels * 4) as usize);
-    let state = gpu
-        .buffer_zeroed("state", u64::from(16 * 3 * channels) * 4)
-        .expect("state");
-    let slots = gpu
-        .buffer_from_u32("slots", &(0..16).collect::<Vec<u32>>())
-        .expect("slots");
-    let fusion = MatvecFusion {
-        input: MatvecInput::Rms {
-            weight: &norm,
-            eps: 1e-6,
-            store: None,
-        },
-        output: MatvecOutput::Conv {
-            weights: &conv_w,
-            state: &state,
-            slots: &slots,
-            slots_offset: 0,
-            channels,
-            taps: 4,
-            state_stride: 3 * channels,
-        },
-    };
-    for cols in [1u32, 2, 4, 8] {
-        if !matvec_coop_fits(gpu, &w, cols, &fusion) {
-            continue;
-        }
-        hold_clocks(gpu);
-        let mut line = format!("coop decode {cols} column(s) norm + conv fused:");
-        for (name, on_tensor_cores) in [("mat-vec", false), ("tensor cores", true)] {
-            let t = time_submit(gpu, iters, |rec| {
-                let (xc, yc) = (Columns::packed(&x, k), Columns::packed(&y, rows));
-                if on_tensor_cores {
-                    matvec_coop(gpu, rec, &w, xc, yc, cols, &fusion).expect("matvec_coop")
-                } else {
-                    matvec_fused(gpu, rec, &w, xc, yc, cols, &fusion).expect("matvec_fused")
-                }
-            });
-            line += &format!("  {name} {:>7.1} µs", t * 1e6);
-        }
-        println!("{line}");
     }
 }
 
