@@ -21,13 +21,17 @@
 //
 // F is the matrices' size, 16 or 8 (naga's WGSL has square 8×8 and 16×16 matrices): 16×16×16 f16
 // is what Vulkan drivers with tensor cores offer; 8×8×8 is the runtime's choice only where the
-// adapter offers no 16 (Mesa's lavapipe, Metal's simdgroup matrices). The result's chain is then
-// 8-wide: another summation order, on another device.
+// adapter offers no 16 (Mesa's lavapipe; Metal's simdgroup matrices are 8×8 too, but the runtime
+// takes F = 8 on Vulkan only). The result's chain is then 8-wide: another summation order, on
+// another device.
 enable f16;
 enable wgpu_cooperative_matrix;
 #include "common.wgsl"
 #include "common_dequant.wgsl"
 #include "common_matmul.wgsl"
+#if EPI == conv
+#include "common_conv_epilogue.wgsl"
+#endif
 #define QTYPE q8_0
 #define SG 32
 #define F 16
@@ -142,22 +146,7 @@ fn store_out(o: u32, m: u32, n: u32, y: f32) {
 #else
 #if EPI == conv
     if m < P.conv_rows {
-        // As matvec.wgsl's conv epilogue: the current input's tap first, then the history, oldest
-        // first; each channel of each column has one owner.
-        let st = SLOTS[P.slots_offset + n] * P.state_stride + m;
-        let hist = P.taps - 1u;
-        var acc_conv = CONV_W[m * P.taps + hist] * y;
-        for (var j = 0u; j < hist; j++) {
-            let v = STATE[st + j * P.conv_rows];
-            acc_conv += CONV_W[m * P.taps + j] * v;
-            if j > 0u {
-                STATE[st + (j - 1u) * P.conv_rows] = v;
-            }
-        }
-        if hist > 0u {
-            STATE[st + (hist - 1u) * P.conv_rows] = y;
-        }
-        Y[o] = acc_conv / (1.0 + exp(-acc_conv));
+        Y[o] = conv_epilogue(m, n, y);
     } else {
         Y[o] = y;
     }

@@ -49,6 +49,9 @@
 #if ROUTE
 #include "common_route.wgsl"
 #endif
+#if EPI == conv
+#include "common_conv_epilogue.wgsl"
+#endif
 #define QTYPE q8_0
 #define NC 1
 // Dense only: the dispatch's columns in CG groups of NC, one group per workgroup.
@@ -874,21 +877,7 @@ fn main(ids: ComputeIds) {
 #if EPI == conv
             let ch = out_row0 + r;
             if ch < P.conv_rows {
-                // As shaders/conv.wgsl: the current input's tap first, then the history, oldest first.
-                let st = SLOTS[P.slots_offset + x_col0 + c] * P.state_stride + ch;
-                let hist = P.taps - 1u;
-                var acc_conv = CONV_W[ch * P.taps + hist] * y;
-                for (var j = 0u; j < hist; j++) {
-                    let v = STATE[st + j * P.conv_rows];
-                    acc_conv += CONV_W[ch * P.taps + j] * v;
-                    if j > 0u {
-                        STATE[st + (j - 1u) * P.conv_rows] = v;
-                    }
-                }
-                if hist > 0u {
-                    STATE[st + (hist - 1u) * P.conv_rows] = y;
-                }
-                Y[o] = acc_conv / (1.0 + exp(-acc_conv));
+                Y[o] = conv_epilogue(ch, x_col0 + c, y);
             } else {
                 Y[o] = y;
             }

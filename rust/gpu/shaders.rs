@@ -44,6 +44,7 @@ pub const LIBRARY: &[ShaderFile] = &[
     shader_file!("common_route"),
     shader_file!("common_matmul"),
     shader_file!("common_attention"),
+    shader_file!("common_conv_epilogue"),
 ];
 
 pub type Defines = BTreeMap<String, String>;
