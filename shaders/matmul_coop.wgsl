@@ -32,6 +32,9 @@ enable wgpu_cooperative_matrix;
 #if EPI == conv
 #include "common_conv_epilogue.wgsl"
 #endif
+#if PRE == head_rms
+#include "common_head_rms.wgsl"
+#endif
 #define QTYPE q8_0
 #define SG 32
 #define F 16
@@ -297,12 +300,7 @@ fn main(ids: ComputeIds) {
         for (var i = t; i < {{TN}}u * {{HEADS}}u; i += THREADS) {
             let c = i / {{HEADS}}u;
             if c < tile.cols {
-                let at = P.sq_offset + (tile.first + c) * P.sq_stride + (i % {{HEADS}}u) * P.head_parts;
-                var sum = 0.0;
-                for (var g = 0u; g < P.head_parts; g++) {
-                    sum += SQ[at + g];
-                }
-                head_inv[i] = inverseSqrt(sum / f32(4u * {{HD4}}u) + P.eps);
+                head_inv[i] = head_rms_inv(tile.first + c, i % {{HEADS}}u);
             }
         }
         workgroupBarrier();

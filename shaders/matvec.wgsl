@@ -52,6 +52,9 @@
 #if EPI == conv
 #include "common_conv_epilogue.wgsl"
 #endif
+#if PRE == head_rms
+#include "common_head_rms.wgsl"
+#endif
 #define QTYPE q8_0
 #define NC 1
 // Dense only: the dispatch's columns in CG groups of NC, one group per workgroup.
@@ -503,12 +506,7 @@ fn main(ids: ComputeIds) {
     x_col = P.x_stride / 4u;
 #if PRE == head_rms
     for (var i = ids.lid; i < {{NC}}u * {{HEADS}}u; i += {{WG}}u) {
-        let at = P.sq_offset + (x_col0 + i / {{HEADS}}u) * P.sq_stride + (i % {{HEADS}}u) * P.head_parts;
-        var sum = 0.0;
-        for (var g = 0u; g < P.head_parts; g++) {
-            sum += SQ[at + g];
-        }
-        head_inv[i] = inverseSqrt(sum / f32(4u * {{HD4}}u) + P.eps);
+        head_inv[i] = head_rms_inv(x_col0 + i / {{HEADS}}u, i % {{HEADS}}u);
     }
     workgroupBarrier();
 #endif

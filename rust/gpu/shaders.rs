@@ -45,6 +45,7 @@ pub const LIBRARY: &[ShaderFile] = &[
     shader_file!("common_matmul"),
     shader_file!("common_attention"),
     shader_file!("common_conv_epilogue"),
+    shader_file!("common_head_rms"),
 ];
 
 pub type Defines = BTreeMap<String, String>;
