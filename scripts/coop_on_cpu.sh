@@ -3,7 +3,7 @@
 # unstable suite offers 8×8×8 f16 matrices (stable's does not), so the matrix kernels run their
 # F = 8 form here instead of only on a GPU with tensor cores. Unstable's driver needs its own C
 # library, so the test binary runs under unstable's loader, unpacked beside the system (nothing is
-# installed). Usage: bash scripts/coop_on_cpu.sh [Rust test filter, default "coop"], or with
+# installed). Usage: bash scripts/coop_on_cpu.sh [Rust test filters, default "coop tensor_core"], or with
 # Python test files (e.g. tests/test_engine_fast.py: the fast engine's gates), run by the .venv that
 # scripts/test.sh builds. Slow: lavapipe compiles each cooperative pipeline for up to minutes.
 set -euo pipefail
@@ -13,6 +13,8 @@ QK_CACHE="${QK_CACHE:-$HOME/.cache/qk}"
 DIR="$QK_CACHE/lavapipe-unstable"
 LIB="$DIR/root/usr/lib/x86_64-linux-gnu"
 FILTER="${1:-coop}"
+# Rust test filters (libtest runs the tests matching any of them).
+if [ $# -gt 0 ]; then filters=("$@"); else filters=(coop tensor_core); fi
 
 if [ ! -e "$LIB/libvulkan_lvp.so" ]; then
   echo "unpacking Mesa's lavapipe from Debian unstable into $DIR" >&2
@@ -53,7 +55,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "rust":
         print(m["executable"])')
 [ -n "$bin" ] || { echo "no test binary built" >&2; exit 1; }
-"${under_unstable[@]}" "$bin" --test-threads=1 --nocapture "$FILTER" 2>&1 | tee "$log"
+"${under_unstable[@]}" "$bin" --test-threads=1 --nocapture "${filters[@]}" 2>&1 | tee "$log"
 # Passing is not enough: the cooperative kernels must have run (the tests skip what a driver lacks).
 grep -qE "\((f32|f16) accumulators|cooperative prefill attention .* worst row nmse" "$log" \
   || { echo "no cooperative kernel ran on lavapipe" >&2; exit 1; }

@@ -678,44 +678,8 @@ pub fn matvec_coop(
             w.name, w.ty, gpu.adapter.name
         ))
     );
-    let tile = CoopTile::NARROW_128X16;
-    let pipe = matmul_pipeline_with(
-        gpu,
-        &w.name,
-        w.ty,
-        MatmulKernel::Coop(tile),
-        false,
-        fusion.defines(ncols, 3),
-    )?;
-    let win = &w.windows[0];
-    let k = as_u32(w.cols, "K")?;
-    let mut stages = MatvecParams::default();
-    fusion.params(&mut stages);
-    let p = MatmulParams {
-        k,
-        rows: as_u32(win.n_rows, "rows")?,
-        row_bytes: as_u32(w.row_bytes, "row bytes")?,
-        w_offset: as_u32(win.offset, "window offset")?,
-        n: ncols,
-        x_offset: x.offset,
-        x_stride: x.stride,
-        y_offset: y.offset,
-        y_stride: y.stride,
-        k_split: k,
-        eps: stages.eps,
-        conv_rows: stages.conv_rows,
-        taps: stages.taps,
-        state_stride: stages.state_stride,
-        slots_offset: stages.slots_offset,
-        head_parts: stages.head_parts,
-        sq_offset: stages.sq_offset,
-        sq_stride: stages.sq_stride,
-        ..Default::default()
-    };
-    let mut bindings = vec![win.buffer.all(), x.buf.all(), y.buf.all()];
-    bindings.extend(fusion.bindings());
-    let row_tiles = as_u32(win.n_rows.div_ceil(u64::from(tile.rows)), "row tiles")?;
-    rec.dispatch(&pipe, &bindings, bytemuck::bytes_of(&p), [row_tiles, 1, 1])
+    let kernel = MatmulKernel::Coop(CoopTile::NARROW_128X16);
+    matmul_dense(gpu, rec, w, x, y, ncols, kernel, 1, None, fusion)
 }
 
 /// Whether [`matvec_shaped`] takes `extra` beside `w`.
@@ -1733,12 +1697,44 @@ pub fn matmul_split(
     partials: Option<&GpuBuffer>,
 ) -> Result<()> {
     check_dense("matmul", "", w, &x, &y, ncols)?;
+    matmul_dense(
+        gpu,
+        rec,
+        w,
+        x,
+        y,
+        ncols,
+        kernel,
+        splits,
+        partials,
+        &MatvecFusion::default(),
+    )
+}
+
+/// [`matmul_split`] with `stages` (the cooperative kernel's decode stages, [`matvec_coop`]; the
+/// default: none) over checked operands.
+#[allow(clippy::too_many_arguments)]
+fn matmul_dense(
+    gpu: &Gpu,
+    rec: &mut Recorder<'_>,
+    w: &WeightTensor,
+    x: Columns<'_>,
+    y: Columns<'_>,
+    ncols: u32,
+    kernel: MatmulKernel,
+    splits: u32,
+    partials: Option<&GpuBuffer>,
+    stages: &MatvecFusion<'_>,
+) -> Result<()> {
     if let MatmulKernel::Coop(t) = kernel
         && !t.is_dense()
     {
         return Err(QkError::Engine(format!("{}: {t:?} is not a dense tile", w.name)));
     }
-    let pipe = matmul_pipeline(gpu, &w.name, w.ty, kernel, false)?;
+    let pipe = matmul_pipeline_with(gpu, &w.name, w.ty, kernel, false, stages.defines(ncols, 3))?;
+    let mut fused = MatvecParams::default();
+    stages.params(&mut fused);
+    let stage_bindings = stages.bindings();
     let (tm, tn) = tile_shape(kernel, false);
     let col_tiles = ncols.div_ceil(tn);
     if col_tiles > gpu.caps.max_workgroups_per_dim {
@@ -1790,12 +1786,22 @@ pub fn matmul_split(
             y_stride,
             k_split,
             split_stride,
+            eps: fused.eps,
+            conv_rows: fused.conv_rows,
+            taps: fused.taps,
+            state_stride: fused.state_stride,
+            slots_offset: fused.slots_offset,
+            head_parts: fused.head_parts,
+            sq_offset: fused.sq_offset,
+            sq_stride: fused.sq_stride,
             ..Default::default()
         };
         let row_tiles = as_u32(win.n_rows.div_ceil(u64::from(tm)), "row tiles")?;
+        let mut bindings = vec![win.buffer.all(), x.buf.all(), out.all()];
+        bindings.extend(stage_bindings.iter().cloned());
         rec.dispatch(
             &pipe,
-            &[win.buffer.all(), x.buf.all(), out.all()],
+            &bindings,
             bytemuck::bytes_of(&p),
             [row_tiles, col_tiles, splits],
         )?;
