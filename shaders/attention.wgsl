@@ -56,30 +56,8 @@
 #variants OP=prepare K_TYPE=0 V_TYPE=0
 #variants OP=prepare K_TYPE=2
 
-struct PrepareParams {
-    // Rows of the dispatch; with rows_from_buffer = 0 row r is (slot, pos + r).
-    rows: u32,
-    rows_from_buffer: u32,
-    slot: u32,
-    pos: u32,
-    heads: u32,
-    kv_heads: u32,
-    n_rot: u32,
-    ctx: u32,
-    first_slot: u32,
-    slots: u32,
-    // Projection row r: q head h at r * proj_row_stride + q_offset + h * q_head_stride, kv head g's
-    // K at ... + k_offset + g * HEAD_DIM, V at ... + v_offset + g * HEAD_DIM.
-    proj_row_stride: u32,
-    q_offset: u32,
-    q_head_stride: u32,
-    k_offset: u32,
-    v_offset: u32,
-    // Prepared q: row r head h at q_out_offset + r * q_out_row_stride + h * HEAD_DIM.
-    q_out_offset: u32,
-    q_out_row_stride: u32,
-    eps: f32,
-}
+// The immediates, declared with their field docs in rust/ops/attention.rs (PrepareParams).
+#params PrepareParams
 
 const D: u32 = {{HEAD_DIM}}u;
 const G: u32 = {{GROUP}}u;

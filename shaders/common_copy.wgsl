@@ -3,11 +3,8 @@
 #include "common.wgsl"
 #define WG 256
 
-struct CopyParams {
-    // vec4<u32> elements to copy, and the stride of the grid in elements.
-    n: u32,
-    stride: u32,
-}
+// The immediates, declared with their field docs in rust/gpu/example.rs (CopyParams).
+#params CopyParams
 
 var<immediate> P: CopyParams;
 @group(0) @binding(0) var<storage, read> SRC: array<vec4<u32>>;

@@ -7,45 +7,8 @@
 // Split K (dense only): workgroup z sums K range [z·k_split, (z + 1)·k_split) and writes its partial
 // sums split_stride floats after split z − 1's; matmul_reduce.wgsl adds the splits in order.
 
-struct MatmulParams {
-    // Weights per row, rows in this window (per expert with MOE), bytes per row, byte offset of row 0 in W.
-    k: u32,
-    rows: u32,
-    row_bytes: u32,
-    w_offset: u32,
-    // Activation columns (dense); X column n starts at float x_offset + n * x_stride (multiples of 4).
-    n: u32,
-    x_offset: u32,
-    x_stride: u32,
-    // Y[y_offset + n * y_stride + m].
-    y_offset: u32,
-    y_stride: u32,
-    // MOE: ids per token, the X column of an entry, the experts this binding window holds, and
-    // where moe_group.wgsl put the expert offsets, the tile table and the sorted entries.
-    n_used: u32,
-    x_col_token: u32,
-    x_col_slot: u32,
-    expert_first: u32,
-    expert_count: u32,
-    offsets_at: u32,
-    tiles_at: u32,
-    order_at: u32,
-    // K per split (a multiple of every kernel's K step; ≥ k when unsplit) and floats between the
-    // splits' outputs in Y.
-    k_split: u32,
-    split_stride: u32,
-    // The decode stages of matmul_coop.wgsl (PRE, EPI; unsplit, dense), as in matvec.wgsl: the
-    // norm's epsilon; EPI=conv's channels, taps, floats of state per slot and column 0's index in
-    // SLOTS; PRE=head_rms's partial sums per head, column 0's first sum and the sums' column stride.
-    eps: f32,
-    conv_rows: u32,
-    taps: u32,
-    state_stride: u32,
-    slots_offset: u32,
-    head_parts: u32,
-    sq_offset: u32,
-    sq_stride: u32,
-}
+// The immediates, declared with their field docs in rust/ops/matmul.rs (MatmulParams).
+#params MatmulParams
 
 var<immediate> P: MatmulParams;
 @group(0) @binding(0) var<storage, read> W: array<u32>;

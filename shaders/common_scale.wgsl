@@ -5,11 +5,8 @@
 #define WG 64
 #variants WG=128
 
-struct ScaleParams {
-    n: u32,
-    a: f32,
-    b: f32,
-}
+// The immediates, declared with their field docs in rust/gpu/example.rs (ScaleParams).
+#params ScaleParams
 
 var<immediate> P: ScaleParams;
 @group(0) @binding(0) var<storage, read> X: array<f32>;

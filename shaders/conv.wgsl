@@ -15,17 +15,8 @@
 #variants MODE=outputs
 #variants MODE=state
 
-struct ConvParams {
-    tokens: u32,
-    channels: u32,
-    taps: u32,
-    src_offset: u32,
-    src_token_stride: u32,
-    dst_offset: u32,
-    dst_token_stride: u32,
-    // Where this sequence's state starts (slots may share one state buffer).
-    state_offset: u32,
-}
+// The immediates, declared with their field docs in rust/ops/conv.rs (ConvParams).
+#params ConvParams
 
 // Largest K supported (the models use 4).
 const MAX_TAPS: u32 = 8u;

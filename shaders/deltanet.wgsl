@@ -42,35 +42,8 @@
 #variants OP=state
 #variants OP=state VEC4=1
 
-struct DeltaParams {
-    tokens: u32,
-    k_heads: u32,
-    v_heads: u32,
-    dk: u32,
-    dv: u32,
-    // 0: k-head of v-head n is n / (v_heads / k_heads) (qwen3next); 1: n % k_heads (qwen35*).
-    pairing: u32,
-    first_token: u32,
-    chunks: u32,
-    qkv_token_stride: u32,
-    q_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    // beta logit of v-head n at ba_token_stride*t + beta_offset + (n / ba_group)*ba_group_stride
-    // + n % ba_group; alpha logits likewise at alpha_offset (qwen3next groups them per k-head).
-    ba_token_stride: u32,
-    ba_group: u32,
-    ba_group_stride: u32,
-    beta_offset: u32,
-    alpha_offset: u32,
-    out_offset: u32,
-    out_token_stride: u32,
-    state_offset: u32,
-    eps: f32,
-    q_scale: f32,
-    _pad0: u32,
-    _pad1: u32,
-}
+// The immediates, declared with their field docs in rust/ops/deltanet.rs (DeltaParams).
+#params DeltaParams
 
 const CHUNK: u32 = 64u;
 // Recurrent: columns per workgroup and lanes per column (COLS * LANES = WG).

@@ -12,26 +12,8 @@
 #variants OP=moe_combine
 #variants OP=moe_sum
 
-struct EwParams {
-    rows: u32,
-    n: u32,
-    a_offset: u32,
-    a_stride: u32,
-    b_offset: u32,
-    b_stride: u32,
-    out_offset: u32,
-    out_stride: u32,
-    // moe_combine: expert weights of row r at weights_offset + r * weights_stride + e.
-    weights_offset: u32,
-    weights_stride: u32,
-    // moe_combine: experts per row; expert e's output starts at e * n within a row of a.
-    experts: u32,
-    // moe_combine: 1 adds the result to out instead of overwriting it.
-    accumulate: u32,
-    // moe_combine: shared-expert gate logit of row r at gate_offset + r * gate_stride.
-    gate_offset: u32,
-    gate_stride: u32,
-}
+// The immediates, declared with their field docs in rust/ops/elementwise.rs (EwParams).
+#params EwParams
 
 var<immediate> P: EwParams;
 @group(0) @binding(0) var<storage, read> A: array<f32>;

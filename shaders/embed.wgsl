@@ -15,20 +15,8 @@
 #variants QTYPE=iq4_nl
 #variants QTYPE=iq4_xs
 
-struct EmbedParams {
-    k: u32,
-    row_bytes: u32,
-    // Rows first_row .. first_row + n_rows of the table are in this window's binding.
-    first_row: u32,
-    n_rows: u32,
-    // Token t's id at IDS[ids_offset + t * ids_stride] (a stride of 2k reads the ids of a previous
-    // step's top-k (id, logit) rows: a chained decode step).
-    ids_offset: u32,
-    ids_stride: u32,
-    // OUT[out_offset + t * out_stride + i] (floats; multiples of 4).
-    out_offset: u32,
-    out_stride: u32,
-}
+// The immediates, declared with their field docs in rust/ops/embed.rs (EmbedParams).
+#params EmbedParams
 
 var<immediate> P: EmbedParams;
 @group(0) @binding(0) var<storage, read> W: array<u32>;

@@ -32,40 +32,8 @@
 #variants LANES=8 ROWS=16 WG=256 SUBGROUPS=1
 #variants LANES=32 ROWS=4 WG=128 CPC=2 SUBGROUPS=1
 
-struct StepParams {
-    rows: u32,
-    k_heads: u32,
-    v_heads: u32,
-    dk: u32,
-    dv: u32,
-    // 0: k-head of v-head n is n / (v_heads / k_heads) (qwen3next); 1: n % k_heads (qwen35*).
-    pairing: u32,
-    qkv_offset: u32,
-    qkv_stride: u32,
-    q_offset: u32,
-    k_offset: u32,
-    v_offset: u32,
-    ba_offset: u32,
-    ba_stride: u32,
-    // beta of v-head n at ba_offset + r · ba_stride + beta_offset + (n / ba_group) · ba_group_stride
-    // + n % ba_group; alpha likewise at alpha_offset.
-    ba_group: u32,
-    ba_group_stride: u32,
-    beta_offset: u32,
-    alpha_offset: u32,
-    z_offset: u32,
-    z_stride: u32,
-    out_offset: u32,
-    out_stride: u32,
-    state_stride: u32,
-    slots_offset: u32,
-    // Workgroups per head (ceil(dv / COLS)), and where the sums of o² go (see above).
-    parts: u32,
-    sq_offset: u32,
-    sq_stride: u32,
-    eps: f32,
-    q_scale: f32,
-}
+// The immediates, declared with their field docs in rust/ops/gdn_step.rs (GdnStepParams).
+#params GdnStepParams
 
 // Column groups of a workgroup (invocations per column: LANES), and its columns.
 const GROUPS: u32 = {{WG}}u / {{LANES}}u;
@@ -73,7 +41,7 @@ const COLS: u32 = GROUPS * {{CPC}}u;
 // Each column's o² (0 for a column past the head's), for the part's sum in column order.
 var<workgroup> col_sq: array<f32, COLS>;
 
-var<immediate> P: StepParams;
+var<immediate> P: GdnStepParams;
 @group(0) @binding(0) var<storage, read> QKV: array<f32>;
 @group(0) @binding(1) var<storage, read> BA: array<f32>;
 @group(0) @binding(2) var<storage, read> SSM_A: array<f32>;

@@ -2,17 +2,8 @@
 // added in index order, so the result depends on the split count only, never on scheduling.
 #include "common.wgsl"
 
-struct ReduceParams {
-    // Rows per column, columns, splits, floats between splits in PART (column n of split z starts
-    // at z · split_stride + n · rows).
-    rows: u32,
-    n: u32,
-    splits: u32,
-    split_stride: u32,
-    // Y[y_offset + n * y_stride + m].
-    y_offset: u32,
-    y_stride: u32,
-}
+// The immediates, declared with their field docs in rust/ops/matmul.rs (ReduceParams).
+#params ReduceParams
 
 var<immediate> P: ReduceParams;
 @group(0) @binding(0) var<storage, read> PART: array<f32>;

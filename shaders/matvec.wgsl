@@ -145,50 +145,8 @@
 #variants QTYPE=iq4_xs MOE=1 SUM=1 PRE=silu_mul EPI=accumulate NR=8 WG=128 ACC4=2 SUBGROUPS=1 KV_SHUFFLE=1
 #variants QTYPE=q8_0 MOE=1 ROUTE=1 RSG=8 PER_LANE=9 SUBGROUPS=1
 
-struct MatvecParams {
-    // Weights per row, rows to compute (per expert with MOE), bytes per row.
-    k: u32,
-    rows: u32,
-    row_bytes: u32,
-    // Byte offset in W of this window's first row.
-    w_offset: u32,
-    // Float index of X column 0 and floats between columns (both multiples of 4).
-    x_offset: u32,
-    x_stride: u32,
-    // Float index of Y row 0 of column 0, and floats between output columns.
-    y_offset: u32,
-    y_stride: u32,
-    // MOE: index of the first id in IDS, ids per token (n_used), experts held by this window.
-    ids_offset: u32,
-    n_used: u32,
-    expert_first: u32,
-    expert_count: u32,
-    // MOE: X column = token * x_col_token + slot * x_col_slot.
-    x_col_token: u32,
-    x_col_slot: u32,
-    // PRE=rms: the norm's epsilon. PRE=silu_mul: floats from a column's gate to its up.
-    eps: f32,
-    pre_offset: u32,
-    // EPI=conv: conv channels (the first rows), taps, floats of conv state per slot, and the index
-    // of column 0's slot in SLOTS.
-    conv_rows: u32,
-    taps: u32,
-    state_stride: u32,
-    slots_offset: u32,
-    // ROUTE: token t's logits at route_logits + t * route_stride, experts of them, and (route_shared)
-    // the shared expert as pick n_used - 1 (id route_experts, gate logit after the experts').
-    route_logits: u32,
-    route_stride: u32,
-    route_experts: u32,
-    route_shared: u32,
-    // PRE=head_rms: partial sums per head, column 0's first sum, floats between columns' sums.
-    head_parts: u32,
-    sq_offset: u32,
-    sq_stride: u32,
-    // EXTRA: W2's rows and the vec4 index of its first.
-    extra_rows: u32,
-    extra_offset: u32,
-}
+// The immediates, declared with their field docs in rust/ops/matmul.rs (MatvecParams).
+#params MatvecParams
 
 var<immediate> P: MatvecParams;
 @group(0) @binding(0) var<storage, read> W: array<u32>;

@@ -10,16 +10,8 @@
 // i; order_at + j: the j-th entry in expert order.
 #include "common.wgsl"
 
-struct GroupParams {
-    tokens: u32,
-    n_used: u32,
-    experts: u32,
-    ids_offset: u32,
-    tile_cols: u32,
-    offsets_at: u32,
-    tiles_at: u32,
-    order_at: u32,
-}
+// The immediates, declared with their field docs in rust/ops/matmul.rs (GroupParams).
+#params GroupParams
 
 const WG = 256u;
 // Experts per invocation in the scan (router.wgsl's MAX_EXPERTS = 1024 = 4 × WG).

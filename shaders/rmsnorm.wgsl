@@ -13,19 +13,8 @@
 #variants OP=gated
 #variants OP=l2
 
-struct NormParams {
-    tokens: u32,
-    heads: u32,
-    n: u32,
-    src_offset: u32,
-    src_token_stride: u32,
-    src_head_stride: u32,
-    dst_offset: u32,
-    dst_token_stride: u32,
-    dst_head_stride: u32,
-    eps: f32,
-    scale: f32,
-}
+// The immediates, declared with their field docs in rust/ops/norm.rs (NormParams).
+#params NormParams
 
 var<immediate> P: NormParams;
 #if OP == residual_inplace

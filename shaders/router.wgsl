@@ -25,24 +25,13 @@
 #variants SG=32 RSG=32 WG=32 SHARED=1 SUBGROUPS=1
 #variants SG=8 RSG=8 WG=8 PER_LANE=64 SUBGROUPS=1
 
-struct RouterParams {
-    tokens: u32,
-    experts: u32,
-    k: u32,
-    logits_offset: u32,
-    logits_token_stride: u32,
-    // Ids (and weights) per token in the outputs: k, or k + 1 with the shared slot.
-    ids_stride: u32,
-    // SHARED: the shared expert's id and its gate logit of token t at gate_offset + t * gate_stride.
-    shared_id: u32,
-    gate_offset: u32,
-    gate_stride: u32,
-}
+// The immediates, declared with their field docs in rust/ops/router.rs (RouterImmediates).
+#params RouterImmediates
 
 const MAX_EXPERTS: u32 = 1024u;
 const MAX_K: u32 = 32u;
 
-var<immediate> P: RouterParams;
+var<immediate> P: RouterImmediates;
 @group(0) @binding(0) var<storage, read> ROUTE_LOGITS: array<f32>;
 @group(0) @binding(1) var<storage, read_write> ROUTE_IDS: array<u32>;
 @group(0) @binding(2) var<storage, read_write> ROUTE_W: array<f32>;

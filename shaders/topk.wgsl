@@ -15,15 +15,8 @@ struct Pair {
     logit: f32,
 }
 
-struct TopkParams {
-    n: u32,
-    k: u32,
-    offset: u32,
-    block_len: u32,
-    blocks: u32,
-    // Floats between the logits of consecutive rows.
-    row_stride: u32,
-}
+// The immediates, declared with their field docs in rust/ops/topk.rs (TopkParams).
+#params TopkParams
 
 const NONE: u32 = 0xffffffffu;
 const LOWEST: f32 = -3.4028235e38;

@@ -4,18 +4,18 @@
 use super::{Gpu, GpuBuffer, Recorder, ShaderFile};
 use crate::error::{QkError, Result};
 
-pub const SCALE: ShaderFile = crate::shader_file!("common_scale");
+pub const SCALE: ShaderFile = crate::shader_file!("common_scale", ScaleParams);
 
 /// Workgroup size of the kernel (its partial sums cover this many elements each).
 pub const SCALE_WG: u32 = 64;
 
-/// The kernel's immediates: element count and the affine map.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct ScaleParams {
-    pub n: u32,
-    pub a: f32,
-    pub b: f32,
+crate::gpu_params! {
+    /// The kernel's immediates: element count and the affine map.
+    pub struct ScaleParams {
+        pub n: u32,
+        pub a: f32,
+        pub b: f32,
+    }
 }
 
 /// Record `y[i] = a*x[i] + b` for i < n and `partial[g] = Σ y` over each group of SCALE_WG.
@@ -41,14 +41,15 @@ pub fn scale_add(
     )
 }
 
-pub const COPY: ShaderFile = crate::shader_file!("common_copy");
+pub const COPY: ShaderFile = crate::shader_file!("common_copy", CopyParams);
 const COPY_WG: u32 = 256;
 
-#[repr(C)]
-#[derive(Clone, Copy, Debug, bytemuck::Pod, bytemuck::Zeroable)]
-struct CopyParams {
-    n: u32,
-    stride: u32,
+crate::gpu_params! {
+    struct CopyParams {
+        /// vec4<u32> elements to copy, and the stride of the grid in elements.
+        n: u32,
+        stride: u32,
+    }
 }
 
 /// Record a copy of the first `bytes` (a multiple of 16) of `src` to `dst` as a compute dispatch

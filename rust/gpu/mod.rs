@@ -13,12 +13,14 @@ pub mod armed;
 pub mod buffers;
 pub mod context;
 pub mod example;
+pub mod params;
 pub mod pipelines;
 pub mod record;
 pub mod shaders;
 
 pub use buffers::{ARENA_MAX_TENSOR, Binding, GpuBuffer, WeightArena, WeightTensor, WeightWindow};
 pub use context::{AdapterSummary, Caps, CounterSnapshot, Gpu, GpuOptions, adapters, select_adapter};
+pub use params::GpuParams;
 pub use pipelines::{BindingKind, Pipeline};
 pub use record::Recorder;
 pub use shaders::ShaderFile;

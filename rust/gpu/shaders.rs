@@ -6,6 +6,9 @@
 //! - `#define NAME value` gives a default that the caller's defines override;
 //! - `#if NAME`, `#if NAME == v`, `#if NAME != v`, `#else`, `#endif` (nestable); `#if NAME` is
 //!   true when NAME is defined and not `0`;
+//! - `#params NAME` inserts the WGSL declaration of the params struct NAME, which the kernel's
+//!   [`ShaderFile`] names (`shader_file!("matvec", MatvecParams)`; declared once with
+//!   [`crate::gpu_params!`]), in the kernel or in a library file it includes;
 //! - `#variants A=x B=y` (ignored at expansion) lists one extra define set the validity test covers;
 //! - `#for V in A..B` … `#endfor` (nestable) repeats its lines for V = A..B-1, A and B numbers or
 //!   defines, with `{{V}}` substituted: an unrolled loop whose indices are constant expressions, so
@@ -19,19 +22,24 @@ use std::collections::BTreeMap;
 
 use crate::error::{QkError, Result};
 
-/// One WGSL file: its stem and text (embedded with `include_str!` by the op that owns it).
+/// One WGSL file: its stem, its text (embedded with `include_str!` by the op that owns it) and the
+/// WGSL declarations of the params structs that its `#params` lines (and its includes') insert.
 #[derive(Clone, Copy, Debug)]
 pub struct ShaderFile {
     pub name: &'static str,
     pub source: &'static str,
+    pub params: &'static [&'static str],
 }
 
+/// `shader_file!("name")`, or `shader_file!("name", ParamsA, …)` for a kernel whose `#params` lines
+/// insert those [`crate::gpu::GpuParams`] structs.
 #[macro_export]
 macro_rules! shader_file {
-    ($name:literal) => {
+    ($name:literal $(, $params:ty)* $(,)?) => {
         $crate::gpu::ShaderFile {
             name: $name,
             source: include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/shaders/", $name, ".wgsl")),
+            params: &[$(<$params as $crate::gpu::GpuParams>::WGSL),*],
         }
     };
 }
@@ -100,6 +108,7 @@ fn collect_defaults(src: &str, file: &str, defines: &mut Defines, seen: &mut Vec
 fn expand_into(
     src: &str,
     file: &str,
+    params: &[&str],
     defines: &Defines,
     out: &mut Vec<String>,
     seen: &mut Vec<String>,
@@ -132,7 +141,15 @@ fn expand_into(
             seen.push(inc.to_string());
             let lib =
                 library_file(inc).ok_or_else(|| err(format!("#include {inc:?}: unknown library file")))?;
-            expand_into(lib.source, lib.name, defines, out, seen)?;
+            expand_into(lib.source, lib.name, params, defines, out, seen)?;
+        } else if let Some(name) = t.strip_prefix("#params ") {
+            let decl = params_decl(params, name.trim()).ok_or_else(|| {
+                err(format!(
+                    "#params {}: the kernel's ShaderFile names no such struct",
+                    name.trim()
+                ))
+            })?;
+            out.extend(decl.lines().map(String::from));
         } else if let Some(spec) = t.strip_prefix("#for ") {
             // Collect the body up to the matching #endfor, then expand it once per value.
             let (var, range) = spec
@@ -170,7 +187,7 @@ fn expand_into(
             for v in lo..hi {
                 let mut scoped = defines.clone();
                 scoped.insert(var.trim().to_string(), v.to_string());
-                expand_into(&body, file, &scoped, out, seen)?;
+                expand_into(&body, file, params, &scoped, out, seen)?;
             }
         } else if t.starts_with("#endfor") {
             return Err(err("#endfor without #for".into()));
@@ -189,6 +206,16 @@ fn expand_into(
         });
     }
     Ok(())
+}
+
+/// The declaration of `struct NAME { … }` (its doc comments first) among `params`.
+fn params_decl<'a>(params: &[&'a str], name: &str) -> Option<&'a str> {
+    params.iter().copied().find(|decl| {
+        decl.lines()
+            .find_map(|line| line.strip_prefix("struct "))
+            .and_then(|rest| rest.strip_prefix(name))
+            .is_some_and(|rest| rest.starts_with(" {"))
+    })
 }
 
 fn substitute(line: &str, defines: &Defines) -> std::result::Result<String, String> {
@@ -220,7 +247,14 @@ pub fn resolve_defines(file: &ShaderFile, overrides: &Defines) -> Result<Defines
 pub fn expand(file: &ShaderFile, overrides: &Defines) -> Result<String> {
     let defines = resolve_defines(file, overrides)?;
     let mut lines = Vec::new();
-    expand_into(file.source, file.name, &defines, &mut lines, &mut Vec::new())?;
+    expand_into(
+        file.source,
+        file.name,
+        file.params,
+        &defines,
+        &mut lines,
+        &mut Vec::new(),
+    )?;
     let (enables, body): (Vec<String>, Vec<String>) = lines
         .into_iter()
         .partition(|l| l.trim_start().starts_with("enable ") && l.trim_end().ends_with(';'));

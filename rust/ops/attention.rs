@@ -36,16 +36,14 @@
 //!   ([`DECODE_MAX_SPLITS`], [`PREFILL_MAX_SPLITS`]).
 //! * Output (`f32`, [`OutLayout`]): row r head h at `offset + r * row_stride + h * head_dim`.
 
-use bytemuck::{Pod, Zeroable};
-
 use super::elementwise::require_len;
 use super::matmul::{self, Precision};
 use crate::gpu::{Gpu, GpuBuffer, Pipeline, Recorder, ShaderFile};
 use crate::{QkError, Result};
 
-pub const FILE: ShaderFile = crate::shader_file!("attention");
+pub const FILE: ShaderFile = crate::shader_file!("attention", PrepareParams, CoreParams);
 /// The cooperative-matrix prefill kernel (f16 cache; [`PrefillKernel::Coop`]).
-pub const COOP_FILE: ShaderFile = crate::shader_file!("attention_coop");
+pub const COOP_FILE: ShaderFile = crate::shader_file!("attention_coop", CoreParams);
 
 /// Decode splits: at least 32 keys each, at most 256 per row (longer caches get longer splits).
 /// A decode row has only kv_heads × splits workgroups, each walking its split's keys serially: up
@@ -403,56 +401,68 @@ pub fn split_plan(n: u32, min_split: u32, max_splits: u32) -> (u32, u32) {
     (len, n.div_ceil(len))
 }
 
-/// Mirrors `CoreParams` in common_attention.wgsl.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
-struct CoreParams {
-    rows: u32,
-    rows_from_buffer: u32,
-    slot: u32,
-    pos: u32,
-    heads: u32,
-    kv_heads: u32,
-    ctx: u32,
-    first_slot: u32,
-    slots: u32,
-    q_offset: u32,
-    q_row_stride: u32,
-    gate_offset: u32,
-    gate_row_stride: u32,
-    gate_head_stride: u32,
-    gated: u32,
-    out_offset: u32,
-    out_row_stride: u32,
-    split_stride: u32,
-    min_split: u32,
-    max_splits: u32,
-    tile_rows: u32,
-    scale: f32,
+crate::gpu_params! {
+    /// The immediates of the attention core and merge passes (attention.wgsl, attention_coop.wgsl;
+    /// `#params CoreParams` in common_attention.wgsl).
+    struct CoreParams {
+        /// Rows of the dispatch; with rows_from_buffer = 0 row r is (slot, pos + r).
+        rows: u32,
+        rows_from_buffer: u32,
+        slot: u32,
+        pos: u32,
+        heads: u32,
+        kv_heads: u32,
+        /// Positions per slot in the cache, and the slots [first_slot, first_slot + slots) it holds.
+        ctx: u32,
+        first_slot: u32,
+        slots: u32,
+        /// Prepared q (f32): row r head h at q_offset + r * q_row_stride + h * HEAD_DIM.
+        q_offset: u32,
+        q_row_stride: u32,
+        /// Gate logits (merge): row r head h dim d at gate_offset + r * gate_row_stride + h * gate_head_stride + d.
+        gate_offset: u32,
+        gate_row_stride: u32,
+        gate_head_stride: u32,
+        gated: u32,
+        /// Output: row r head h at out_offset + r * out_row_stride + h * HEAD_DIM.
+        out_offset: u32,
+        out_row_stride: u32,
+        /// Partial entries per (row, head), and the split plan.
+        split_stride: u32,
+        min_split: u32,
+        max_splits: u32,
+        /// Rows per query tile (prefill TT; decode 1): the merge recomputes its tile's plan.
+        tile_rows: u32,
+        scale: f32,
+    }
 }
 
-/// Mirrors `PrepareParams` in attention.wgsl.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
-struct PrepareParams {
-    rows: u32,
-    rows_from_buffer: u32,
-    slot: u32,
-    pos: u32,
-    heads: u32,
-    kv_heads: u32,
-    n_rot: u32,
-    ctx: u32,
-    first_slot: u32,
-    slots: u32,
-    proj_row_stride: u32,
-    q_offset: u32,
-    q_head_stride: u32,
-    k_offset: u32,
-    v_offset: u32,
-    q_out_offset: u32,
-    q_out_row_stride: u32,
-    eps: f32,
+crate::gpu_params! {
+    /// The immediates of attention.wgsl's prepare pass (q/k norm, RoPE, KV store).
+    struct PrepareParams {
+        /// Rows of the dispatch; with rows_from_buffer = 0 row r is (slot, pos + r).
+        rows: u32,
+        rows_from_buffer: u32,
+        slot: u32,
+        pos: u32,
+        heads: u32,
+        kv_heads: u32,
+        n_rot: u32,
+        ctx: u32,
+        first_slot: u32,
+        slots: u32,
+        /// Projection row r: q head h at r * proj_row_stride + q_offset + h * q_head_stride, kv head g's
+        /// K at ... + k_offset + g * HEAD_DIM, V at ... + v_offset + g * HEAD_DIM.
+        proj_row_stride: u32,
+        q_offset: u32,
+        q_head_stride: u32,
+        k_offset: u32,
+        v_offset: u32,
+        /// Prepared q: row r head h at q_out_offset + r * q_out_row_stride + h * HEAD_DIM.
+        q_out_offset: u32,
+        q_out_row_stride: u32,
+        eps: f32,
+    }
 }
 
 /// Invocations sharing one key (decode) or one query row (prefill): a power of two dividing the

@@ -2,13 +2,11 @@
 //! many (a parallel pass over the tokens and a state pass for long pieces), and its CPU reference.
 //! Layouts are documented in the shader.
 
-use bytemuck::{Pod, Zeroable};
-
 use super::elementwise::require_len;
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 use crate::{QkError, Result};
 
-pub const FILE: ShaderFile = crate::shader_file!("conv");
+pub const FILE: ShaderFile = crate::shader_file!("conv", ConvParams);
 /// Invocations per workgroup in conv.wgsl (one invocation per channel).
 pub const WORKGROUP: u32 = 64;
 /// Tokens from which a call computes its outputs in parallel (one invocation per channel and token,
@@ -18,18 +16,19 @@ pub const PARALLEL_TOKENS: u32 = 16;
 /// Largest tap count the shader holds in registers (`MAX_TAPS`).
 pub const MAX_TAPS: u32 = 8;
 
-/// Mirrors `ConvParams` in conv.wgsl.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct ConvParams {
-    pub tokens: u32,
-    pub channels: u32,
-    pub taps: u32,
-    pub src_offset: u32,
-    pub src_token_stride: u32,
-    pub dst_offset: u32,
-    pub dst_token_stride: u32,
-    pub state_offset: u32,
+crate::gpu_params! {
+    /// The immediates of conv.wgsl.
+    pub struct ConvParams {
+        pub tokens: u32,
+        pub channels: u32,
+        pub taps: u32,
+        pub src_offset: u32,
+        pub src_token_stride: u32,
+        pub dst_offset: u32,
+        pub dst_token_stride: u32,
+        /// Where this sequence's state starts (slots may share one state buffer).
+        pub state_offset: u32,
+    }
 }
 
 /// Record conv + SiLU of `p.tokens` tokens of `src` into `dst`, advancing `state` (decode: 1 token).

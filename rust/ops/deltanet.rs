@@ -7,12 +7,10 @@
 //! one possibly partial). A call cut at a multiple of 64 therefore computes exactly the same chunks
 //! as one long call (byte-identical); a call starting mid-chunk agrees with it to rounding.
 
-use bytemuck::{Pod, Zeroable};
-
 use super::elementwise::require_len;
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
-pub const FILE: ShaderFile = crate::shader_file!("deltanet");
+pub const FILE: ShaderFile = crate::shader_file!("deltanet", DeltaParams);
 /// Chunk length of the chunked form (docs/numerics.md "Chunked DeltaNet").
 pub const CHUNK: u32 = 64;
 /// Value columns per workgroup of the recurrent and chunk-state entry points.
@@ -40,34 +38,37 @@ impl HeadPairing {
     }
 }
 
-/// Mirrors `DeltaParams` in deltanet.wgsl (field meanings are documented there).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct DeltaParams {
-    pub tokens: u32,
-    pub k_heads: u32,
-    pub v_heads: u32,
-    pub dk: u32,
-    pub dv: u32,
-    pub pairing: u32,
-    pub first_token: u32,
-    pub chunks: u32,
-    pub qkv_token_stride: u32,
-    pub q_offset: u32,
-    pub k_offset: u32,
-    pub v_offset: u32,
-    pub ba_token_stride: u32,
-    pub ba_group: u32,
-    pub ba_group_stride: u32,
-    pub beta_offset: u32,
-    pub alpha_offset: u32,
-    pub out_offset: u32,
-    pub out_token_stride: u32,
-    pub state_offset: u32,
-    pub eps: f32,
-    pub q_scale: f32,
-    pub _pad0: u32,
-    pub _pad1: u32,
+crate::gpu_params! {
+    /// The immediates of deltanet.wgsl.
+    pub struct DeltaParams {
+        pub tokens: u32,
+        pub k_heads: u32,
+        pub v_heads: u32,
+        pub dk: u32,
+        pub dv: u32,
+        /// 0: k-head of v-head n is n / (v_heads / k_heads) (qwen3next); 1: n % k_heads (qwen35*).
+        pub pairing: u32,
+        pub first_token: u32,
+        pub chunks: u32,
+        pub qkv_token_stride: u32,
+        pub q_offset: u32,
+        pub k_offset: u32,
+        pub v_offset: u32,
+        /// beta logit of v-head n at ba_token_stride*t + beta_offset + (n / ba_group)*ba_group_stride
+        /// + n % ba_group; alpha logits likewise at alpha_offset (qwen3next groups them per k-head).
+        pub ba_token_stride: u32,
+        pub ba_group: u32,
+        pub ba_group_stride: u32,
+        pub beta_offset: u32,
+        pub alpha_offset: u32,
+        pub out_offset: u32,
+        pub out_token_stride: u32,
+        pub state_offset: u32,
+        pub eps: f32,
+        pub q_scale: f32,
+        pub _pad0: u32,
+        pub _pad1: u32,
+    }
 }
 
 impl DeltaParams {

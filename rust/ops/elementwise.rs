@@ -1,12 +1,10 @@
 //! Small fused element-wise ops (shaders/elementwise.wgsl): SiLU(gate)*up, add, sigmoid gating, row
 //! copy and the MoE combine; and their CPU references.
 
-use bytemuck::{Pod, Zeroable};
-
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 use crate::{QkError, Result};
 
-pub const FILE: ShaderFile = crate::shader_file!("elementwise");
+pub const FILE: ShaderFile = crate::shader_file!("elementwise", EwParams);
 /// Invocations per workgroup (one per element).
 pub const WORKGROUP: u32 = 64;
 
@@ -118,24 +116,28 @@ pub fn record(
     )
 }
 
-/// Mirrors `EwParams` in elementwise.wgsl; operand X of row r, element i at x_offset + r*x_stride + i.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
-pub struct EwParams {
-    pub rows: u32,
-    pub n: u32,
-    pub a_offset: u32,
-    pub a_stride: u32,
-    pub b_offset: u32,
-    pub b_stride: u32,
-    pub out_offset: u32,
-    pub out_stride: u32,
-    pub weights_offset: u32,
-    pub weights_stride: u32,
-    pub experts: u32,
-    pub accumulate: u32,
-    pub gate_offset: u32,
-    pub gate_stride: u32,
+crate::gpu_params! {
+    /// The immediates of elementwise.wgsl; operand X of row r, element i at x_offset + r*x_stride + i.
+    pub struct EwParams {
+        pub rows: u32,
+        pub n: u32,
+        pub a_offset: u32,
+        pub a_stride: u32,
+        pub b_offset: u32,
+        pub b_stride: u32,
+        pub out_offset: u32,
+        pub out_stride: u32,
+        /// moe_combine: expert weights of row r at weights_offset + r * weights_stride + e.
+        pub weights_offset: u32,
+        pub weights_stride: u32,
+        /// moe_combine: experts per row; expert e's output starts at e * n within a row of a.
+        pub experts: u32,
+        /// moe_combine: 1 adds the result to out instead of overwriting it.
+        pub accumulate: u32,
+        /// moe_combine: shared-expert gate logit of row r at gate_offset + r * gate_stride.
+        pub gate_offset: u32,
+        pub gate_stride: u32,
+    }
 }
 
 impl EwParams {

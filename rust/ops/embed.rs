@@ -5,20 +5,24 @@ use super::matmul::{Columns, qtype_name};
 use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile, WeightTensor};
 
-pub const EMBED: ShaderFile = crate::shader_file!("embed");
+pub const EMBED: ShaderFile = crate::shader_file!("embed", EmbedParams);
 const EMBED_WG: u32 = 64;
 
-#[repr(C)]
-#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-struct EmbedParams {
-    k: u32,
-    row_bytes: u32,
-    first_row: u32,
-    n_rows: u32,
-    ids_offset: u32,
-    ids_stride: u32,
-    out_offset: u32,
-    out_stride: u32,
+crate::gpu_params! {
+    struct EmbedParams {
+        k: u32,
+        row_bytes: u32,
+        /// Rows first_row .. first_row + n_rows of the table are in this window's binding.
+        first_row: u32,
+        n_rows: u32,
+        /// Token t's id at IDS[ids_offset + t * ids_stride] (a stride of 2k reads the ids of a previous
+        /// step's top-k (id, logit) rows: a chained decode step).
+        ids_offset: u32,
+        ids_stride: u32,
+        /// OUT[out_offset + t * out_stride + i] (floats; multiples of 4).
+        out_offset: u32,
+        out_stride: u32,
+    }
 }
 
 /// Where the token ids of an embedding lookup are: token t's id at word `offset + t * stride` of

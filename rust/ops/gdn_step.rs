@@ -3,13 +3,11 @@
 //! spread over several workgroups; the gated norm's per-head RMS is finished by the output
 //! projection (`MatvecInput::HeadRms`) from the sums of squares this step writes.
 
-use bytemuck::{Pod, Zeroable};
-
 use super::elementwise::require_len;
 use crate::error::{QkError, Result};
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
-pub const FILE: ShaderFile = crate::shader_file!("gdn_step");
+pub const FILE: ShaderFile = crate::shader_file!("gdn_step", GdnStepParams);
 /// How the step spreads a head's value columns: invocations per workgroup at most, and columns per
 /// invocation (gdn_step.wgsl `CPC`). Many workgroups per head: one per head left most of an H200
 /// idle (18 µs per one-row step). [`record`] takes [`GdnStepShape::for_rows`]; tuning runs pass
@@ -88,40 +86,44 @@ fn prev_power_of_two(n: u32) -> u32 {
     if n == 0 { 1 } else { 1 << (31 - n.leading_zeros()) }
 }
 
-/// Mirrors `StepParams` in gdn_step.wgsl (field meanings are documented there).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, Pod, Zeroable)]
-pub struct GdnStepParams {
-    pub rows: u32,
-    pub k_heads: u32,
-    pub v_heads: u32,
-    pub dk: u32,
-    pub dv: u32,
-    pub pairing: u32,
-    pub qkv_offset: u32,
-    pub qkv_stride: u32,
-    pub q_offset: u32,
-    pub k_offset: u32,
-    pub v_offset: u32,
-    pub ba_offset: u32,
-    pub ba_stride: u32,
-    pub ba_group: u32,
-    pub ba_group_stride: u32,
-    pub beta_offset: u32,
-    pub alpha_offset: u32,
-    pub z_offset: u32,
-    pub z_stride: u32,
-    pub out_offset: u32,
-    pub out_stride: u32,
-    pub state_stride: u32,
-    pub slots_offset: u32,
-    /// Workgroups per head; set by [`record`] (any value passed is replaced).
-    pub parts: u32,
-    /// Row r's sums of o², one per (head, part), at `sq[sq_offset + r · sq_stride ..]`.
-    pub sq_offset: u32,
-    pub sq_stride: u32,
-    pub eps: f32,
-    pub q_scale: f32,
+crate::gpu_params! {
+    /// The immediates of gdn_step.wgsl.
+    pub struct GdnStepParams {
+        pub rows: u32,
+        pub k_heads: u32,
+        pub v_heads: u32,
+        pub dk: u32,
+        pub dv: u32,
+        /// 0: k-head of v-head n is n / (v_heads / k_heads) (qwen3next); 1: n % k_heads (qwen35*).
+        pub pairing: u32,
+        pub qkv_offset: u32,
+        pub qkv_stride: u32,
+        pub q_offset: u32,
+        pub k_offset: u32,
+        pub v_offset: u32,
+        pub ba_offset: u32,
+        pub ba_stride: u32,
+        /// beta of v-head n at ba_offset + r · ba_stride + beta_offset + (n / ba_group) · ba_group_stride
+        /// + n % ba_group; alpha likewise at alpha_offset.
+        pub ba_group: u32,
+        pub ba_group_stride: u32,
+        pub beta_offset: u32,
+        pub alpha_offset: u32,
+        pub z_offset: u32,
+        pub z_stride: u32,
+        pub out_offset: u32,
+        pub out_stride: u32,
+        pub state_stride: u32,
+        pub slots_offset: u32,
+        /// Workgroups per head; set by [`record`] (any value passed is replaced).
+        /// Workgroups per head (ceil(dv / COLS)), and where the sums of o² go (see above).
+        pub parts: u32,
+        /// Row r's sums of o², one per (head, part), at `sq[sq_offset + r · sq_stride ..]`.
+        pub sq_offset: u32,
+        pub sq_stride: u32,
+        pub eps: f32,
+        pub q_scale: f32,
+    }
 }
 
 /// The buffers of a step.

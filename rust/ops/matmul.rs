@@ -10,11 +10,11 @@ use crate::error::{QkError, Result};
 use crate::gguf::GgmlType;
 use crate::gpu::{Binding, Gpu, GpuBuffer, Recorder, ShaderFile, WeightTensor};
 
-pub const MATVEC: ShaderFile = crate::shader_file!("matvec");
-pub const MATMUL: ShaderFile = crate::shader_file!("matmul");
-pub const MATMUL_COOP: ShaderFile = crate::shader_file!("matmul_coop");
-pub const MOE_GROUP: ShaderFile = crate::shader_file!("moe_group");
-pub const MATMUL_REDUCE: ShaderFile = crate::shader_file!("matmul_reduce");
+pub const MATVEC: ShaderFile = crate::shader_file!("matvec", MatvecParams);
+pub const MATMUL: ShaderFile = crate::shader_file!("matmul", MatmulParams);
+pub const MATMUL_COOP: ShaderFile = crate::shader_file!("matmul_coop", MatmulParams);
+pub const MOE_GROUP: ShaderFile = crate::shader_file!("moe_group", GroupParams);
+pub const MATMUL_REDUCE: ShaderFile = crate::shader_file!("matmul_reduce", ReduceParams);
 
 /// Most activation columns one mat-vec dispatch takes (the accumulators live in registers).
 pub const MATVEC_MAX_COLS: u32 = 8;
@@ -67,38 +67,51 @@ pub fn qtype_name(ty: GgmlType) -> &'static str {
     }
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-struct MatvecParams {
-    k: u32,
-    rows: u32,
-    row_bytes: u32,
-    w_offset: u32,
-    x_offset: u32,
-    x_stride: u32,
-    y_offset: u32,
-    y_stride: u32,
-    ids_offset: u32,
-    n_used: u32,
-    expert_first: u32,
-    expert_count: u32,
-    x_col_token: u32,
-    x_col_slot: u32,
-    eps: f32,
-    pre_offset: u32,
-    conv_rows: u32,
-    taps: u32,
-    state_stride: u32,
-    slots_offset: u32,
-    route_logits: u32,
-    route_stride: u32,
-    route_experts: u32,
-    route_shared: u32,
-    head_parts: u32,
-    sq_offset: u32,
-    sq_stride: u32,
-    extra_rows: u32,
-    extra_offset: u32,
+crate::gpu_params! {
+    struct MatvecParams {
+        /// Weights per row, rows to compute (per expert with MOE), bytes per row.
+        k: u32,
+        rows: u32,
+        row_bytes: u32,
+        /// Byte offset in W of this window's first row.
+        w_offset: u32,
+        /// Float index of X column 0 and floats between columns (both multiples of 4).
+        x_offset: u32,
+        x_stride: u32,
+        /// Float index of Y row 0 of column 0, and floats between output columns.
+        y_offset: u32,
+        y_stride: u32,
+        /// MOE: index of the first id in IDS, ids per token (n_used), experts held by this window.
+        ids_offset: u32,
+        n_used: u32,
+        expert_first: u32,
+        expert_count: u32,
+        /// MOE: X column = token * x_col_token + slot * x_col_slot.
+        x_col_token: u32,
+        x_col_slot: u32,
+        /// PRE=rms: the norm's epsilon. PRE=silu_mul: floats from a column's gate to its up.
+        eps: f32,
+        pre_offset: u32,
+        /// EPI=conv: conv channels (the first rows), taps, floats of conv state per slot, and the index
+        /// of column 0's slot in SLOTS.
+        conv_rows: u32,
+        taps: u32,
+        state_stride: u32,
+        slots_offset: u32,
+        /// ROUTE: token t's logits at route_logits + t * route_stride, experts of them, and (route_shared)
+        /// the shared expert as pick n_used - 1 (id route_experts, gate logit after the experts').
+        route_logits: u32,
+        route_stride: u32,
+        route_experts: u32,
+        route_shared: u32,
+        /// PRE=head_rms: partial sums per head, column 0's first sum, floats between columns' sums.
+        head_parts: u32,
+        sq_offset: u32,
+        sq_stride: u32,
+        /// EXTRA: W2's rows and the vec4 index of its first.
+        extra_rows: u32,
+        extra_offset: u32,
+    }
 }
 
 /// What a mat-vec does to its activation columns before the product (matvec.wgsl `PRE`).
@@ -262,36 +275,46 @@ impl<'a> MatvecFusion<'a> {
     }
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-struct MatmulParams {
-    k: u32,
-    rows: u32,
-    row_bytes: u32,
-    w_offset: u32,
-    n: u32,
-    x_offset: u32,
-    x_stride: u32,
-    y_offset: u32,
-    y_stride: u32,
-    n_used: u32,
-    x_col_token: u32,
-    x_col_slot: u32,
-    expert_first: u32,
-    expert_count: u32,
-    offsets_at: u32,
-    tiles_at: u32,
-    order_at: u32,
-    k_split: u32,
-    split_stride: u32,
-    eps: f32,
-    conv_rows: u32,
-    taps: u32,
-    state_stride: u32,
-    slots_offset: u32,
-    head_parts: u32,
-    sq_offset: u32,
-    sq_stride: u32,
+crate::gpu_params! {
+    struct MatmulParams {
+        /// Weights per row, rows in this window (per expert with MOE), bytes per row, byte offset of row 0 in W.
+        k: u32,
+        rows: u32,
+        row_bytes: u32,
+        w_offset: u32,
+        /// Activation columns (dense); X column n starts at float x_offset + n * x_stride (multiples of 4).
+        n: u32,
+        x_offset: u32,
+        x_stride: u32,
+        /// Y[y_offset + n * y_stride + m].
+        y_offset: u32,
+        y_stride: u32,
+        /// MOE: ids per token, the X column of an entry, the experts this binding window holds, and
+        /// where moe_group.wgsl put the expert offsets, the tile table and the sorted entries.
+        n_used: u32,
+        x_col_token: u32,
+        x_col_slot: u32,
+        expert_first: u32,
+        expert_count: u32,
+        offsets_at: u32,
+        tiles_at: u32,
+        order_at: u32,
+        /// K per split (a multiple of every kernel's K step; ≥ k when unsplit) and floats between the
+        /// splits' outputs in Y.
+        k_split: u32,
+        split_stride: u32,
+        /// The decode stages of matmul_coop.wgsl (PRE, EPI; unsplit, dense), as in matvec.wgsl: the
+        /// norm's epsilon; EPI=conv's channels, taps, floats of state per slot and column 0's index in
+        /// SLOTS; PRE=head_rms's partial sums per head, column 0's first sum and the sums' column stride.
+        eps: f32,
+        conv_rows: u32,
+        taps: u32,
+        state_stride: u32,
+        slots_offset: u32,
+        head_parts: u32,
+        sq_offset: u32,
+        sq_stride: u32,
+    }
 }
 
 /// Steps (rows × K / weights per step) up to which a mat-vec counts as small (see
@@ -1669,15 +1692,18 @@ pub fn matmul_with(
     matmul_split(gpu, rec, w, x, y, ncols, kernel, 1, None)
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-struct ReduceParams {
-    rows: u32,
-    n: u32,
-    splits: u32,
-    split_stride: u32,
-    y_offset: u32,
-    y_stride: u32,
+crate::gpu_params! {
+    struct ReduceParams {
+        /// Rows per column, columns, splits, floats between splits in PART (column n of split z starts
+        /// at z · split_stride + n · rows).
+        rows: u32,
+        n: u32,
+        splits: u32,
+        split_stride: u32,
+        /// Y[y_offset + n * y_stride + m].
+        y_offset: u32,
+        y_stride: u32,
+    }
 }
 
 /// `matmul` with an explicit kernel and K cut into `splits` (a split count other than
@@ -1888,17 +1914,17 @@ impl ExpertGroups<'_> {
     }
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-struct GroupParams {
-    tokens: u32,
-    n_used: u32,
-    experts: u32,
-    ids_offset: u32,
-    tile_cols: u32,
-    offsets_at: u32,
-    tiles_at: u32,
-    order_at: u32,
+crate::gpu_params! {
+    struct GroupParams {
+        tokens: u32,
+        n_used: u32,
+        experts: u32,
+        ids_offset: u32,
+        tile_cols: u32,
+        offsets_at: u32,
+        tiles_at: u32,
+        order_at: u32,
+    }
 }
 
 /// Sort the (token, slot) entries of `ids` by expert into `groups` (one workgroup on the GPU).

@@ -2,13 +2,11 @@
 //! (q/k of full attention), gated RMSNorm (DeltaNet output) and L2 norm (DeltaNet q/k), with their
 //! CPU references.
 
-use bytemuck::{Pod, Zeroable};
-
 use super::elementwise::require_len;
 use crate::Result;
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
-pub const FILE: ShaderFile = crate::shader_file!("rmsnorm");
+pub const FILE: ShaderFile = crate::shader_file!("rmsnorm", NormParams);
 
 /// Where the rows live: row (token t, head h) starts at `offset + t*token_stride + h*head_stride`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,21 +39,21 @@ impl RowLayout {
     }
 }
 
-/// Mirrors `NormParams` in rmsnorm.wgsl.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct NormParams {
-    pub tokens: u32,
-    pub heads: u32,
-    pub n: u32,
-    pub src_offset: u32,
-    pub src_token_stride: u32,
-    pub src_head_stride: u32,
-    pub dst_offset: u32,
-    pub dst_token_stride: u32,
-    pub dst_head_stride: u32,
-    pub eps: f32,
-    pub scale: f32,
+crate::gpu_params! {
+    /// The immediates of rmsnorm.wgsl.
+    pub struct NormParams {
+        pub tokens: u32,
+        pub heads: u32,
+        pub n: u32,
+        pub src_offset: u32,
+        pub src_token_stride: u32,
+        pub src_head_stride: u32,
+        pub dst_offset: u32,
+        pub dst_token_stride: u32,
+        pub dst_head_stride: u32,
+        pub eps: f32,
+        pub scale: f32,
+    }
 }
 
 impl NormParams {

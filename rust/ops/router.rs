@@ -6,14 +6,14 @@ use bytemuck::{Pod, Zeroable};
 use super::elementwise::require_len;
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
-pub const FILE: ShaderFile = crate::shader_file!("router");
+pub const FILE: ShaderFile = crate::shader_file!("router", RouterImmediates);
 /// Limits of the shader's workgroup arrays (`MAX_EXPERTS`, `MAX_K`).
 pub const MAX_EXPERTS: u32 = 1024;
 pub const MAX_K: u32 = 32;
 /// llama.cpp clamps the sum of the chosen probabilities to at least this before dividing.
 pub const MIN_WEIGHT_SUM: f32 = 6.1e-5;
 
-/// Mirrors `RouterParams` in router.wgsl. Logits of token t at `logits_offset + t*logits_token_stride`;
+/// A routing call's shape (the kernel's immediates add the outputs' layout). Logits of token t at `logits_offset + t*logits_token_stride`;
 /// ids and weights are written at `t*k + i`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Pod, Zeroable)]
@@ -46,15 +46,22 @@ pub struct SharedSlot<'a> {
     pub gate_stride: u32,
 }
 
-/// The kernel's parameters: `RouterParams` and the output stride / shared slot.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-struct KernelParams {
-    base: RouterParams,
-    ids_stride: u32,
-    shared_id: u32,
-    gate_offset: u32,
-    gate_stride: u32,
+crate::gpu_params! {
+    /// The kernel's immediates: [`RouterParams`]' fields, then the output stride and shared slot.
+    struct RouterImmediates {
+        tokens: u32,
+        experts: u32,
+        k: u32,
+        logits_offset: u32,
+        logits_token_stride: u32,
+        /// Ids (and weights) per token in the outputs: k, or k + 1 with the shared slot.
+        ids_stride: u32,
+        /// SHARED: the shared expert's id and its gate logit of token t at gate_offset + t ·
+        /// gate_stride.
+        shared_id: u32,
+        gate_offset: u32,
+        gate_stride: u32,
+    }
 }
 
 /// Record routing of `p.tokens` tokens: `ids` (u32) and `weights` (f32) get k entries per token.
@@ -100,8 +107,12 @@ pub fn record_with(
         defines.push(("PER_LANE", p.experts.div_ceil(sg).to_string()));
     }
     let pipe = gpu.pipeline(&FILE, &defines, &[])?;
-    let kp = KernelParams {
-        base: *p,
+    let kp = RouterImmediates {
+        tokens: p.tokens,
+        experts: p.experts,
+        k: p.k,
+        logits_offset: p.logits_offset,
+        logits_token_stride: p.logits_token_stride,
         ids_stride,
         shared_id: shared.map_or(0, |s| s.id),
         gate_offset: shared.map_or(0, |s| s.gate_offset),

@@ -6,7 +6,7 @@ use bytemuck::{Pod, Zeroable};
 use super::elementwise::require_len;
 use crate::gpu::{Gpu, GpuBuffer, Recorder, ShaderFile};
 
-pub const FILE: ShaderFile = crate::shader_file!("topk");
+pub const FILE: ShaderFile = crate::shader_file!("topk", TopkParams);
 pub const MAX_K: u32 = 256;
 /// Logits per first-pass workgroup: 16 per invocation of its 256.
 pub const BLOCK_LEN: u32 = 4096;
@@ -19,17 +19,18 @@ pub struct IdLogit {
     pub logit: f32,
 }
 
-/// Mirrors `TopkParams` in topk.wgsl: logits [offset, offset + n) (row r: shifted by
-/// r·row_stride), ids relative to the row's start.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct TopkParams {
-    pub n: u32,
-    pub k: u32,
-    pub offset: u32,
-    pub block_len: u32,
-    pub blocks: u32,
-    pub row_stride: u32,
+crate::gpu_params! {
+    /// The immediates of topk.wgsl: logits [offset, offset + n) (row r: shifted by
+    /// r·row_stride), ids relative to the row's start.
+    pub struct TopkParams {
+        pub n: u32,
+        pub k: u32,
+        pub offset: u32,
+        pub block_len: u32,
+        pub blocks: u32,
+        /// Floats between the logits of consecutive rows.
+        pub row_stride: u32,
+    }
 }
 
 impl TopkParams {

@@ -196,6 +196,7 @@ fn shader_errors_name_the_file() {
     let broken = qk::gpu::ShaderFile {
         name: "broken",
         source: "@compute @workgroup_size(1) fn main() { let x: u32 = 1.5; }",
+        params: &[],
     };
     match gpu.pipeline(&broken, &[], &[]) {
         Err(qk::QkError::Shader { name, msg }) => assert!(name.starts_with("broken") && !msg.is_empty()),
@@ -210,6 +211,7 @@ fn preprocessor_defines_conditionals_and_unrolled_loops() {
         name: "pp",
         source: "#define N 3\n#define MODE a\n#if MODE == a\nlet m = 1;\n#else\nlet m = 2;\n#endif\n\
                  #for i in 0..N\nx[{{i}}] = {{i}};\n#endfor\nenable f16;\n",
+        params: &[],
     };
     let text = expand(&file, &Defines::new()).unwrap();
     assert!(
@@ -231,9 +233,55 @@ fn preprocessor_defines_conditionals_and_unrolled_loops() {
     let bad = qk::gpu::ShaderFile {
         name: "bad",
         source: "#for i in 0..2\nx;\n",
+        params: &[],
     };
     assert!(matches!(
         expand(&bad, &Defines::new()),
         Err(qk::QkError::Shader { .. })
     ));
+}
+
+qk::gpu_params! {
+    /// A params struct for the preprocessor test.
+    struct PpParams {
+        n: u32,
+        /// The factor.
+        scale: f32,
+    }
+}
+
+#[test]
+fn params_structs_are_declared_once_for_both_sides() {
+    use qk::gpu::GpuParams;
+    use qk::gpu::shaders::{Defines, expand};
+    assert_eq!(
+        PpParams::WGSL,
+        "// A params struct for the preprocessor test.\nstruct PpParams {\n    n: u32,\n    // The factor.\n    scale: f32,\n}"
+    );
+    let file = qk::gpu::ShaderFile {
+        name: "pp",
+        source: "#params PpParams\nvar<immediate> P: PpParams;\n",
+        params: &[PpParams::WGSL],
+    };
+    let text = expand(&file, &Defines::new()).unwrap();
+    assert!(
+        text.contains(PpParams::WGSL) && text.contains("var<immediate> P: PpParams;"),
+        "{text}"
+    );
+    // The kernel's ShaderFile must name the struct; a prefix of another struct's name is not it.
+    for (source, params) in [
+        ("#params PpParams\n", &[][..]),
+        ("#params Pp\n", &[PpParams::WGSL][..]),
+    ] {
+        let file = qk::gpu::ShaderFile {
+            name: "pp",
+            source,
+            params,
+        };
+        assert!(matches!(
+            expand(&file, &Defines::new()),
+            Err(qk::QkError::Shader { .. })
+        ));
+    }
+    assert_eq!(std::mem::size_of::<PpParams>(), 8);
 }
