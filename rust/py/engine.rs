@@ -45,8 +45,8 @@ use crate::transport::engine_stage::lock_engine;
 /// input to GPU (a device of its own, one spare slot of DeltaNet state); the same bytes either way.
 /// `tensor_core_decode_cols` (2–16; default None: never): decode steps of at least that many slots
 /// run the mixers' dense products on tensor cores where the adapter has cooperative matrices (f16
-/// inputs; a fast engine only): a speed choice that gives such a step's slots other bytes than
-/// each would get stepping alone.
+/// inputs; a fast engine only): gives such a step's slots other bytes than each would get stepping
+/// alone, and as built it is slower (H200: half the 8-slot rate; benches/RESULTS.md).
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
