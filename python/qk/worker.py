@@ -89,7 +89,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="on Vulkan, each host-fed decode step (a split stage's; a sampled request's) submits its "
         "likely successor ahead, held on the GPU until its input arrives (the submit leaves the "
         "per-token path; a device of its own and one spare slot of recurrent state); the outputs are "
-        "the same. On one GPU shared by the stages it is slower (a second context takes turns)",
+        "the same. A split whose stages share one GPU is slower with it (a second context takes turns)",
     )
 
 
