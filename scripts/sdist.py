@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import subprocess
 import sys
 import tarfile
@@ -92,14 +93,21 @@ def gguf_py() -> Path:
 
 def wheel() -> Path:
     """A llama-cpp-python wheel built from the sdist for this machine (CPU only), built once."""
-    wheels = cache_dir() / "wheels"
+    # The build's flags name the cache folder, so a wheel built with other flags is not reused.
+    wheels = cache_dir() / "wheels" / "native-no-amx"
     found = sorted(wheels.glob(f"llama_cpp_python-{VERSION}-*.whl"))
     if found:
         return found[-1]
-    wheels.mkdir(exist_ok=True)
+    wheels.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     # CPU only, no BLAS, no server binaries: the oracle needs libllama and its quantizer.
     env["CMAKE_ARGS"] = "-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        # Tuned to this CPU except for AMX: a virtual machine can report AMX tiles whose first use
+        # faults (SIGILL at tilezero in ggml's AMX mat-mul), and the oracle needs no speed.
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        for var in ("CFLAGS", "CXXFLAGS"):
+            env[var] = f"{env.get(var, '')} {no_amx}".strip()
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     _pip("wheel", "--no-deps", "-w", str(wheels), str(tarball()), env=env)
     return sorted(wheels.glob(f"llama_cpp_python-{VERSION}-*.whl"))[-1]
