@@ -5,6 +5,7 @@ built wheel alone in a fresh virtualenv running every entry point from a directo
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ SDIST_SCRIPT = ROOT / "scripts" / "sdist.py"
 
 # A stand-in for pip, found first on PYTHONPATH so `python -m pip` runs it: it prints build noise on
 # stdout, as the real pip does, and makes the files the real one would (download: a copy of
-# $FAKE_SDIST; wheel: an empty wheel named for this platform).
+# $FAKE_SDIST; wheel: an empty wheel named for this platform, and the C++ flags it was given).
 FAKE_PIP = r"""
 import os, shutil, sys
 args = sys.argv[1:]
@@ -29,6 +30,7 @@ if args[0] == "download":
     shutil.copy(os.environ["FAKE_SDIST"], os.path.join(after("-d"), "llama_cpp_python-0.3.36.tar.gz"))
 elif args[0] == "wheel":
     open(os.path.join(after("-w"), "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl"), "wb").close()
+    print("CXXFLAGS=" + os.environ.get("CXXFLAGS", ""))
 else:
     sys.exit("fake pip: unexpected " + " ".join(args))
 """
@@ -66,8 +68,11 @@ def test_sdist_wheel_prints_only_the_path_on_a_cold_cache(tmp_path):
     lines = proc.stdout.splitlines()
     assert len(lines) == 1, f"stdout must be the path alone, got {proc.stdout!r}"
     wheel = Path(lines[0])
-    assert wheel.is_file() and wheel.parent == tmp_path / "cache" / "wheels"
+    assert wheel.is_file() and wheel.parent == tmp_path / "cache" / "wheels" / "native-no-amx"
     assert "Successfully built" in proc.stderr  # pip's output went to stderr, not lost
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        # llama.cpp's AMX kernels (SIGILL where a VM reports AMX it cannot run) stay out of the oracle.
+        assert "-mno-amx-int8" in proc.stderr.split("CXXFLAGS=")[1].splitlines()[0]
 
 
 def test_sdist_with_the_wrong_bytes_fails_and_keeps_nothing(tmp_path):
