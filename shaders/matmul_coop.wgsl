@@ -29,12 +29,10 @@ enable wgpu_cooperative_matrix;
 #include "common.wgsl"
 #include "common_dequant.wgsl"
 #include "common_matmul.wgsl"
-#if EPI == conv
-#include "common_conv_epilogue.wgsl"
-#endif
 #if PRE == head_rms
 #include "common_head_rms.wgsl"
 #endif
+#include "common_epilogue.wgsl"
 #define QTYPE q8_0
 #define SG 32
 #define F 16
@@ -141,23 +139,6 @@ var<workgroup> head_inv: array<f32, {{TN}} * {{HEADS}}>;
 @group(0) @binding({{B_ST}}) var<storage, read_write> STATE: array<f32>;
 @group(0) @binding({{B_SL}}) var<storage, read> SLOTS: array<u32>;
 #endif
-
-// Output row m of column n (of the tile) as EPI says, y its finished product.
-fn store_out(o: u32, m: u32, n: u32, y: f32) {
-#if EPI == add
-    Y[o] = RES[o] + y;
-#else
-#if EPI == conv
-    if m < P.conv_rows {
-        Y[o] = conv_epilogue(m, n, y);
-    } else {
-        Y[o] = y;
-    }
-#else
-    Y[o] = y;
-#endif
-#endif
-}
 
 // One F×F accumulator per subgroup on its way out, column-major, so edge tiles clip per element.
 const FF = {{F}}u * {{F}}u;

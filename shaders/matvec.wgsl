@@ -49,12 +49,10 @@
 #if ROUTE
 #include "common_route.wgsl"
 #endif
-#if EPI == conv
-#include "common_conv_epilogue.wgsl"
-#endif
 #if PRE == head_rms
 #include "common_head_rms.wgsl"
 #endif
+#include "common_epilogue.wgsl"
 #define QTYPE q8_0
 #define NC 1
 // Dense only: the dispatch's columns in CG groups of NC, one group per workgroup.
@@ -824,24 +822,7 @@ fn main(ids: ComputeIds) {
         if out_row0 + r < row_end {
             let o = y_base + c * P.y_stride + out_row0 + r;
             let y = workgroup_sum(a / 4u, a % 4u, n_sg) * column_scale(c, n_sg);
-#if EPI == add
-            Y[o] = RES[o] + y;
-#else
-#if EPI == accumulate
-            Y[o] += y;
-#else
-#if EPI == conv
-            let ch = out_row0 + r;
-            if ch < P.conv_rows {
-                Y[o] = conv_epilogue(ch, x_col0 + c, y);
-            } else {
-                Y[o] = y;
-            }
-#else
-            Y[o] = y;
-#endif
-#endif
-#endif
+            store_out(o, out_row0 + r, x_col0 + c, y);
         }
     }
 }

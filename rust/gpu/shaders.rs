@@ -52,7 +52,7 @@ pub const LIBRARY: &[ShaderFile] = &[
     shader_file!("common_route"),
     shader_file!("common_matmul"),
     shader_file!("common_attention"),
-    shader_file!("common_conv_epilogue"),
+    shader_file!("common_epilogue"),
     shader_file!("common_head_rms"),
 ];
 
