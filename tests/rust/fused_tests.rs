@@ -786,6 +786,119 @@ fn routing_inside_the_expert_product_matches_the_router_then_the_product() {
 }
 
 #[test]
+fn routing_in_the_router_mat_vec_matches_the_router_kernel() {
+    // The stacked router's mat-vec (norm fused, normalised input stored) whose last workgroup
+    // routes: the same logits, picks and weights as the plain mat-vec followed by the router
+    // kernel, at one to ten columns (ten: two dispatches of at most eight, the second's picks
+    // after the first's), in column groups, and in consecutive dispatches on one counter (each
+    // leaves it at zero for the next).
+    use qk::ops::matmul::{MATVEC_MAX_COLS, RouteTail, matvec_shaped, route_lanes};
+    use qk::ops::router::{self, RouterParams, SharedSlot};
+    let Some(gpu) = test_gpu(false) else { return };
+    let (k, experts, top) = (256usize, 40u32, 3u32);
+    if route_lanes(gpu, experts).is_none() {
+        assert!(std::env::var("QK_REQUIRE_GPU").as_deref() != Ok("1") || !gpu.caps.subgroups);
+        return;
+    }
+    let rows = experts as usize + 1;
+    let (w, _) = upload(gpu, GgmlType::F32, rows, k, 1, 51);
+    let norm_w = gpu.buffer_from_f32("norm", &floats(k, 52, 1.0)).unwrap();
+    let max_cols = 10usize;
+    assert!(max_cols > MATVEC_MAX_COLS as usize);
+    let picks = top + 1;
+    let n = max_cols * picks as usize;
+    let counter = gpu.buffer_zeroed("count", 4).unwrap();
+    // (logits, stored input, ids, weights) of `rounds` products over `cols` columns, the input
+    // of round r scaled by r + 1, routed in the mat-vec or by the router kernel after it.
+    let run = |in_router: bool, cols: usize, groups: u32, rounds: usize| {
+        let mut out = Vec::new();
+        for round in 0..rounds {
+            let x = gpu
+                .buffer_from_f32("x", &floats(k * cols, 53, 4.0 * (round + 1) as f32))
+                .unwrap();
+            let xn = gpu.buffer_zeroed("xn", (k * cols * 4) as u64).unwrap();
+            let yb = gpu.buffer_zeroed("logits", (rows * cols * 4) as u64).unwrap();
+            let ib = gpu.buffer_zeroed("ids", n as u64 * 4).unwrap();
+            let wb = gpu.buffer_zeroed("weights", n as u64 * 4).unwrap();
+            let input = MatvecInput::Rms {
+                weight: &norm_w,
+                eps: EPS,
+                store: Some(&xn),
+            };
+            let output = if in_router {
+                MatvecOutput::Routed(RouteTail {
+                    ids: &ib,
+                    weights: &wb,
+                    counter: &counter,
+                    ids_offset: 0,
+                    n_used: picks,
+                    experts,
+                    shared: true,
+                })
+            } else {
+                MatvecOutput::Store
+            };
+            let fusion = MatvecFusion { input, output };
+            let shape = MatvecShape::new(2, 64, 1).with_col_groups(groups);
+            let mut rec = gpu.recorder();
+            let (xc, yc) = (Columns::packed(&x, k as u32), Columns::packed(&yb, rows as u32));
+            matvec_shaped(gpu, &mut rec, &w, None, xc, yc, cols as u32, &fusion, Some(shape)).unwrap();
+            if !in_router {
+                let rp = RouterParams {
+                    tokens: cols as u32,
+                    experts,
+                    k: top,
+                    logits_offset: 0,
+                    logits_token_stride: rows as u32,
+                };
+                let shared = SharedSlot {
+                    id: experts,
+                    gate: &yb,
+                    gate_offset: experts,
+                    gate_stride: rows as u32,
+                };
+                router::record_with(gpu, &mut rec, &rp, &yb, &ib, &wb, Some(shared)).unwrap();
+            }
+            rec.submit().unwrap();
+            out.push((
+                read(gpu, &yb, rows * cols),
+                read(gpu, &xn, k * cols),
+                gpu.read_u32(&ib, 0, n).unwrap(),
+                read(gpu, &wb, n),
+            ));
+        }
+        out
+    };
+    for (cols, groups) in [(1usize, 1u32), (3, 1), (8, 2), (6, 3), (10, 1)] {
+        let what = format!("{cols} columns in {groups} groups");
+        let kernel = run(false, cols, groups, 2);
+        let tail = run(true, cols, groups, 2);
+        for (round, (a, b)) in kernel.iter().zip(&tail).enumerate() {
+            assert!(same_bits(&a.0, &b.0), "{what}, round {round}: logits differ");
+            assert!(
+                same_bits(&a.1, &b.1),
+                "{what}, round {round}: stored inputs differ"
+            );
+            assert_eq!(a.2, b.2, "{what}, round {round}: ids differ");
+            assert!(same_bits(&a.3, &b.3), "{what}, round {round}: weights differ");
+            // Every column routed: its shared expert is its last pick.
+            for c in 0..cols {
+                assert_eq!(
+                    b.2[c * picks as usize + top as usize],
+                    experts,
+                    "{what}: column {c}"
+                );
+            }
+        }
+        assert_eq!(
+            gpu.read_u32(&counter, 0, 1).unwrap(),
+            vec![0],
+            "{what}: count left"
+        );
+    }
+}
+
+#[test]
 fn column_groups_give_every_column_the_same_bytes() {
     // A dispatch's columns split into groups (one group per workgroup) change who computes a column,
     // not how: every output, conv state and stored normalised input keeps the bytes of the one-group
