@@ -18,7 +18,7 @@ Engine speed choices, to compare in the engine itself rather than in the kernel 
 --route-inside-max-rows, --attention-walk, --dense-group-cols, --spin-wait-us, --decode-shape
 OP=ROWS,WIDTH,STEPS,GROUPS[,table|shuffle] (an op of the decode step by its profile name, e.g.
 dn.qkvz=8,32,2,2 or moe.gate_up=8,64,1,1,shuffle; repeatable), --no-weight-arena (every weight in
-a buffer of its own), --route-in-router (the router mat-vec's last workgroup routes).
+a buffer of its own).
 
 usage: python benches/engine_bench.py MODEL.gguf [--prompt 512] [--decode 128] [--slots 2] [--ctx 8192]
        [--profile] [--top 15]
@@ -301,12 +301,6 @@ def main() -> None:
         metavar="N",
         help="decode steps of at least N slots run the mixers' dense products on tensor cores (f16 inputs)",
     )
-    ap.add_argument(
-        "--route-in-router",
-        action="store_true",
-        help="decode steps route in the router mat-vec's last workgroup (no router kernel, no routing "
-        "inside the experts' gate/up)",
-    )
     ap.add_argument("--profile", action="store_true", help="add per-op GPU/host profiles of a decode step")
     ap.add_argument("--top", type=int, default=15, help="with --profile: list the N slowest single ops")
     a = ap.parse_args()
@@ -329,8 +323,6 @@ def main() -> None:
         options["armed_steps"] = True
     if a.tensor_core_decode_cols is not None:
         options["tensor_core_decode_cols"] = a.tensor_core_decode_cols
-    if a.route_in_router:
-        options["route_in_router"] = True
     if a.decode_shape:
         options["decode_shapes"] = {
             op: tuple(v if v.isalpha() else int(v) for v in shape.split(","))
@@ -421,7 +413,6 @@ def main() -> None:
         "weight_arena": info.get("weight_arena"),
         "armed_steps": info.get("armed_steps"),
         "tensor_core_decode_cols": info.get("tensor_core_decode_cols"),
-        "route_in_router": info.get("route_in_router"),
         "decode_shapes": a.decode_shape,
         "load_s": round(load_s, 2),
         "prefill_tokens": a.prompt,

@@ -339,13 +339,6 @@ pub struct EngineOptions {
     /// slots stepped together went from 560.6 to 588.8 tok/s. The results are the same bytes
     /// either way (one routing code, common_route.wgsl); only the speed differs.
     pub route_inside_max_rows: Option<u32>,
-    /// Decode steps route their tokens in the router mat-vec itself: the last of its workgroups to
-    /// finish reads every logit the others wrote and routes (matvec.wgsl `RTAIL`), so neither a
-    /// router kernel nor every workgroup of the experts' gate/up routes, at any number of rows.
-    /// Needs a stacked router (the shared gate beside the expert logits) and subgroups of one
-    /// size; elsewhere the engine routes as `route_inside_max_rows` says. None: off. The same
-    /// bytes either way (one routing code, common_route.wgsl).
-    pub route_in_router: Option<bool>,
     /// How decode attention walks a row's keys (key columns per workgroup, keys per column per
     /// iteration, shortest split); None: [`DecodeTuning::DEFAULT`]. A speed choice a bench can
     /// compare in one process; it changes the last bits of attention (the split plan and so the
@@ -409,7 +402,6 @@ impl Default for EngineOptions {
             cache_type_v: None,
             prefill_rows: None,
             route_inside_max_rows: None,
-            route_in_router: None,
             attention_walk: None,
             dense_group_cols: None,
             decode_shapes: Vec::new(),
@@ -701,7 +693,6 @@ impl Engine {
                     Precision::Fast
                 },
                 route_inside_max_rows: opts.route_inside_max_rows.unwrap_or(1),
-                route_in_router: opts.route_in_router.unwrap_or(false),
                 attention_walk,
                 dense_group_cols,
                 decode_shapes: opts.decode_shapes.clone(),
@@ -1617,14 +1608,6 @@ impl Engine {
         let coop =
             crate::ops::matmul::coop_accumulator(&self.gpu, crate::ops::matmul::CoopTile::NARROW_128X16);
         self.model.tensor_core_decode_cols.filter(|_| coop.is_some())
-    }
-
-    /// Whether decode steps route in the router mat-vec (`EngineOptions::route_in_router`, where
-    /// the device can: subgroups of one size; a layer whose router is not stacked still routes
-    /// apart).
-    pub fn route_in_router(&self) -> bool {
-        self.model.route_in_router
-            && crate::ops::matmul::route_lanes(&self.gpu, self.model.cfg.experts).is_some()
     }
 
     /// Whether this engine arms its decode steps (`EngineOptions::armed_steps`, where they apply).

@@ -6,10 +6,9 @@
 // reductions, no barrier. Several subgroups of a workgroup may route the same token: they compute
 // the same picks in the same order.
 //
-// The including kernel defines route_logit(i: u32) -> f32 (logit i of the buffer it routes from:
-// its own router logits binding, or the logits a mat-vec has just written), declares ROUTE_IDS
-// (array<u32>, read_write) and ROUTE_W (array<f32>, read_write), and defines RSG (its subgroup
-// size) and PER_LANE (ceil(experts / RSG)).
+// The including kernel declares ROUTE_LOGITS (array<f32>), ROUTE_IDS (array<u32>, read_write) and
+// ROUTE_W (array<f32>, read_write), and defines RSG (its subgroup size) and PER_LANE
+// (ceil(experts / RSG)).
 //
 // The picks compare integer keys, not floats: a probability is >= 0, so its float bits order as
 // a u32 does; the key is those bits + 1, and 0 marks a taken expert (or a NaN, which no float
@@ -26,11 +25,11 @@ const ROUTE_KEY_TAKEN: u32 = 0u;
 const ROUTE_MIN_WEIGHT_SUM: f32 = 6.1e-5;
 
 struct RouteArgs {
-    // Logits of the token at route_logit(logits + e) for e < experts; pick k of them.
+    // Logits of the token at ROUTE_LOGITS[logits + e] for e < experts; pick k of them.
     logits: u32,
     experts: u32,
     k: u32,
-    // With `with_shared`, the shared expert's id (pick k) and its gate logit at route_logit(gate).
+    // With `with_shared`, the shared expert's id (pick k) and its gate logit at ROUTE_LOGITS[gate].
     with_shared: bool,
     shared_id: u32,
     gate: u32,
@@ -47,7 +46,7 @@ fn route_token(lane: u32, a: RouteArgs) -> u32 {
 #for j in 0..PER_LANE
     probs[{{j}}] = ROUTE_TAKEN;
     if lane + {{j}}u * {{RSG}}u < a.experts {
-        probs[{{j}}] = route_logit(a.logits + lane + {{j}}u * {{RSG}}u);
+        probs[{{j}}] = ROUTE_LOGITS[a.logits + lane + {{j}}u * {{RSG}}u];
         local_max = max(local_max, probs[{{j}}]);
     }
 #endfor
@@ -111,7 +110,7 @@ fn route_token(lane: u32, a: RouteArgs) -> u32 {
         }
         if a.with_shared {
             ROUTE_IDS[a.out + a.k] = a.shared_id;
-            ROUTE_W[a.out + a.k] = 1.0 / (1.0 + exp(-route_logit(a.gate)));
+            ROUTE_W[a.out + a.k] = 1.0 / (1.0 + exp(-ROUTE_LOGITS[a.gate]));
         }
     }
     if a.with_shared && a.want == a.k {

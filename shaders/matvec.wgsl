@@ -48,10 +48,6 @@
 #include "common_reduce.wgsl"
 #if ROUTE
 #include "common_route.wgsl"
-#else
-#if RTAIL
-#include "common_route.wgsl"
-#endif
 #endif
 #if PRE == head_rms
 #include "common_head_rms.wgsl"
@@ -96,10 +92,6 @@
 #define PER_LANE 16
 #define B_RW 4
 #define B_RL 5
-// Dense with EPI=store: the last workgroup routes the columns it wrote (the router's logits;
-// RSG, PER_LANE as for ROUTE; bindings B_IDS, B_RW and the workgroup count B_TC).
-#define RTAIL 0
-#define B_TC 5
 // Steps per loop iteration of the word paths (loads of all issued first); 1 for many columns,
 // whose activation registers would otherwise crowd out occupancy.
 #define UNROLL 2
@@ -134,8 +126,6 @@
 #variants QTYPE=mxfp4
 #variants QTYPE=iq4_xs NR=8 WG=32 ACC4=2 PRE=rms
 #variants QTYPE=f32 NC=6 NR=2 ACC4=3 NC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4
-#variants QTYPE=f32 NR=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4 RTAIL=1 B_IDS=5 B_RW=6 B_TC=7 SUBGROUPS=1
-#variants QTYPE=f32 NC=4 CG=2 NR=2 ACC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4 RTAIL=1 B_IDS=5 B_RW=6 B_TC=7 SUBGROUPS=1 RSG=8 PER_LANE=64
 #variants QTYPE=f32 NC=3 CG=2 NR=2 ACC4=2 PRE=rms XN_STORE=1 B_NORM=3 B_XN=4
 #variants QTYPE=q4_k NC=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
 #variants QTYPE=iq4_xs NR=8 WG=64 ACC4=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6 EXTRA=1 B_W2=7
@@ -165,10 +155,6 @@ var<immediate> P: MatvecParams;
 @group(0) @binding({{B_IDS}}) var<storage, read_write> ROUTE_IDS: array<u32>;
 @group(0) @binding({{B_RW}}) var<storage, read_write> ROUTE_W: array<f32>;
 @group(0) @binding({{B_RL}}) var<storage, read> ROUTE_LOGITS: array<f32>;
-
-fn route_logit(i: u32) -> f32 {
-    return ROUTE_LOGITS[i];
-}
 #else
 @group(0) @binding({{B_IDS}}) var<storage, read> IDS: array<u32>;
 #endif
@@ -199,49 +185,6 @@ var<workgroup> head_inv: array<f32, {{NC}} * {{HEADS}}>;
 @group(0) @binding({{B_CW}}) var<storage, read> CONV_W: array<f32>;
 @group(0) @binding({{B_ST}}) var<storage, read_write> STATE: array<f32>;
 @group(0) @binding({{B_SL}}) var<storage, read> SLOTS: array<u32>;
-#endif
-
-#if RTAIL
-// The router's tail (dense, EPI=store): the logits this dispatch writes to Y are routed by its
-// last workgroup, picks to ROUTE_IDS / ROUTE_W; TAIL_COUNT[0] counts finished workgroups.
-@group(0) @binding({{B_IDS}}) var<storage, read_write> ROUTE_IDS: array<u32>;
-@group(0) @binding({{B_RW}}) var<storage, read_write> ROUTE_W: array<f32>;
-@group(0) @binding({{B_TC}}) var<storage, read_write> TAIL_COUNT: array<atomic<u32>>;
-var<workgroup> tail_last: u32;
-
-fn route_logit(i: u32) -> f32 {
-    return Y[i];
-}
-
-// Called by every workgroup that computed rows (uniform control flow), after its stores. Each
-// releases its logits (storageBarrier: a device-scope fence with the workgroup barrier) before it
-// counts itself; the workgroup that counts last acquires everyone's (the same fence after the
-// count) and routes every column of the dispatch, one subgroup per column (common_route.wgsl, the
-// router kernel's picks in the router kernel's order), then resets the count for the next
-// dispatch. No workgroup waits for another, so nothing depends on how the GPU schedules them.
-fn route_tail(ids: ComputeIds) {
-    storageBarrier();
-    if ids.lid == 0u {
-        let groups = ((P.rows + {{NR}}u - 1u) / {{NR}}u) * {{CG}}u;
-        let before = atomicAdd(&TAIL_COUNT[0], 1u);
-        tail_last = select(0u, 1u, before + 1u == groups);
-    }
-    if workgroupUniformLoad(&tail_last) == 0u {
-        return;
-    }
-    storageBarrier();
-    let with_shared = P.route_shared != 0u;
-    let k = P.n_used - select(0u, 1u, with_shared);
-    for (var c = ids.sg_id; c < {{NC}}u * {{CG}}u; c += ids.n_sg) {
-        let logits = P.y_offset + c * P.y_stride;
-        let args = RouteArgs(logits, P.route_experts, k, with_shared, P.route_experts,
-            logits + P.route_experts, P.ids_offset + c * P.n_used, true, 0u);
-        route_token(ids.sg_lane, args);
-    }
-    if ids.lid == 0u {
-        atomicStore(&TAIL_COUNT[0], 0u);
-    }
-}
 #endif
 
 // Where this workgroup's activation columns start (vec4 index) and how far apart they are.
@@ -882,7 +825,4 @@ fn main(ids: ComputeIds) {
             store_out(o, out_row0 + r, x_col0 + c, y);
         }
     }
-#if RTAIL
-    route_tail(ids);
-#endif
 }

@@ -39,10 +39,6 @@ var<immediate> P: RouterImmediates;
 @group(0) @binding(3) var<storage, read> GATE: array<f32>;
 #endif
 
-fn route_logit(i: u32) -> f32 {
-    return ROUTE_LOGITS[i];
-}
-
 #if SG
 @compute @workgroup_size({{SG}})
 fn main(ids: ComputeIds) {

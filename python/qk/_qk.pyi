@@ -120,7 +120,6 @@ class Engine:
         weight_arena: bool | None = None,
         armed_steps: bool | None = None,
         tensor_core_decode_cols: int | None = None,
-        route_in_router: bool | None = None,
     ) -> Engine: ...
     def generate(self, tokens: Sequence[int], max_new: int, slot: int = 0) -> list[int]: ...
     def stage_run(

@@ -23,8 +23,8 @@ use crate::ops::elementwise::{self, EwArgs, EwKind, EwParams};
 use crate::ops::gdn_step::{self, GdnStepArgs, GdnStepParams};
 use crate::ops::matmul::{
     Columns, ExpertIds, MatvecFusion, MatvecInput, MatvecLaunch, MatvecOutput, MatvecShape, MoeInput,
-    MoeRoute, RouteTail, matvec_coop, matvec_coop_fits, matvec_id_routed, matvec_id_sum, matvec_id_with,
-    matvec_shaped, route_lanes, takes_f32_rows,
+    MoeRoute, matvec_coop, matvec_coop_fits, matvec_id_routed, matvec_id_sum, matvec_id_with, matvec_shaped,
+    route_lanes, takes_f32_rows,
 };
 use crate::ops::router::{self, RouterParams, SharedSlot};
 
@@ -455,30 +455,9 @@ impl Model {
             output: MatvecOutput::Store,
         };
         rec.op("moe.router_mv", layer, w.router.bytes());
-        let shared_picks = u32::from(w.shared_in_experts);
-        // The router's last workgroup routes (one dispatch and no per-workgroup routing after it).
-        let tail = match &w.router {
-            Stacked::One(_) if self.route_in_router && route_lanes(gpu, ne).is_some() => Some(RouteTail {
-                ids: &s.expert_ids,
-                weights: &s.expert_w,
-                counter: &s.route_count,
-                ids_offset: 0,
-                n_used: k + shared_picks,
-                experts: ne,
-                shared: w.shared_in_experts,
-            }),
-            _ => None,
-        };
         let (stride, gate_buf, gate_offset, gate_stride) = match &w.router {
             Stacked::One(r) => {
                 let stride = ne + 1;
-                let fusion = match tail {
-                    Some(route) => MatvecFusion {
-                        output: MatvecOutput::Routed(route),
-                        ..norm_store
-                    },
-                    None => norm_store,
-                };
                 self.dense(
                     gpu,
                     rec,
@@ -487,7 +466,7 @@ impl Model {
                     xc,
                     Columns::packed(&s.router_logits, stride),
                     t,
-                    &fusion,
+                    &norm_store,
                 )?;
                 (stride, &s.router_logits, ne, stride)
             }
@@ -545,20 +524,7 @@ impl Model {
         // product routes its tokens itself where the device can: one dispatch fewer per layer, but
         // every workgroup of the product routes its token (see `route_inside_max_rows`).
         let stacked_router = matches!(w.router, Stacked::One(_));
-        if tail.is_some() {
-            rec.op("moe.gate_up", layer, expert_bytes(gate_up, picks, t));
-            matvec_id_with(
-                gpu,
-                rec,
-                gate_up,
-                xn,
-                gu_out,
-                ids,
-                MoeInput::PerToken,
-                MatvecInput::Plain,
-                self.given_shape(rec),
-            )?;
-        } else if stacked_router && route_lanes(gpu, ne).is_some() && t <= self.route_inside_max_rows {
+        if stacked_router && route_lanes(gpu, ne).is_some() && t <= self.route_inside_max_rows {
             let route = MoeRoute {
                 logits: &s.router_logits,
                 offset: 0,

@@ -183,8 +183,6 @@ pub struct Scratch {
     pub(crate) router_logits: GpuBuffer,
     pub(crate) expert_ids: GpuBuffer,
     pub(crate) expert_w: GpuBuffer,
-    /// The router tail's count of finished workgroups (one u32, back to zero after each dispatch).
-    pub(crate) route_count: GpuBuffer,
     /// The rows' (token, slot) entries grouped by expert for the grouped mat-mat (u32).
     pub(crate) expert_groups: GpuBuffer,
     pub(crate) gate_up: GpuBuffer,
@@ -288,7 +286,6 @@ impl Scratch {
             // k routed picks, and the shared expert as pick k in the decode step.
             expert_ids: buf("moe.ids", r * (k + 1))?,
             expert_w: buf("moe.weights", r * (k + 1))?,
-            route_count: buf("moe.route_count", 1)?,
             expert_groups: buf(
                 "moe.groups",
                 GroupShape {
@@ -458,9 +455,6 @@ pub struct Model {
     /// Decode steps of up to this many rows route inside the experts' gate/up product
     /// (`EngineOptions::route_inside_max_rows`; 1 by default).
     pub route_inside_max_rows: u32,
-    /// Decode steps route in the router mat-vec's last workgroup (`EngineOptions::route_in_router`),
-    /// where the device can; `route_inside_max_rows` then does not apply.
-    pub route_in_router: bool,
     /// How decode attention walks the keys (`EngineOptions::attention_walk`).
     pub attention_walk: attention::DecodeTuning,
     /// Columns per workgroup of the decode step's dense mat-vecs at most

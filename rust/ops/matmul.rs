@@ -163,25 +163,6 @@ pub enum MatvecOutput<'a> {
         taps: u32,
         state_stride: u32,
     },
-    /// y = W·x stored: a stacked router's logits (the experts', then the shared expert's gate
-    /// logit when `shared`), which the dispatch's last workgroup then routes (matvec.wgsl `RTAIL`).
-    Routed(RouteTail<'a>),
-}
-
-/// Where a router mat-vec's own routing puts its picks: per column c, `n_used` ids and weights from
-/// index `ids_offset + c · n_used` (the router kernel's layout, the shared expert as the last pick
-/// when `shared`), with `counter` (one u32, zero between dispatches) counting the dispatch's
-/// finished workgroups so that the last one routes. One dispatch fewer per layer than the router
-/// kernel, and no routing repeated in every workgroup of the expert product that follows.
-#[derive(Clone, Copy, Debug)]
-pub struct RouteTail<'a> {
-    pub ids: &'a GpuBuffer,
-    pub weights: &'a GpuBuffer,
-    pub counter: &'a GpuBuffer,
-    pub ids_offset: u32,
-    pub n_used: u32,
-    pub experts: u32,
-    pub shared: bool,
 }
 
 /// The fused stages of one mat-vec dispatch.
@@ -231,12 +212,6 @@ impl<'a> MatvecFusion<'a> {
                 d.push(("B_ST", take()));
                 d.push(("B_SL", take()));
             }
-            MatvecOutput::Routed(_) => {
-                d.push(("RTAIL", "1".into()));
-                d.push(("B_IDS", take()));
-                d.push(("B_RW", take()));
-                d.push(("B_TC", take()));
-            }
         }
         d
     }
@@ -261,7 +236,6 @@ impl<'a> MatvecFusion<'a> {
                 slots,
                 ..
             } => b.extend([weights.all(), state.all(), slots.all()]),
-            MatvecOutput::Routed(r) => b.extend([r.ids.all(), r.weights.all(), r.counter.all()]),
         }
         b
     }
@@ -297,12 +271,6 @@ impl<'a> MatvecFusion<'a> {
             p.taps = taps;
             p.state_stride = state_stride;
             p.slots_offset = slots_offset;
-        }
-        if let MatvecOutput::Routed(r) = self.output {
-            p.ids_offset = r.ids_offset;
-            p.n_used = r.n_used;
-            p.route_experts = r.experts;
-            p.route_shared = u32::from(r.shared);
         }
     }
 }
@@ -701,7 +669,7 @@ pub fn matvec_coop_fits(gpu: &Gpu, w: &WeightTensor, ncols: u32, fusion: &Matvec
     let stages = !matches!(
         fusion.input,
         MatvecInput::SiluMul { .. } | MatvecInput::Rms { store: Some(_), .. }
-    ) && !matches!(fusion.output, MatvecOutput::Routed(_));
+    );
     stages
         && w.experts == 1
         && w.ty != GgmlType::F32
@@ -781,10 +749,6 @@ fn matvec_with(
     if let MatvecInput::SiluMul { up } = fusion.input {
         check_columns(&w.name, &x, silu_mul_len(w, up)?, u64::from(ncols), true)?;
     }
-    let route_defines = match fusion.output {
-        MatvecOutput::Routed(r) => check_route_tail(gpu, w, &r, ncols, extra.is_some())?,
-        _ => vec![],
-    };
     let k = as_u32(w.cols, "K")?;
     let mut done = 0u32;
     while done < ncols {
@@ -796,14 +760,13 @@ fn matvec_with(
             MatvecLaunch::Shape(shape) => shape,
         }
         .clamped();
-        let mut extra_defines = match extra {
+        let extra_defines = match extra {
             None => vec![],
             Some(_) => {
                 let binding = 3 + fusion.bindings().len();
                 vec![("EXTRA", "1".into()), ("B_W2", binding.to_string())]
             }
         };
-        extra_defines.extend(route_defines.iter().cloned());
         let col_groups = shape.groups_for(nc);
         let shape = shape.with_col_groups(col_groups);
         let pipe = matvec_pipeline(gpu, w.ty, nc / col_groups, false, shape, fusion, &extra_defines)?;
@@ -825,7 +788,6 @@ fn matvec_with(
             p.pre_offset += done * k;
             p.slots_offset += done;
             p.sq_offset += done * p.sq_stride;
-            p.ids_offset += done * p.n_used;
             let mut bindings = vec![win.buffer.all(), x.buf.all(), y.buf.all()];
             bindings.extend(fusion.bindings());
             let mut groups = as_u32(win.n_rows.div_ceil(u64::from(shape.rows)), "workgroups")?;
@@ -844,49 +806,6 @@ fn matvec_with(
         done += nc;
     }
     Ok(())
-}
-
-/// A router tail's operands, checked: a subgroup size that can route (`route_lanes`), one binding
-/// window of exactly the experts' rows (+ the shared gate's), no extra rows, room for every
-/// column's picks and a counter; returns the routing library's defines (RSG, PER_LANE).
-fn check_route_tail(
-    gpu: &Gpu,
-    w: &WeightTensor,
-    r: &RouteTail<'_>,
-    ncols: u32,
-    extra: bool,
-) -> Result<Vec<(&'static str, String)>> {
-    let bad = |msg: String| Err(QkError::Engine(format!("{} (routed): {msg}", w.name)));
-    let Some(lanes) = route_lanes(gpu, r.experts) else {
-        return bad(format!(
-            "this device cannot route {} experts inside a kernel",
-            r.experts
-        ));
-    };
-    let k = r.n_used.saturating_sub(u32::from(r.shared));
-    if w.windows.len() != 1 || extra || w.rows != u64::from(r.experts) + u64::from(r.shared) {
-        return bad(format!(
-            "{} rows in {} windows for {} experts{}",
-            w.rows,
-            w.windows.len(),
-            r.experts,
-            if r.shared { " and a shared gate" } else { "" }
-        ));
-    }
-    if k == 0 || k > crate::ops::router::MAX_K || k > r.experts || r.experts > crate::ops::router::MAX_EXPERTS
-    {
-        return bad(format!("top-{k} of {} experts", r.experts));
-    }
-    let end = (u64::from(r.ids_offset) + u64::from(ncols) * u64::from(r.n_used)) * 4;
-    if r.ids.size < end || r.weights.size < end || r.counter.size < 4 {
-        return bad(format!(
-            "picks end at byte {end}; ids, weights or counter too small"
-        ));
-    }
-    Ok(vec![
-        ("RSG", lanes.to_string()),
-        ("PER_LANE", r.experts.div_ceil(lanes).to_string()),
-    ])
 }
 
 /// Floats of one silu·mul input column (gate, then up `up` floats later), checked.

@@ -47,9 +47,6 @@ use crate::transport::engine_stage::lock_engine;
 /// run the mixers' dense products on tensor cores where the adapter has cooperative matrices (f16
 /// inputs; a fast engine only): gives such a step's slots other bytes than each would get stepping
 /// alone, and as built it is slower (H200: half the 8-slot rate; benches/RESULTS.md).
-/// `route_in_router` (default False): decode steps route their tokens in the router mat-vec's last
-/// workgroup instead of in a router kernel or in every workgroup of the experts' gate/up (a stacked
-/// router and subgroups of one size; elsewhere ignored); the same bytes either way.
 ///
 /// >>> eng = Engine("model.gguf", slots=2, ctx=4096)
 /// >>> eng.generate([1, 2, 3], max_new=8)
@@ -137,7 +134,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None, spin_wait_us = None, weight_arena = None, armed_steps = None, tensor_core_decode_cols = None, route_in_router = None))]
+    #[pyo3(signature = (path, layers = None, slots = 1, ctx = 4096, device = None, precise = false, cache_type_k = None, cache_type_v = None, prefill_rows = None, route_inside_max_rows = None, attention_walk = None, dense_group_cols = None, decode_shapes = None, spin_wait_us = None, weight_arena = None, armed_steps = None, tensor_core_decode_cols = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -158,7 +155,6 @@ impl PyEngine {
         weight_arena: Option<bool>,
         armed_steps: Option<bool>,
         tensor_core_decode_cols: Option<u32>,
-        route_in_router: Option<bool>,
     ) -> PyResult<Self> {
         let parse = |t: Option<String>| t.map(|t| KvType::parse(&t)).transpose();
         let opts = EngineOptions {
@@ -171,7 +167,6 @@ impl PyEngine {
             cache_type_v: parse(cache_type_v)?,
             prefill_rows,
             route_inside_max_rows,
-            route_in_router,
             attention_walk: attention_walk.map(walk_from).transpose()?,
             dense_group_cols,
             decode_shapes: decode_shapes
@@ -401,7 +396,6 @@ impl PyEngine {
         d.set_item("weight_arena", eng.weight_arena())?;
         d.set_item("armed_steps", eng.armed_steps())?;
         d.set_item("tensor_core_decode_cols", eng.tensor_core_decode_cols())?;
-        d.set_item("route_in_router", eng.route_in_router())?;
         d.set_item("adapter", eng.gpu.adapter.name.clone())?;
         d.set_item("unchecked_shaders", eng.gpu.unchecked_shaders)?;
         let (k_type, v_type) = eng.kv_types();
