@@ -397,9 +397,6 @@ fn matrix_kernels(gpu: &Gpu, rng: &mut Rng, target_bytes: u64, iters: u32, copy_
 fn kernel_name(kernel: MatmulKernel) -> String {
     match kernel {
         MatmulKernel::Tiled => "tiled".to_string(),
-        MatmulKernel::Coop(t) if t.k_split > 1 => {
-            format!("coop{}x{}k{}/{}", t.rows, t.cols, t.k_step, t.k_split)
-        }
         MatmulKernel::Coop(t) if t.k_step != 32 => format!("coop{}x{}k{}", t.rows, t.cols, t.k_step),
         MatmulKernel::Coop(t) => format!("coop{}x{}", t.rows, t.cols),
     }
@@ -1045,14 +1042,7 @@ fn coop_decode(gpu: &Gpu, rng: &mut Rng) {
         .expect("partials");
     let bytes = (w.rows * w.row_bytes) as f64;
     let iters = if smoke() { 1 } else { 20 };
-    let kernels = coop_kernels(
-        gpu,
-        &[
-            CoopTile::DECODE_32X16,
-            CoopTile::NARROW_128X16,
-            CoopTile::SQUARE_64,
-        ],
-    );
+    let kernels = coop_kernels(gpu, &[CoopTile::NARROW_128X16, CoopTile::SQUARE_64]);
     if kernels.is_empty() {
         println!("coop decode: no cooperative matrices on this adapter");
         return;

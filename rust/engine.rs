@@ -1606,7 +1606,7 @@ impl Engine {
     /// has no cooperative matrices).
     pub fn tensor_core_decode_cols(&self) -> Option<u32> {
         let coop =
-            crate::ops::matmul::coop_accumulator(&self.gpu, crate::ops::matmul::CoopTile::DECODE_32X16);
+            crate::ops::matmul::coop_accumulator(&self.gpu, crate::ops::matmul::CoopTile::NARROW_128X16);
         self.model.tensor_core_decode_cols.filter(|_| coop.is_some())
     }
 

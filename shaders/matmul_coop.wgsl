@@ -47,12 +47,6 @@ enable wgpu_cooperative_matrix;
 #define MOE 0
 #define TK 32
 #define KK 2
-// KSPLIT > 1 (decode): KSPLIT subgroups share each WM × WN block, subgroup s taking KPS = KK /
-// KSPLIT of every K step's F-wide chunks (chunks KPS·(s mod KSPLIT) onwards), and their partial
-// blocks are added in subgroup order before the epilogue: a narrow tile of few rows still keeps
-// several subgroups busy, and the fused stages still see whole sums.
-#define KSPLIT 1
-#define KPS 2
 // Per-invocation loop counts of one K step's fill (X vec4, IQ4_XS rows), passed in so the
 // loops unroll (`#for`) and their arrays stay in registers; checked against the tile below.
 #define XH 4
@@ -81,10 +75,10 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 XH=1 WPT=4
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 XH=1 WPT=4
 #variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 ACC=f16 XH=1
-#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 TK=64 KK=4 XH=2 WPT=8 KPS=4
+#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 MOE=1 TK=64 KK=4 XH=2 WPT=8
 #variants QTYPE=iq4_xs TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1 WPT=4
-#variants QTYPE=q8_0 TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1 ACC=f16 TK=64 KK=4 XH=8 WPT=2 KPS=4
-#variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4 XH=8 WPT=4 KPS=4
+#variants QTYPE=q8_0 TM=128 TN=64 WM=64 WN=32 AM=4 AN=2 SGS=4 MOE=1 ACC=f16 TK=64 KK=4 XH=8 WPT=2
+#variants QTYPE=iq4_xs TM=128 TN=128 WM=64 WN=32 AM=4 AN=2 SGS=8 TK=64 KK=4 XH=8 WPT=4
 #variants QTYPE=q4_1
 #variants QTYPE=q5_0
 #variants QTYPE=q5_1
@@ -99,14 +93,11 @@ enable wgpu_cooperative_matrix;
 #variants QTYPE=iq3_s
 #variants QTYPE=mxfp4
 #variants QTYPE=iq4_xs TM=128 TN=64 WM=32 WN=32 AM=2 AN=2 SGS=8 MOE=1 XH=2
-#variants QTYPE=iq4_xs F=8 SG=8 AM=4 AN=4 KK=4 XH=16 WPT=8 KPS=4
-#variants QTYPE=q6_k F=8 SG=8 AM=4 AN=4 KK=4 XH=16 KPS=4
+#variants QTYPE=iq4_xs F=8 SG=8 AM=4 AN=4 KK=4 XH=16 WPT=8
+#variants QTYPE=q6_k F=8 SG=8 AM=4 AN=4 KK=4 XH=16
 #variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 XH=1 WPT=4 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
-#variants QTYPE=iq4_xs TM=32 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 KSPLIT=4 TK=64 KK=4 KPS=1 XH=2 WPT=2 PRE=rms EPI=conv B_NORM=3 B_CW=4 B_ST=5 B_SL=6
-#variants QTYPE=q8_0 TM=32 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 KSPLIT=4 TK=64 KK=4 KPS=1 XH=2 PRE=head_rms EPI=add B_SQ=3 B_RES=4
-#variants QTYPE=iq4_xs TM=32 TN=16 WM=32 WN=16 AM=4 AN=2 SGS=4 KSPLIT=4 F=8 SG=8 TK=64 KK=8 KPS=2 XH=8 WPT=8 PRE=rms
 #variants QTYPE=q8_0 TM=128 TN=16 WM=32 WN=16 AM=2 AN=1 SGS=4 XH=1 PRE=head_rms EPI=add B_SQ=3 B_RES=4
-#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=4 AN=2 SGS=4 F=8 SG=8 KK=4 XH=4 WPT=16 PRE=rms KPS=4
+#variants QTYPE=iq4_xs TM=128 TN=16 WM=32 WN=16 AM=4 AN=2 SGS=4 F=8 SG=8 KK=4 XH=4 WPT=16 PRE=rms
 
 // Row pitch of the f16 tiles in halves: TK + 8 keeps every F×F load 16-byte aligned (80- or
 // 144-byte rows) while shifting successive rows across memory banks (LDM, TM + 8, likewise).
@@ -114,8 +105,6 @@ const LD = {{TK}}u + 8u;
 const THREADS = {{SGS}}u * {{SG}}u;
 // Subgroup blocks along the rows of the tile.
 const SG_ROWS = {{TM}}u / {{WM}}u;
-const_assert {{KPS}}u * {{KSPLIT}}u == {{KK}}u;
-const_assert {{SGS}}u % {{KSPLIT}}u == 0u;
 // 8-weight groups and X vec4 per row / column and K step.
 const WG8 = {{TK}}u / 8u;
 const XK4 = {{TK}}u / 4u;
@@ -265,11 +254,8 @@ fn main(ids: ComputeIds) {
         let sl = subgroup_lane(ids, {{SG}}u);
         let sg = sl.x;
         let lane = sl.y;
-        // This subgroup's block and its share of each K step's chunks.
-        let blk = sg / {{KSPLIT}}u;
-        let kpart = sg % {{KSPLIT}}u;
-        let sm = {{WM}}u * (blk % SG_ROWS);
-        let sn = {{WN}}u * (blk / SG_ROWS);
+        let sm = {{WM}}u * (sg % SG_ROWS);
+        let sn = {{WN}}u * (sg / SG_ROWS);
         let groups = P.k / 8u;
         // Where this invocation's X loads start: the same columns every K step, so found once (a
         // grouped tile's column comes from the sorted entries, a dependent read per step otherwise).
@@ -377,18 +363,17 @@ fn main(ids: ComputeIds) {
                 prefetch_w(&w_next, tile, m0, k0 + {{TK}}u, kr.x, t);
 #endif
             }
-#for kk in 0..KPS
+#for kk in 0..KK
             {
-                let kc = {{F}}u * (kpart * {{KPS}}u + {{kk}}u);
 #for a in 0..AM
 #if QTYPE == iq4_xs
-                let a{{a}} = coopLoad<coop_mat{{F}}x{{F}}<f16, A>>(&w_tile[kc * LDM + sm + {{F}}u * {{a}}u], LDM);
+                let a{{a}} = coopLoad<coop_mat{{F}}x{{F}}<f16, A>>(&w_tile[{{F}}u * {{kk}}u * LDM + sm + {{F}}u * {{a}}u], LDM);
 #else
-                let a{{a}} = coopLoadT<coop_mat{{F}}x{{F}}<f16, A>>(&w_tile[(sm + {{F}}u * {{a}}u) * LD + kc], LD);
+                let a{{a}} = coopLoadT<coop_mat{{F}}x{{F}}<f16, A>>(&w_tile[(sm + {{F}}u * {{a}}u) * LD + {{F}}u * {{kk}}u], LD);
 #endif
 #endfor
 #for b in 0..AN
-                let b{{b}} = coopLoad<coop_mat{{F}}x{{F}}<f16, B>>(&x_tile[(sn + {{F}}u * {{b}}u) * LD + kc], LD);
+                let b{{b}} = coopLoad<coop_mat{{F}}x{{F}}<f16, B>>(&x_tile[(sn + {{F}}u * {{b}}u) * LD + {{F}}u * {{kk}}u], LD);
 #endfor
 #for a in 0..AM
 #for b in 0..AN
@@ -419,32 +404,17 @@ fn main(ids: ComputeIds) {
         }
         workgroupBarrier();
 #endif
-        // Each accumulator through the subgroup's staging block, then out with clipping: by the
-        // subgroup's own lanes, or (KSPLIT) by the whole workgroup, each output the sum of its
-        // block's KSPLIT partials in subgroup order.
+        // Each accumulator through the subgroup's staging block, then out by its lanes with clipping.
         let stage = sg * FF;
 #for a in 0..AM
 #for b in 0..AN
         coopStore(acc{{a}}{{b}}, &c_stage[stage], {{F}}u);
         workgroupBarrier();
-#if KSPLIT == 1
         for (var e = lane; e < FF; e += {{SG}}u) {
             let m = m0 + sm + {{F}}u * {{a}}u + e % {{F}}u;
             let n = sn + {{F}}u * {{b}}u + e / {{F}}u;
             if m < P.rows && n < tile.cols {
                 var y = f32(c_stage[stage + e]);
-#else
-        for (var i = t; i < ({{SGS}}u / {{KSPLIT}}u) * FF; i += THREADS) {
-            let ob = i / FF;
-            let e = i % FF;
-            let m = m0 + {{WM}}u * (ob % SG_ROWS) + {{F}}u * {{a}}u + e % {{F}}u;
-            let n = {{WN}}u * (ob / SG_ROWS) + {{F}}u * {{b}}u + e / {{F}}u;
-            if m < P.rows && n < tile.cols {
-                var y = f32(c_stage[ob * {{KSPLIT}}u * FF + e]);
-                for (var p = 1u; p < {{KSPLIT}}u; p++) {
-                    y += f32(c_stage[(ob * {{KSPLIT}}u + p) * FF + e]);
-                }
-#endif
 #if PRE == rms
                 y *= col_scale[n];
 #endif

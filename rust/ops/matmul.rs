@@ -674,16 +674,15 @@ pub fn matvec_coop_fits(gpu: &Gpu, w: &WeightTensor, ncols: u32, fusion: &Matvec
         && w.experts == 1
         && w.ty != GgmlType::F32
         && w.windows.len() == 1
-        && (1..=CoopTile::DECODE_32X16.cols).contains(&ncols)
-        && coop_accumulator(gpu, CoopTile::DECODE_32X16).is_some()
+        && (1..=CoopTile::NARROW_128X16.cols).contains(&ncols)
+        && coop_accumulator(gpu, CoopTile::NARROW_128X16).is_some()
 }
 
 /// A decode step's dense product on tensor cores: y[:, j] = W · x[:, j] for j < `ncols` (≤ 16),
-/// with `fusion`'s stages as the mat-vec applies them, in the 32 × 16 decode tile whose subgroups
-/// split K ([`CoopTile::DECODE_32X16`]; f16 inputs, as prefill's products; [`matvec_coop_fits`]
-/// says where it runs). One workgroup per 32 rows reads each weight once for all the columns,
-/// where the mat-vec's arithmetic grows with them. Its bytes are not the mat-vec's (f16 inputs,
-/// another summation order).
+/// with `fusion`'s stages as the mat-vec applies them, in the narrow 128 × 16 cooperative tile
+/// (f16 inputs, as prefill's products; [`matvec_coop_fits`] says where it runs). One dispatch per
+/// 128 rows reads each weight once for all the columns, where the mat-vec's arithmetic grows with
+/// them. Its bytes are not the mat-vec's (f16 inputs, another summation order).
 #[allow(clippy::too_many_arguments)]
 pub fn matvec_coop(
     gpu: &Gpu,
@@ -702,7 +701,7 @@ pub fn matvec_coop(
             w.name, w.ty, gpu.adapter.name
         ))
     );
-    let kernel = MatmulKernel::Coop(CoopTile::DECODE_32X16);
+    let kernel = MatmulKernel::Coop(CoopTile::NARROW_128X16);
     matmul_dense(gpu, rec, w, x, y, ncols, kernel, 1, None, fusion)
 }
 
@@ -1284,9 +1283,6 @@ pub struct CoopTile {
     pub sg_cols: u32,
     /// K per step between barriers: 32 or 64 (the outputs are the same either way).
     pub k_step: u32,
-    /// Subgroups sharing each sg_rows × sg_cols block, each taking 1/k_split of every K step
-    /// (matmul_coop.wgsl `KSPLIT`; its partial sums added in the workgroup). 1 but for decode.
-    pub k_split: u32,
 }
 
 impl CoopTile {
@@ -1297,7 +1293,6 @@ impl CoopTile {
             sg_rows,
             sg_cols,
             k_step,
-            k_split: 1,
         }
     }
 
@@ -1327,20 +1322,12 @@ impl CoopTile {
     /// A dense tile one 16-wide matrix across (the MOE tile's shape): decode's few columns on
     /// tensor cores, which benches/kernels.rs times against the mat-vec; no product picks it yet.
     pub const NARROW_128X16: CoopTile = CoopTile::new(128, 16, 32, 16, DENSE_K_STEP);
-    /// The decode products' tile ([`matvec_coop`]): 32 rows × one 16-wide matrix, its 4 subgroups
-    /// each taking a quarter of every 64-wide K step, so a 2048-row product gives 64 workgroups
-    /// and a 12,288-row one 384 (NARROW_128X16, one subgroup per 32 rows, gave 16 and 96: on the
-    /// H200 it ran the decode products 2–6× slower than the mat-vec, benches/RESULTS.md).
-    pub const DECODE_32X16: CoopTile = CoopTile {
-        k_split: 4,
-        ..CoopTile::new(32, 16, 32, 16, 64)
-    };
 
-    /// One of the DENSE tiles, NARROW_128X16 or DECODE_32X16, whatever its K step.
+    /// One of the DENSE tiles or NARROW_128X16, whatever its K step.
     fn is_dense(self) -> bool {
         CoopTile::DENSE
             .iter()
-            .chain([&CoopTile::NARROW_128X16, &CoopTile::DECODE_32X16])
+            .chain([&CoopTile::NARROW_128X16])
             .any(|t| t.with_k_step(self.k_step) == self)
     }
 
@@ -1352,7 +1339,7 @@ impl CoopTile {
     }
 
     pub fn subgroups(self) -> u32 {
-        (self.rows / self.sg_rows) * (self.cols / self.sg_cols) * self.k_split
+        (self.rows / self.sg_rows) * (self.cols / self.sg_cols)
     }
 
     /// Workgroup memory: the two f16 tiles (pitch k_step + 8; the IQ4_XS W tile is k-major, pitch
@@ -1361,9 +1348,9 @@ impl CoopTile {
         (self.rows + self.cols) * (self.k_step + 8) * 2 + self.subgroups() * fragment * fragment * acc_bytes
     }
 
-    /// Only the K steps the shader is written for, each split into whole 16-wide chunks.
+    /// Only the K steps the shader is written for.
     fn valid(self) -> bool {
-        matches!(self.k_step, 32 | 64) && self.k_split >= 1 && (self.k_step / 16).is_multiple_of(self.k_split)
+        matches!(self.k_step, 32 | 64)
     }
 }
 
@@ -1674,8 +1661,6 @@ fn matmul_pipeline_with(
                 ("SGS", tile.subgroups().to_string()),
                 ("TK", tile.k_step.to_string()),
                 ("KK", (tile.k_step / f).to_string()),
-                ("KSPLIT", tile.k_split.to_string()),
-                ("KPS", (tile.k_step / f / tile.k_split).to_string()),
                 ("MOE", moe_flag),
                 ("XH", per_invocation(tile.cols * tile.k_step / 4).to_string()),
                 ("WPT", per_invocation(tile.rows * tile.k_step / 8).to_string()),

@@ -948,7 +948,7 @@ impl<'a> DecodeBuffers<'a> {
 fn tensor_core_decode_products_match_the_mat_vec() {
     use qk::ops::matmul::{CoopTile, coop_accumulator, matvec_coop, matvec_coop_fits};
     let Some(gpu) = test_gpu(false) else { return };
-    let Some(acc) = coop_accumulator(gpu, CoopTile::DECODE_32X16) else {
+    let Some(acc) = coop_accumulator(gpu, CoopTile::NARROW_128X16) else {
         crate::matmul_tests::coop_not_exercised(gpu, "tensor-core decode products");
         return;
     };
