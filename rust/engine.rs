@@ -379,8 +379,9 @@ pub struct EngineOptions {
     /// the mat-vec's grows with the slots; the inputs are f16, as prefill's products. Such a step
     /// no longer gives a slot the bytes it gets stepping alone (another kernel); split ≡ unsplit
     /// and reuse ≡ no reuse still hold. Off: on the H200 (2026-12-05) it halved the 8-slot step's
-    /// rate, the 128-row tile leaving 16–96 workgroups per product unsplit in K
-    /// (benches/RESULTS.md); kept as the base of a version that splits K inside the workgroup.
+    /// rate, the 128-row tile leaving 16–96 workgroups per product unsplit in K; a 32-row tile
+    /// splitting K among its subgroups lost too (H100, 2026-12-06: a tile's dependent K steps
+    /// cost more than the mat-vec's one pass; benches/RESULTS.md).
     pub tensor_core_decode_cols: Option<u32>,
 }
 
