@@ -15,7 +15,7 @@ use crate::error::{QkError, Result};
 use crate::gguf::GgufFile;
 use crate::gpu::armed::ArmedInputs;
 use crate::gpu::record::{Encoded, OpLabel, SubmitProfile, Submitted};
-use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions};
+use crate::gpu::{CounterSnapshot, Gpu, GpuBuffer, GpuOptions, Recorder};
 use crate::model::decode::{EXPERT_DECODE_OPS, SHAPED_DECODE_OPS};
 use crate::model::forward::{Batch, Model, Scratch, SlotState, write_step_rows};
 use crate::model::kv::attn_shape;
@@ -292,6 +292,51 @@ enum HeadRows {
     Last,
     /// Every row, one head group per piece, logits read back ([`Engine::logits`]).
     Logits,
+}
+
+/// One recorded pass of the forward: where its `n` rows come from, which layer path runs them and
+/// what a last stage's head reads back. A prefill piece and a decode step are both recorded from
+/// one ([`Engine::record_forward`]), so check → embed → layers → head → top-k → reads is written
+/// once.
+struct ForwardPlan<'a> {
+    feed: Feed,
+    n: u32,
+    layers: LayerRows<'a>,
+    head: HeadPlan,
+}
+
+/// The layer path of a [`ForwardPlan`]'s rows.
+enum LayerRows<'a> {
+    /// One position of each slot: the fused decode layers (slot table and rows written already).
+    Step {
+        states: Vec<&'a SlotState>,
+        positions: &'a [u32],
+    },
+    /// Positions `base..base + n` of one slot: a prefill piece.
+    Piece { state: &'a SlotState, base: u32 },
+}
+
+/// What a last stage's head computes and reads back (a stage before it reads its hidden rows).
+#[derive(Clone, Copy)]
+enum HeadPlan {
+    /// Every row's top `k`, one read per row (a decode step).
+    EveryRow { k: u32 },
+    /// A prefill piece: the greedy id of each row as `rows` asks, the final row's top `k`, and
+    /// (HeadRows::Logits) the logits; `final_piece`: the call's last piece.
+    Piece {
+        k: u32,
+        rows: HeadRows,
+        final_piece: bool,
+    },
+}
+
+/// The reads a recorded forward pass returns: `(ticket, k)` id batches in row order (k pairs a
+/// row; a batch of k = 1 holds one pair per row), the hidden rows, the logits.
+#[derive(Default)]
+struct ForwardReads {
+    ids: Vec<(usize, u32)>,
+    hidden: Option<usize>,
+    logits: Option<usize>,
 }
 
 /// Rows of the next prefill piece at absolute position `pos` with `left` rows to go, at most `max`
@@ -998,8 +1043,6 @@ impl Engine {
         self.begin(slot, base, n)?;
         // A prefill writes the top-k rows a chained step would read its tokens from.
         self.chain_from = None;
-        let e = self.model.cfg.n_embd as usize;
-        let vocab = self.model.cfg.vocab as usize;
         let last = self.is_last();
         let mut hidden = Vec::new();
         let mut ids = Vec::with_capacity(n);
@@ -1014,7 +1057,6 @@ impl Engine {
             let len = piece_len(pos, (n - done) as u32, max, |c| column_class(gpu, precision, c)) as usize;
             let final_piece = done + len == n;
             self.write_input(&input, done, done + len)?;
-            let model = &self.model;
             let s = &self.scratch;
             let gpu = &self.gpu;
             let st = &self.slots[slot];
@@ -1024,59 +1066,33 @@ impl Engine {
             } else {
                 gpu.recorder()
             };
-            if matches!(input, StageInput::Tokens(_)) {
-                model.record_embed(gpu, &mut rec, s, Ids::packed(&s.tokens), t)?;
-            }
-            let cur = if len == 1 {
+            let positions = [pos];
+            let layers = if len == 1 {
                 self.slot_table = None;
                 gpu.write(&s.slots, 0, bytemuck::bytes_of(&(slot as u32)))?;
                 self.slot_table = Some(vec![slot as u32]);
-                write_step_rows(gpu, s, &[st], &[pos])?;
-                model.record_decode_layers(gpu, &mut rec, s, &[st], &[pos])?
+                write_step_rows(gpu, s, &[st], &positions)?;
+                LayerRows::Step {
+                    states: vec![st],
+                    positions: &positions,
+                }
             } else {
-                model.record_layers(gpu, &mut rec, s, &[st], Batch::Prefill { base: pos, n: t })?
+                LayerRows::Piece { state: st, base: pos }
             };
-            let mut tickets = Vec::new();
-            let mut hidden_ticket = None;
-            let mut logits_ticket = None;
-            if last {
-                // The head over groups of HEAD_ROWS rows: the argmax of every row but the piece's
-                // last, gathered in piece_ids; the last row gets its own k.
-                let k = if final_piece { topk.max(1) } else { 1 };
-                // HeadRows::Last: only the final piece's last group, which holds its final row.
-                let mut g0 = match head {
-                    HeadRows::Last if final_piece => (t - 1) / HEAD_ROWS * HEAD_ROWS,
-                    HeadRows::Last => t,
-                    _ => 0,
-                };
-                while g0 < t {
-                    let g = (t - g0).min(HEAD_ROWS);
-                    model.record_head_rows(gpu, &mut rec, s, cur, g0, g)?;
-                    let argmax_rows = if g0 + g == t { g - 1 } else { g };
-                    if argmax_rows > 0 && head != HeadRows::Last {
-                        model.record_topk_rows(gpu, &mut rec, s, 0, argmax_rows, 1, &s.results)?;
-                        let bytes = u64::from(argmax_rows) * 8;
-                        rec.copy(&s.results, 0, &s.piece_ids, u64::from(g0) * 8, bytes)?;
-                    }
-                    if g0 + g == t {
-                        model.record_topk_rows(gpu, &mut rec, s, g - 1, 1, k, &s.result_last)?;
-                    }
-                    g0 += g;
-                }
-                if head != HeadRows::Last {
-                    if t > 1 {
-                        tickets.push((rec.read(&s.piece_ids, 0, u64::from(t - 1) * 8)?, 1));
-                    }
-                    tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
-                } else if final_piece {
-                    tickets.push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
-                }
-                if want_logits {
-                    logits_ticket = Some(rec.read(&s.logits, 0, (len * vocab * 4) as u64)?);
-                }
-            } else {
-                hidden_ticket = Some(rec.read(&s.x[cur], 0, (len * e * 4) as u64)?);
-            }
+            let plan = ForwardPlan {
+                feed: match input {
+                    StageInput::Tokens(_) => Feed::Tokens,
+                    StageInput::Hidden(_) => Feed::Hidden,
+                },
+                n: t,
+                layers,
+                head: HeadPlan::Piece {
+                    k: if final_piece { topk.max(1) } else { 1 },
+                    rows: head,
+                    final_piece,
+                },
+            };
+            let reads = self.record_forward(&mut rec, &plan)?;
             let submitted = rec.finish()?.submit(gpu);
             if final_piece && profiles.is_none() {
                 self.record_first_step(slot, base + n as u32, topk)?;
@@ -1085,9 +1101,9 @@ impl Engine {
             if let (Some(list), Some(p)) = (profiles.as_mut(), finished.profile) {
                 list.push(p);
             }
-            for (i, (ticket, k)) in tickets.iter().enumerate() {
+            for (i, (ticket, k)) in reads.ids.iter().enumerate() {
                 let pairs: &[IdLogit] = bytemuck::cast_slice(&out[*ticket]);
-                if i + 1 < tickets.len() {
+                if i + 1 < reads.ids.len() {
                     // The batch of k = 1 rows: one pair per row.
                     ids.extend(pairs.iter().map(|p| p.id));
                     continue;
@@ -1097,10 +1113,10 @@ impl Engine {
                     top = pairs[..*k as usize].iter().map(|p| (p.id, p.logit)).collect();
                 }
             }
-            if let Some(tk) = hidden_ticket {
+            if let Some(tk) = reads.hidden {
                 hidden.extend_from_slice(bytemuck::cast_slice::<u8, f32>(&out[tk]));
             }
-            if let Some(tk) = logits_ticket {
+            if let Some(tk) = reads.logits {
                 logits.extend_from_slice(bytemuck::cast_slice::<u8, f32>(&out[tk]));
             }
             self.slots[slot].pos = pos + t;
@@ -1655,7 +1671,6 @@ impl Engine {
     ) -> Result<(Encoded, Vec<usize>)> {
         let n = shape.slots.len();
         let e = self.model.cfg.n_embd as usize;
-        let model = &self.model;
         let s = &self.scratch;
         let gpu = &self.gpu;
         let states: Vec<&SlotState> = shape.slots.iter().map(|&i| &self.slots[i]).collect();
@@ -1677,31 +1692,111 @@ impl Engine {
                 }
             }
         }
-        match shape.feed {
-            Feed::Tokens => model.record_embed(gpu, &mut rec, s, Ids::packed(&s.tokens), n as u32)?,
+        let plan = ForwardPlan {
+            feed: shape.feed,
+            n: n as u32,
+            layers: LayerRows::Step {
+                states,
+                positions: &shape.positions,
+            },
+            head: HeadPlan::EveryRow { k: shape.k },
+        };
+        let reads = self.record_forward(&mut rec, &plan)?;
+        let tickets = match reads.hidden {
+            Some(hidden) => vec![hidden],
+            None => reads.ids.iter().map(|&(ticket, _)| ticket).collect(),
+        };
+        Ok((rec.finish()?, tickets))
+    }
+
+    /// Record `plan` into `rec`: the embedding (ids from the tokens buffer or chained from the last
+    /// step's top-k; hidden rows are in x[0] already), its layers, then the LM head and top-k with
+    /// their reads on the last stage, or the read of the hidden rows on another.
+    fn record_forward(&self, rec: &mut Recorder<'_>, plan: &ForwardPlan<'_>) -> Result<ForwardReads> {
+        let model = &self.model;
+        let s = &self.scratch;
+        let gpu = &self.gpu;
+        let n = plan.n;
+        match plan.feed {
+            Feed::Tokens => model.record_embed(gpu, rec, s, Ids::packed(&s.tokens), n)?,
             Feed::Chained { stride } => {
                 let ids = Ids {
                     buf: &s.results,
                     offset: 0,
                     stride,
                 };
-                model.record_embed(gpu, &mut rec, s, ids, n as u32)?;
+                model.record_embed(gpu, rec, s, ids, n)?;
             }
             Feed::Hidden => {}
         }
-        let cur = model.record_decode_layers(gpu, &mut rec, s, &states, &shape.positions)?;
-        let k = shape.k;
-        let mut tickets = Vec::new();
-        if self.is_last() {
-            model.record_head(gpu, &mut rec, s, cur, n as u32)?;
-            model.record_topk_rows(gpu, &mut rec, s, 0, n as u32, k, &s.results)?;
-            for row in 0..n as u64 {
-                tickets.push(rec.read(&s.results, row * u64::from(k) * 8, u64::from(k) * 8)?);
+        let cur = match &plan.layers {
+            LayerRows::Step { states, positions } => {
+                model.record_decode_layers(gpu, rec, s, states, positions)?
             }
-        } else {
-            tickets.push(rec.read(&s.x[cur], 0, (n * e * 4) as u64)?);
+            LayerRows::Piece { state, base } => {
+                model.record_layers(gpu, rec, s, &[state], Batch::Prefill { base: *base, n })?
+            }
+        };
+        let mut reads = ForwardReads::default();
+        if !self.is_last() {
+            let e = u64::from(self.model.cfg.n_embd);
+            reads.hidden = Some(rec.read(&s.x[cur], 0, u64::from(n) * e * 4)?);
+            return Ok(reads);
         }
-        Ok((rec.finish()?, tickets))
+        match plan.head {
+            HeadPlan::EveryRow { k } => {
+                model.record_head(gpu, rec, s, cur, n)?;
+                model.record_topk_rows(gpu, rec, s, 0, n, k, &s.results)?;
+                for row in 0..u64::from(n) {
+                    reads
+                        .ids
+                        .push((rec.read(&s.results, row * u64::from(k) * 8, u64::from(k) * 8)?, k));
+                }
+            }
+            HeadPlan::Piece { k, rows, final_piece } => {
+                // The head over groups of HEAD_ROWS rows: the argmax of every row but the piece's
+                // last, gathered in piece_ids; the last row gets its own k.
+                // HeadRows::Last: only the final piece's last group, which holds its final row.
+                let mut g0 = match rows {
+                    HeadRows::Last if final_piece => (n - 1) / HEAD_ROWS * HEAD_ROWS,
+                    HeadRows::Last => n,
+                    _ => 0,
+                };
+                while g0 < n {
+                    let g = (n - g0).min(HEAD_ROWS);
+                    model.record_head_rows(gpu, rec, s, cur, g0, g)?;
+                    let argmax_rows = if g0 + g == n { g - 1 } else { g };
+                    if argmax_rows > 0 && rows != HeadRows::Last {
+                        model.record_topk_rows(gpu, rec, s, 0, argmax_rows, 1, &s.results)?;
+                        let bytes = u64::from(argmax_rows) * 8;
+                        rec.copy(&s.results, 0, &s.piece_ids, u64::from(g0) * 8, bytes)?;
+                    }
+                    if g0 + g == n {
+                        model.record_topk_rows(gpu, rec, s, g - 1, 1, k, &s.result_last)?;
+                    }
+                    g0 += g;
+                }
+                if rows != HeadRows::Last {
+                    if n > 1 {
+                        reads
+                            .ids
+                            .push((rec.read(&s.piece_ids, 0, u64::from(n - 1) * 8)?, 1));
+                    }
+                    reads
+                        .ids
+                        .push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
+                } else if final_piece {
+                    reads
+                        .ids
+                        .push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
+                }
+                if rows == HeadRows::Logits {
+                    let vocab = u64::from(self.model.cfg.vocab);
+                    reads.logits = Some(rec.read(&s.logits, 0, u64::from(n) * vocab * 4)?);
+                }
+            }
+        }
+        Ok(reads)
     }
 
     /// Greedy generation on one slot from position 0: the prompt, then `max_new` tokens.
