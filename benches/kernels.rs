@@ -1671,7 +1671,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         // The other way: the router kernel (one workgroup per token) writes the picks, then the
         // unrouted gate/up reads them: one dispatch more, routing once per token instead of once per
         // workgroup.
-        let route_then_gate_up = |rec: &mut Recorder<'_>| {
+        let route_only = |rec: &mut Recorder<'_>| {
             let rp = qk::ops::router::RouterParams {
                 tokens,
                 experts: experts - 1,
@@ -1686,6 +1686,9 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
                 gate_stride: experts,
             };
             qk::ops::router::record_with(gpu, rec, &rp, &rlb, &rib, &rwb, Some(shared)).expect("router");
+        };
+        let route_then_gate_up = |rec: &mut Recorder<'_>| {
+            route_only(rec);
             let y = Columns::packed(&gu, 2 * ff);
             let x = Columns::packed(&x, n_embd);
             matvec_id(gpu, rec, &gate_up, x, y, routed_ids, MoeInput::PerToken).expect("gate_up");
@@ -1733,6 +1736,9 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         enum Case {
             GateUp(Option<MatvecShape>),
             GateUpRouted,
+            // The router kernel alone: the routing chain's own time (softmax, top-k rounds,
+            // renormalised weights), which every layer pays in one form or another.
+            RouteOnly,
             RouteThenGateUp,
             DownThenSum,
             DownSum(Option<MatvecShape>),
@@ -1740,6 +1746,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         let mut cases = vec![Case::GateUp(None)];
         if route_lanes(gpu, experts - 1).is_some() {
             cases.push(Case::GateUpRouted);
+            cases.push(Case::RouteOnly);
             cases.push(Case::RouteThenGateUp);
         }
         cases.extend(gate_up_shapes.iter().map(|&s| Case::GateUp(Some(s))));
@@ -1752,6 +1759,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
         let best = best_of_two_passes(gpu, cases.len(), 1.0, 0.1, |i| match cases[i] {
             Case::GateUp(s) => time_submit(gpu, iters, |rec| gate_up_run(rec, s)),
             Case::GateUpRouted => time_submit(gpu, iters, routed_run),
+            Case::RouteOnly => time_submit(gpu, iters, route_only),
             Case::RouteThenGateUp => time_submit(gpu, iters, route_then_gate_up),
             Case::DownThenSum => time_submit(gpu, iters, two_dispatches),
             Case::DownSum(s) => time_submit(gpu, iters, |rec| sum_run(rec, s)),
@@ -1760,6 +1768,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
             match *case {
                 Case::GateUp(s) => report(&format!("gate_up {}", label(s, false)), t, gu_bytes),
                 Case::GateUpRouted => report("gate_up routing inside (default)", t, gu_bytes),
+                Case::RouteOnly => report("router kernel alone", t, 0.0),
                 Case::RouteThenGateUp => report("router, then gate_up (2 dispatches)", t, gu_bytes),
                 Case::DownThenSum => report("down, then sum (2 dispatches)", t, down_bytes),
                 Case::DownSum(s) => report(&format!("down+sum {}", label(s, true)), t, down_bytes),
