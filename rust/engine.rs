@@ -296,8 +296,8 @@ enum HeadRows {
 
 /// One recorded pass of the forward: where its `n` rows come from, which layer path runs them and
 /// what a last stage's head reads back. A prefill piece and a decode step are both recorded from
-/// one ([`Engine::record_forward`]), so check → embed → layers → head → top-k → reads is written
-/// once.
+/// one ([`Engine::record_forward`]), so embed → layers → head → top-k → reads is written once (each
+/// caller still checks its own arguments: a piece's slot and range, a step's slots).
 struct ForwardPlan<'a> {
     feed: Feed,
     n: u32,
