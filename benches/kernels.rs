@@ -1668,9 +1668,7 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
             let (input, pre) = (MoeInput::PerToken, MatvecInput::Plain);
             matvec_id_with(gpu, rec, &gate_up, x, y, ids_arg, input, pre, s).expect("gate_up");
         };
-        // The other way: the router kernel (one workgroup per token) writes the picks, then the
-        // unrouted gate/up reads them: one dispatch more, routing once per token instead of once per
-        // workgroup.
+        // The router kernel (one workgroup per token) writing the picks.
         let route_only = |rec: &mut Recorder<'_>| {
             let rp = qk::ops::router::RouterParams {
                 tokens,
@@ -1687,6 +1685,8 @@ fn moe_decode(gpu: &Gpu, rng: &mut Rng) {
             };
             qk::ops::router::record_with(gpu, rec, &rp, &rlb, &rib, &rwb, Some(shared)).expect("router");
         };
+        // The other way: the router kernel writes the picks, then the unrouted gate/up reads them:
+        // one dispatch more, routing once per token instead of once per workgroup.
         let route_then_gate_up = |rec: &mut Recorder<'_>| {
             route_only(rec);
             let y = Columns::packed(&gu, 2 * ff);
