@@ -1776,16 +1776,14 @@ impl Engine {
                     }
                     g0 += g;
                 }
-                if rows != HeadRows::Last {
-                    if n > 1 {
-                        reads
-                            .ids
-                            .push((rec.read(&s.piece_ids, 0, u64::from(n - 1) * 8)?, 1));
-                    }
+                // Every row's ids but the last, then the last row's top k (HeadRows::Last: the
+                // final piece's last row alone).
+                if rows != HeadRows::Last && n > 1 {
                     reads
                         .ids
-                        .push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
-                } else if final_piece {
+                        .push((rec.read(&s.piece_ids, 0, u64::from(n - 1) * 8)?, 1));
+                }
+                if rows != HeadRows::Last || final_piece {
                     reads
                         .ids
                         .push((rec.read(&s.result_last, 0, u64::from(k) * 8)?, k));
