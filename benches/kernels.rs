@@ -22,7 +22,9 @@
 //! writes as one queue write or three, and a split's
 //! hand-off through the host with a blocking and a spinning wait, and armed (Vulkan: submitted
 //! ahead, waiting on a timeline semaphore the host signals), and the submit-to-results floor of
-//! nothing, one dispatch, and one dispatch with its readback.
+//! nothing, one dispatch, and one dispatch with its readback. QK_BENCH_ONLY_READ_FLOOR=1 only the
+//! read floor: plain loads of 1–48 MiB per launch shape, and empty grids (what any decode kernel
+//! reading that many bytes in one dispatch could take).
 //! QK_MATVEC_NR / QK_MATVEC_WG / QK_MATVEC_UNROLL give the mat-vec another launch shape (tuning
 //! runs). QK_CHECKED_SHADERS=1 compiles every kernel with wgpu's runtime checks
 //! (GpuOptions::checked_shaders): run the bench with and without it to compare.
@@ -213,6 +215,10 @@ fn main() {
         copy_bytes as f64 / 1048576.0
     );
 
+    if flag("QK_BENCH_ONLY_READ_FLOOR") {
+        read_floor(&gpu);
+        return;
+    }
     if flag("QK_BENCH_ONLY_GDN_STEP") {
         gdn_step_decode(&gpu);
         return;
@@ -1078,6 +1084,129 @@ fn coop_decode(gpu: &Gpu, rng: &mut Rng) {
             }
             println!("{line}");
         }
+    }
+}
+
+qk::gpu_params! {
+    /// The read-floor probe's immediates (benches/read_floor.wgsl).
+    struct ReadFloorParams {
+        /// Invocations in the grid: load j of invocation t reads element t + j · threads.
+        threads: u32,
+        /// The fold is stored only if it equals this (it never does).
+        never: u32,
+    }
+}
+
+const READ_FLOOR: qk::gpu::ShaderFile = qk::gpu::ShaderFile {
+    name: "read_floor",
+    source: include_str!("read_floor.wgsl"),
+    params: &[<ReadFloorParams as qk::gpu::GpuParams>::WGSL],
+};
+
+/// The least time a dispatch reading B bytes can take, in a stream of dependent dispatches as the
+/// decode step's: plain coalesced loads (every load of an invocation issued before any is used)
+/// over 1–48 MiB, per workgroup width × loads per invocation × load width, weights cold (rotating
+/// over ≥ 192 MB of copies) and warm; and grids that load nothing, the launch alone. Set against
+/// the decode kernels (a 1-column q‖k‖v‖z reads 13.4 MB, the output projection 4.5, a token's
+/// gate/up 12.3 and down 6.1), it says how much of a kernel's time is its own work.
+fn read_floor(gpu: &Gpu) {
+    let small = smoke();
+    let iters = if small { 1 } else { 20 };
+    let mibs: &[u64] = if small { &[1] } else { &[1, 4, 12, 48] };
+    // (workgroup width, loads per invocation, words per load)
+    let shapes: &[(u32, u32, u32)] = &[
+        (64, 1, 1),
+        (64, 4, 1),
+        (64, 16, 1),
+        (64, 64, 1),
+        (256, 4, 1),
+        (64, 1, 4),
+        (64, 4, 4),
+        (64, 16, 4),
+        (256, 1, 4),
+        (256, 4, 4),
+        (256, 16, 4),
+        (1024, 4, 4),
+    ];
+    let out = gpu.buffer_zeroed("read_floor_out", 4096).expect("out");
+    let pipe_for = |wg: u32, loads: u32, vec: u32| {
+        let defines = [
+            ("WG", wg.to_string()),
+            ("LOADS", loads.to_string()),
+            ("VEC", vec.to_string()),
+        ];
+        gpu.pipeline(&READ_FLOOR, &defines, &[])
+            .expect("read floor pipeline")
+    };
+    for &mib in mibs {
+        let bytes = mib << 20;
+        let copies = if small {
+            2
+        } else {
+            (192u64 << 20).div_ceil(bytes).max(2)
+        };
+        let srcs: Vec<GpuBuffer> = (0..copies)
+            .map(|_| gpu.buffer_zeroed("read_floor_src", bytes).expect("src"))
+            .collect();
+        hold_clocks(gpu);
+        let cases: Vec<(u32, u32, u32, bool)> = shapes
+            .iter()
+            .flat_map(|&(wg, loads, vec)| [(wg, loads, vec, true), (wg, loads, vec, false)])
+            .collect();
+        let best = best_of_two_passes(gpu, cases.len(), 0.0, 0.1, |i| {
+            let (wg, loads, vec, cold) = cases[i];
+            let threads = (bytes / 4 / u64::from(loads * vec)) as u32;
+            let groups = threads / wg;
+            let pipe = pipe_for(wg, loads, vec);
+            let p = ReadFloorParams {
+                threads,
+                never: 0x5eed_f00d,
+            };
+            let mut at = 0;
+            time_submit(gpu, iters, |rec| {
+                let src = &srcs[if cold { at % srcs.len() } else { 0 }];
+                at += 1;
+                rec.dispatch(
+                    &pipe,
+                    &[src.all(), out.all()],
+                    bytemuck::bytes_of(&p),
+                    gpu.grid(groups),
+                )
+                .expect("read floor");
+            })
+        });
+        for (&(wg, loads, vec, cold), t) in cases.iter().zip(best) {
+            let groups = bytes / 4 / u64::from(loads * vec * wg);
+            println!(
+                "read floor {mib:>2} MiB  wg {wg:>4} × {loads:>2} loads of {:>2} B ({groups:>6} workgroups) {:<4} {:>8.1} µs  {:>7.1} GB/s",
+                4 * vec,
+                if cold { "cold" } else { "warm" },
+                t * 1e6,
+                bytes as f64 / t / 1e9
+            );
+        }
+    }
+    // The launch alone: grids of the decode kernels' sizes that load nothing.
+    let empty = pipe_for(64, 0, 1);
+    let nothing = gpu.buffer_zeroed("read_floor_nothing", 16).expect("src");
+    for groups in [1u32, 132, 1544, 11264] {
+        let p = ReadFloorParams {
+            threads: groups * 64,
+            never: 0x5eed_f00d,
+        };
+        let t = time_submit(gpu, iters, |rec| {
+            rec.dispatch(
+                &empty,
+                &[nothing.all(), out.all()],
+                bytemuck::bytes_of(&p),
+                gpu.grid(groups),
+            )
+            .expect("empty grid")
+        });
+        println!(
+            "read floor: {groups:>6} workgroups of 64 loading nothing {:>8.2} µs",
+            t * 1e6
+        );
     }
 }
 
